@@ -1,0 +1,133 @@
+"""Pydantic schemas for what the Serve config declares about the mesh.
+
+- :class:`VariantArgs`: a variant application's ``args`` (base model and vLLM engine args);
+  changing them restarts the variant's replicas.
+- :class:`ReplicaConfig`: the ``LLMReplica`` deployment's ``user_config``; applied in place
+  by ``reconfigure()``.
+- :class:`RouterConfig`: the ``MeshRouter`` deployment's ``user_config`` (routes, weights);
+  applied in place by ``reconfigure()``.
+
+Validation errors name the path of the bad field (pydantic's ``loc``); see
+:func:`format_validation_error`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from serve_app.paths import DEFAULT_MODEL_NAME
+
+# Route and application names end up in URLs, metric labels and `route:adapter` model ids.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant application: args (restart on change) and LLMReplica user_config (in place)
+# ---------------------------------------------------------------------------------------------
+
+class VariantArgs(_Strict):
+    """``args`` of a variant application (``import_path: serve_app.replica:build_app``).
+
+    Attributes:
+        model: prepared model directory name under ``models/`` (or an absolute path).
+        served_model_name: the name vLLM serves the base model under; must equal the route
+            name that sends traffic here, so responses carry the route name as ``model``.
+        engine_args: vLLM engine arguments by their ``AsyncEngineArgs`` names (``dtype``,
+            ``max_model_len``, ``max_num_seqs``, ``enforce_eager``, ``enable_lora``,
+            ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ...).
+    """
+
+    model: str = DEFAULT_MODEL_NAME
+    served_model_name: str = Field(pattern=NAME_PATTERN)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_model_in_engine_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in ("model", "served_model_name"):
+            if key in v:
+                raise ValueError(f"set {key!r} at the top level of args, not in engine_args")
+        return v
+
+
+class ReplicaConfig(_Strict):
+    """``user_config`` of the ``LLMReplica`` deployment, applied by ``reconfigure()``.
+
+    Attributes:
+        system_prompt: default system message added to chat requests that carry none
+            (variants of one route can differ here, visibly, for canary tests).
+    """
+
+    system_prompt: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Router: routes and weights
+# ---------------------------------------------------------------------------------------------
+
+class VariantWeight(_Strict):
+    """One variant of a route and its integer weight (0: deployed, gets no new traffic)."""
+
+    application: str = Field(pattern=NAME_PATTERN)
+    weight: int = Field(ge=0)
+
+
+class RouteConfig(_Strict):
+    """A route: the variants a client's ``model`` name maps to, laid out in this order.
+
+    Sticky assignment maps callers onto [0, 1) in variant order, so list the stable variant
+    first and the canary last: raising the canary's weight then only moves callers to it.
+    """
+
+    variants: list[VariantWeight] = Field(min_length=1)
+    salt: str | None = Field(default=None, description="hash salt; defaults to the route name")
+
+    @field_validator("variants")
+    @classmethod
+    def _weights_and_names(cls, v: list[VariantWeight]) -> list[VariantWeight]:
+        names = [x.application for x in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
+        if sum(x.weight for x in v) <= 0:
+            raise ValueError("weights sum to 0: give at least one variant a positive weight")
+        return v
+
+
+class RouterConfig(_Strict):
+    """``user_config`` of the ``MeshRouter`` deployment.
+
+    Attributes:
+        routes: route name (the OpenAI ``model`` field) -> its variants and weights.
+    """
+
+    routes: dict[str, RouteConfig] = Field(min_length=1)
+
+    @field_validator("routes")
+    @classmethod
+    def _route_names(cls, v: dict[str, RouteConfig]) -> dict[str, RouteConfig]:
+        for name in v:
+            if not re.match(NAME_PATTERN, name):
+                raise ValueError(f"route name {name!r} must match {NAME_PATTERN}")
+        return v
+
+    def applications(self) -> set[str]:
+        """Every variant application any route names."""
+        return {w.application for r in self.routes.values() for w in r.variants}
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``<path.to.field>: <message>``."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        where = f"{prefix}.{path}" if prefix and path else (prefix or path or "<root>")
+        lines.append(f"{where}: {e['msg']}")
+    return "\n".join(lines)

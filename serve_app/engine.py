@@ -1,0 +1,79 @@
+"""Build a vLLM engine and vLLM's own OpenAI serving objects from a variant's ``args``.
+
+We reuse vLLM's API-server wiring (``make_arg_parser`` defaults + ``init_app_state``), so chat
+templating, request validation, sampling-parameter checks, streaming chunk format and error
+bodies are exactly those of ``vllm serve``; only the HTTP layer is ours (the router).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.config import VariantArgs
+from serve_app.paths import resolve_model_path
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class EngineHandle:
+    """A running engine and the serving objects bound to it."""
+
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    chat: Any  # OpenAIServingChat
+    completion: Any  # OpenAIServingCompletion
+    models: Any  # OpenAIServingModels
+    max_model_len: int
+
+
+def build_cli_namespace(args: VariantArgs):
+    """vLLM's API-server argument namespace with our values set on top of its defaults.
+
+    Raises:
+        ValueError: an ``engine_args`` key that vLLM does not know (the message lists it).
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    unknown = sorted(k for k in args.engine_args if not hasattr(ns, k))
+    if unknown:
+        raise ValueError(f"unknown vLLM engine_args: {', '.join(unknown)} "
+                         "(use AsyncEngineArgs field names, e.g. max_model_len)")
+    ns.model = resolve_model_path(args.model)
+    ns.served_model_name = [args.served_model_name]
+    for key, value in args.engine_args.items():
+        setattr(ns, key, value)
+    validate_parsed_serve_args(ns)
+    return ns
+
+
+async def start_engine(args: VariantArgs) -> EngineHandle:
+    """Start an ``AsyncLLM`` and vLLM's OpenAI serving state for it (~30 s on a 2-core CPU)."""
+    from starlette.datastructures import State
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    ns = build_cli_namespace(args)
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    try:
+        state = State()
+        await init_app_state(engine, state, ns, supported_tasks=await engine.get_supported_tasks())
+    except BaseException:
+        engine.shutdown()
+        raise
+    return EngineHandle(engine=engine, chat=state.openai_serving_chat,
+                        completion=state.openai_serving_completion,
+                        models=state.openai_serving_models,
+                        max_model_len=vllm_config.model_config.max_model_len)

@@ -1,0 +1,56 @@
+"""OpenAI-style errors: one exception type and one body format for every failure.
+
+Body format (OpenAI API reference, "Error codes"):
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+# OpenAI's `type` for each status the mesh returns.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class MeshError(Exception):
+    """A request failure with its HTTP status and OpenAI error fields.
+
+    Args:
+        status: HTTP status code (400, 401, 403, 404, 413, 415, 429, 503, ...).
+        message: what was wrong and how to fix it, for the caller.
+        param: the request field at fault, if any (e.g. ``"messages"``).
+        code: a short machine-readable code (e.g. ``"model_not_found"``).
+        headers: extra response headers (e.g. ``Retry-After`` on 429/503).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """Build the OpenAI error body for ``status`` (type chosen from the status)."""
+    if code is None or isinstance(code, int):
+        code = HTTPStatus(status).phrase.lower().replace(" ", "_")
+    error_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,50 @@
+"""Where the mesh finds models and adapters on disk.
+
+Serve configs name models by a short relative name (``smollm2-135m-instruct``) so the same
+file works on every machine; this module turns that name into a directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: The repository root (the package is installed in editable mode from it).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Default embedded model, built by ``scripts/prepare_model.py``.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def models_dir() -> Path:
+    """Directory holding prepared models: ``$MESH_MODELS_DIR`` or ``<repo>/models``."""
+    return Path(os.environ.get("MESH_MODELS_DIR", REPO_ROOT / "models"))
+
+
+def resolve_model_path(model: str) -> str:
+    """Map a config's ``model`` value to a local directory.
+
+    Absolute paths and paths that exist are returned unchanged; anything else is looked up
+    under :func:`models_dir`.
+
+    Raises:
+        FileNotFoundError: the model directory does not exist; the message says how to build it.
+    """
+    candidate = Path(model)
+    if candidate.is_absolute() or candidate.exists():
+        path = candidate
+    else:
+        path = models_dir() / model
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {model!r} not found at {path} (no config.json). "
+            "Build the embedded model with `python scripts/prepare_model.py`, "
+            "or set MESH_MODELS_DIR to the folder that holds it."
+        )
+    return str(path)
+
+
+def resolve_repo_path(path: str) -> Path:
+    """Resolve a repository-relative path (as written in configs and manifests)."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p

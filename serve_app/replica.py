@@ -1,0 +1,157 @@
+"""``LLMReplica``: the Serve deployment of a variant application, wrapping one vLLM engine.
+
+One replica = one ``AsyncLLM`` engine (plus its engine-core worker process). It is called
+only by the router, through a ``DeploymentHandle``; see :mod:`serve_app.wire` for the stream
+it returns. Engine arguments come from the application's ``args`` (:class:`VariantArgs`,
+changing them restarts replicas); the ``user_config`` (:class:`ReplicaConfig`) is applied in
+place by ``reconfigure()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from ray import serve
+
+from serve_app.config import ReplicaConfig, VariantArgs, format_validation_error
+from serve_app.engine import EngineHandle, start_engine
+from serve_app.errors import error_body
+from serve_app.wire import Head
+
+logger = logging.getLogger("ray.serve")
+
+ENDPOINTS = ("chat", "completion")
+
+
+@serve.deployment(
+    name="LLMReplica",
+    # A full generation must fit: max_tokens at ~30 tokens/s on CPU, with headroom.
+    graceful_shutdown_timeout_s=300,
+    graceful_shutdown_wait_loop_s=1,
+    health_check_period_s=10,
+    health_check_timeout_s=60,
+    max_ongoing_requests=64,
+    ray_actor_options={"num_cpus": 0.5},
+)
+class LLMReplica:
+    """A vLLM engine serving OpenAI chat completions and completions for one variant.
+
+    Args:
+        args: the variant application's ``args`` (see :class:`VariantArgs`).
+
+    Raises:
+        pydantic.ValidationError / ValueError / FileNotFoundError: bad ``args`` or a missing
+            model; Serve reports the deploy as failed and keeps serving what ran before.
+    """
+
+    async def __init__(self, args: dict[str, Any]):
+        self.args = VariantArgs.model_validate(args)
+        self.config: ReplicaConfig | None = None
+        ctx = serve.get_replica_context()
+        self.variant = ctx.app_name
+        logger.info("variant %s: starting vLLM engine for model %s", self.variant, self.args.model)
+        self.handle: EngineHandle = await start_engine(self.args)
+        logger.info("variant %s: engine ready (max_model_len=%d)", self.variant,
+                    self.handle.max_model_len)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Validate and apply a new ``user_config``; an invalid one changes nothing.
+
+        A running replica logs the rejection and keeps its last good config (raising here
+        would make Serve replace a healthy replica). A replica that has no config yet
+        raises, so a bad first deploy fails visibly.
+
+        Raises:
+            ValueError: invalid ``user_config`` on a replica without a previous one.
+        """
+        try:
+            new = ReplicaConfig.model_validate(user_config or {})
+        except ValidationError as e:
+            msg = f"invalid LLMReplica user_config:\n{format_validation_error(e, 'user_config')}"
+            if self.config is None:
+                raise ValueError(msg) from None
+            logger.error("variant %s: %s\nkeeping the last good user_config", self.variant, msg)
+            return
+        self.config = new
+
+    async def check_health(self) -> None:
+        """Serve health check: raises if the engine is dead (Serve then replaces the replica)."""
+        await self.handle.engine.check_health()
+
+    def stats(self) -> dict[str, Any]:
+        """Replica state for tests and debugging: variant, engine's unfinished requests."""
+        return {"variant": self.variant,
+                "pid": os.getpid(),
+                "unfinished_requests": self.handle.engine.get_num_unfinished_requests()}
+
+    async def generate(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+        """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
+
+        Yields a :class:`Head`, then SSE lines if it is a stream. Bad requests become a head
+        with vLLM's own 4xx verdict in the OpenAI error format; nothing raises to the caller
+        except engine failures.
+        """
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMClientError
+
+        protocol = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+        if endpoint == "chat":
+            body = self._with_system_prompt(body)
+        try:
+            request = protocol.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            yield Head(400, _json(error_body(400, format_validation_error(e),
+                                             param=".".join(map(str, first["loc"])) or None)))
+            return
+
+        serving = self.handle.chat.create_chat_completion if endpoint == "chat" \
+            else self.handle.completion.create_completion
+        try:
+            result = await serving(request, None)
+        except (VLLMClientError, ValueError, TypeError, OverflowError) as e:
+            # vLLM's server maps these to 4xx with the same function; engine failures
+            # propagate so the router can fail over.
+            result = create_error_response(e)
+        if isinstance(result, ErrorResponse):
+            err = result.error
+            yield Head(err.code, _json(error_body(err.code, err.message, param=err.param)))
+        elif hasattr(result, "model_dump_json"):
+            yield Head(200, result.model_dump_json())
+        else:
+            yield Head(200, stream=True)
+            async for line in result:
+                yield line
+
+    def _with_system_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        prompt = self.config.system_prompt if self.config else None
+        if not prompt or not isinstance(messages, list):
+            return body
+        if any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages):
+            return body
+        return {**body, "messages": [{"role": "system", "content": prompt}, *messages]}
+
+    def __del__(self):
+        # Serve calls this after draining in-flight requests (graceful_shutdown_timeout_s).
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            handle.engine.shutdown()
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve application builder for a variant: ``import_path: serve_app.replica:build_app``."""
+    VariantArgs.model_validate(args)  # fail the deploy early with a clear message
+    return LLMReplica.bind(args)

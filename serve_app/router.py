@@ -1,0 +1,220 @@
+"""``MeshRouter``: the OpenAI-compatible ingress of application ``mesh``.
+
+Per request: parse and check the body, resolve the ``model`` field to a route, pick a variant
+by weight (sticky per caller, see :mod:`serve_app.split`), call that variant's
+``LLMReplica`` through a ``DeploymentHandle``, and relay its answer. When a variant fails
+before its first byte, the next one in :func:`serve_app.split.failover_order` is tried; when
+none can serve, 503 with ``Retry-After``.
+
+Routes and weights come from the deployment's ``user_config`` (:class:`RouterConfig`) and are
+applied in place by ``reconfigure()``; an invalid config is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from serve_app.config import RouterConfig, format_validation_error
+from serve_app.errors import MeshError, error_body
+from serve_app.split import failover_order, pick_variant
+from serve_app.wire import Head
+
+logger = logging.getLogger("ray.serve")
+
+#: Largest request body accepted, bytes (413 above it).
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: Seconds a client should wait before retrying a 503.
+RETRY_AFTER_S = 5
+VARIANT_HEADER = "x-mesh-variant"
+SESSION_HEADER = "x-session-id"
+
+app = FastAPI(title="model mesh", description="OpenAI-compatible router over vLLM variants")
+
+
+@app.exception_handler(MeshError)
+async def _mesh_error(_: Request, exc: MeshError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected router error")
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+async def read_json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object.
+
+    Raises:
+        MeshError: 415 not ``application/json``; 413 over :data:`MAX_REQUEST_BYTES`;
+            400 malformed JSON or not an object.
+    """
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise MeshError(415, f"Content-Type must be application/json, got {content_type!r}",
+                        code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise MeshError(413, f"request body is {declared} bytes; the limit is "
+                        f"{MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise MeshError(413, f"request body is {len(raw)} bytes; the limit is "
+                        f"{MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MeshError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise MeshError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _relay(stream, variant: str) -> AsyncIterator[str]:
+    """Pass SSE lines through; a failure mid-stream ends it with an SSE error event."""
+    try:
+        async for line in stream:
+            yield line
+    except Exception as e:
+        logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
+        yield f"data: {json.dumps(error_body(503, f'variant {variant} failed mid-stream'))}\n\n"
+
+
+def _retry_after() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+@serve.deployment(
+    name="MeshRouter",
+    graceful_shutdown_timeout_s=300,
+    max_ongoing_requests=512,
+    ray_actor_options={"num_cpus": 0.25},
+)
+@serve.ingress(app)
+class MeshRouter:
+    """OpenAI-compatible ingress that splits each route's traffic across variant apps."""
+
+    def __init__(self) -> None:
+        self.config: RouterConfig | None = None
+        self._handles: dict[str, Any] = {}
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Validate and apply a new ``user_config`` (:class:`RouterConfig`).
+
+        An invalid config is logged with the path of each bad field and changes nothing;
+        a router replica with no previous config raises instead.
+
+        Raises:
+            ValueError: invalid config and no last good one to keep.
+        """
+        try:
+            new = RouterConfig.model_validate(user_config or {})
+        except ValidationError as e:
+            msg = f"invalid MeshRouter user_config:\n{format_validation_error(e, 'user_config')}"
+            if self.config is None:
+                raise ValueError(msg) from None
+            logger.error("%s\nkeeping the last good config", msg)
+            return
+        self.config = new
+        logger.info("router config applied: %s", {
+            r: {w.application: w.weight for w in rc.variants} for r, rc in new.routes.items()})
+
+    def _require_config(self) -> RouterConfig:
+        if self.config is None:
+            raise MeshError(503, "the router has no routes configured yet; deploy a config "
+                            "with MeshRouter user_config.routes", headers=_retry_after())
+        return self.config
+
+    def _handle(self, application: str):
+        handle = self._handles.get(application)
+        if handle is None:
+            handle = serve.get_deployment_handle("LLMReplica", app_name=application)
+            self._handles[application] = handle
+        return handle
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict[str, Any]:
+        """Router liveness and the routes it serves."""
+        config = self._require_config()
+        return {"status": "ok", "routes": {
+            r: {w.application: w.weight for w in rc.variants} for r, rc in config.routes.items()}}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        """OpenAI ``GET /v1/models``: one entry per route."""
+        config = self._require_config()
+        return {"object": "list", "data": [
+            {"id": r, "object": "model", "created": 0, "owned_by": "model-mesh"}
+            for r in config.routes]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """OpenAI ``POST /v1/chat/completions`` (``stream: true`` gives SSE)."""
+        return await self._serve("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """OpenAI ``POST /v1/completions`` (``stream: true`` gives SSE)."""
+        return await self._serve("completion", request)
+
+    # -- request path -------------------------------------------------------------------------
+
+    async def _serve(self, endpoint: str, request: Request) -> Response:
+        body = await read_json_body(request)
+        config = self._require_config()
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise MeshError(400, "you must provide a model parameter (a route name, e.g. "
+                            f"{next(iter(config.routes))!r}; see GET /v1/models)", param="model")
+        route = config.routes.get(model)
+        if route is None:
+            raise MeshError(404, f"The model {model!r} does not exist. Available: "
+                            f"{', '.join(sorted(config.routes))}", param="model",
+                            code="model_not_found")
+        weighted = [(w.application, w.weight) for w in route.variants]
+        identity = request.headers.get(SESSION_HEADER) or _str_or_none(body.get("user"))
+        first = pick_variant(weighted, route.salt or model, identity)
+
+        for variant in failover_order(weighted, first):
+            stream = self._handle(variant).options(stream=True).generate.remote(endpoint, body)
+            try:
+                head: Head = await stream.__anext__()
+            except Exception as e:  # the variant could not take it: nothing sent yet, try next
+                logger.warning("variant %s failed before the first byte (%s: %s); failing over",
+                               variant, type(e).__name__, e)
+                continue
+            headers = {VARIANT_HEADER: variant, **head.headers}
+            if head.stream:
+                return StreamingResponse(_relay(stream, variant), media_type="text/event-stream",
+                                         headers=headers)
+            return Response(head.body, status_code=head.status, media_type="application/json",
+                            headers=headers)
+        raise MeshError(503, f"no variant of route {model!r} can take the request now "
+                        f"(tried {', '.join(failover_order(weighted, first))})",
+                        code="no_healthy_variant", headers=_retry_after())
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Serve application builder: ``import_path: serve_app.router:build_app``.
+
+    Module-level helpers used by ``MeshRouter`` sit above the class: ``serve.ingress``
+    pickles the class by value with the globals it sees at that point.
+    """
+    return MeshRouter.bind()
