@@ -52,6 +52,7 @@ class LLMReplica:
     async def __init__(self, args: dict[str, Any]):
         self.args = VariantArgs.model_validate(args)
         self.config: ReplicaConfig | None = None
+        self._in_flight = 0
         ctx = serve.get_replica_context()
         self.variant = ctx.app_name
         logger.info("variant %s: starting vLLM engine for model %s", self.variant, self.args.model)
@@ -83,11 +84,15 @@ class LLMReplica:
         """Serve health check: raises if the engine is dead (Serve then replaces the replica)."""
         await self.handle.engine.check_health()
 
-    def stats(self) -> dict[str, Any]:
-        """Replica state for tests and debugging: variant, engine's unfinished requests."""
-        return {"variant": self.variant,
-                "pid": os.getpid(),
-                "unfinished_requests": self.handle.engine.get_num_unfinished_requests()}
+    async def stats(self) -> dict[str, Any]:
+        """Replica state for tests and debugging.
+
+        Returns:
+            ``variant``, ``pid``, ``in_flight`` (requests inside :meth:`generate`) and
+            ``engine_unfinished`` (requests vLLM's engine still holds).
+        """
+        return {"variant": self.variant, "pid": os.getpid(), "in_flight": self._in_flight,
+                "engine_unfinished": self.handle.engine.get_num_unfinished_requests()}
 
     async def generate(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
@@ -96,6 +101,14 @@ class LLMReplica:
         with vLLM's own 4xx verdict in the OpenAI error format; nothing raises to the caller
         except engine failures.
         """
+        self._in_flight += 1
+        try:
+            async for item in self._generate(endpoint, body):
+                yield item
+        finally:
+            self._in_flight -= 1
+
+    async def _generate(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse

@@ -1,0 +1,109 @@
+"""Apply a Serve config with the real ``serve deploy`` CLI and wait until it is running.
+
+Status comes from the Ray dashboard's Serve REST API (``GET /api/serve/applications/``), the
+same source ``serve status`` reads. Used by the demo, the tests and ``meshctl``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serve_app.serve_configs import applications, load_yaml
+
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+class DeployError(RuntimeError):
+    """``serve deploy`` failed, an application went DEPLOY_FAILED, or the wait timed out."""
+
+
+def serve_cli() -> str:
+    """The ``serve`` executable of this Python environment."""
+    local = Path(sys.executable).parent / "serve"
+    return str(local) if local.exists() else (shutil.which("serve") or "serve")
+
+
+def serve_status(dashboard: str = DEFAULT_DASHBOARD) -> dict[str, Any]:
+    """The dashboard's Serve status document (applications, deployments, replicas)."""
+    r = httpx.get(f"{dashboard}/api/serve/applications/", timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def replica_ids(dashboard: str, app: str, deployment: str) -> set[str]:
+    """Ids of the RUNNING replicas of ``app``/``deployment`` (for restart checks)."""
+    apps = serve_status(dashboard).get("applications", {})
+    dep = apps.get(app, {}).get("deployments", {}).get(deployment, {})
+    return {r["replica_id"] for r in dep.get("replicas", []) if r.get("state") == "RUNNING"}
+
+
+def deploy(config_path: str | Path, dashboard: str = DEFAULT_DASHBOARD, *,
+           wait: bool = True, timeout_s: float = 900,
+           log: Callable[[str], None] = print) -> None:
+    """Run ``serve deploy -a <dashboard> <config_path>``; optionally wait for RUNNING.
+
+    Raises:
+        DeployError: the CLI refused the config, or see :func:`wait_until_running`.
+    """
+    expected = [a["name"] for a in applications(load_yaml(config_path))]
+    before = _deployed_times(dashboard)
+    log(f"serve deploy {config_path} -> {dashboard}")
+    proc = subprocess.run([serve_cli(), "deploy", "-a", dashboard, str(config_path)],
+                          capture_output=True, text=True, env={**os.environ})
+    if proc.returncode != 0:
+        raise DeployError(f"serve deploy {config_path} failed:\n{proc.stderr[-4000:]}")
+    if wait:
+        wait_until_running(dashboard, expected, before, timeout_s=timeout_s, log=log)
+
+
+def wait_until_running(dashboard: str, expected: list[str], before: dict[str, float],
+                       *, timeout_s: float = 900, log: Callable[[str], None] = print) -> None:
+    """Wait until the controller has taken the new config and every expected application is
+    RUNNING, and applications not in it are gone. Prints progress every ~10 s.
+
+    Args:
+        before: ``last_deployed_time_s`` per application before the deploy.
+
+    Raises:
+        DeployError: an application is DEPLOY_FAILED (its message is included), or
+            ``timeout_s`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_log = 0.0
+    while True:
+        apps = serve_status(dashboard).get("applications", {})
+        failed = {n: a.get("message", "") for n, a in apps.items()
+                  if a.get("status") == "DEPLOY_FAILED" and n in expected}
+        if failed:
+            raise DeployError("deploy failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items()))
+        taken = all(apps.get(n, {}).get("last_deployed_time_s", 0) > before.get(n, 0)
+                    for n in expected)
+        pending = {n: apps.get(n, {}).get("status", "MISSING") for n in expected
+                   if apps.get(n, {}).get("status") != "RUNNING"}
+        leftover = [n for n in apps if n not in expected]
+        if taken and not pending and not leftover:
+            return
+        if time.monotonic() > deadline:
+            raise DeployError(f"timed out after {timeout_s:.0f} s waiting for {pending or leftover}")
+        if time.monotonic() - last_log > 10:
+            state = ", ".join(f"{n}={s}" for n, s in pending.items()) or "taking the new config"
+            log(f"  waiting: {state}" + (f"; removing {', '.join(leftover)}" if leftover else ""))
+            last_log = time.monotonic()
+        time.sleep(1)
+
+
+def _deployed_times(dashboard: str) -> dict[str, float]:
+    try:
+        apps = serve_status(dashboard).get("applications", {})
+    except httpx.HTTPError:
+        return {}
+    return {n: a.get("last_deployed_time_s", 0) for n, a in apps.items()}

@@ -1,0 +1,65 @@
+"""Read Serve config files and find the mesh's parts in them.
+
+A Serve config (what ``serve deploy`` takes) is checked with Ray's own schema
+(``ray.serve.schema.ServeDeploySchema``); this module then pulls out the ``MeshRouter``
+user_config and the variant applications, so the CLI, tests and scripts share one reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROUTER_IMPORT_PATH = "serve_app.router:build_app"
+REPLICA_IMPORT_PATH = "serve_app.replica:build_app"
+ROUTER_DEPLOYMENT = "MeshRouter"
+REPLICA_DEPLOYMENT = "LLMReplica"
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML file into a dict.
+
+    Raises:
+        ValueError: not YAML, or not a mapping at the top level.
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a Serve config must be a mapping with `applications:`")
+    return data
+
+
+def applications(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(config.get("applications") or [])
+
+
+def deployment(app: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((d for d in app.get("deployments") or [] if d.get("name") == name), None)
+
+
+@dataclass
+class MeshParts:
+    """The mesh-specific parts of a Serve config (raw dicts, positions kept for messages)."""
+
+    router_app: dict[str, Any] | None
+    router_user_config: dict[str, Any] | None
+    variant_apps: dict[str, dict[str, Any]]  # application name -> application entry
+    app_index: dict[str, int]  # application name -> index in `applications`
+
+
+def mesh_parts(config: dict[str, Any]) -> MeshParts:
+    apps = applications(config)
+    router = next((a for a in apps if a.get("import_path") == ROUTER_IMPORT_PATH), None)
+    router_dep = deployment(router, ROUTER_DEPLOYMENT) if router else None
+    return MeshParts(
+        router_app=router,
+        router_user_config=(router_dep or {}).get("user_config"),
+        variant_apps={a["name"]: a for a in apps
+                      if a.get("import_path") == REPLICA_IMPORT_PATH and "name" in a},
+        app_index={a.get("name"): i for i, a in enumerate(apps)},
+    )

@@ -1,0 +1,96 @@
+"""Fixtures for integration tests: one real Ray cluster per session, Serve configs deployed
+with the real ``serve deploy`` CLI, the official ``openai`` client against the mesh.
+
+The cluster uses its own free ports (GCS, dashboard, Serve HTTP on 127.0.0.1), so a demo mesh
+running on the default ports is not disturbed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from serve_app.deploy import deploy, replica_ids
+from serve_app.paths import REPO_ROOT
+from serve_app.serve_configs import load_yaml
+
+CONFIGS = REPO_ROOT / "serve_configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mesh:
+    """A running Ray cluster with Serve, and helpers to deploy configs onto it."""
+
+    def __init__(self, dashboard: str, http_port: int, workdir: Path):
+        self.dashboard = dashboard
+        self.http_port = http_port
+        self.base_url = f"http://127.0.0.1:{http_port}"
+        self.workdir = workdir
+        self._n = 0
+
+    def config(self, name: str) -> dict[str, Any]:
+        """A config from serve_configs/, with http_options pointed at this cluster's port."""
+        cfg = copy.deepcopy(load_yaml(CONFIGS / name))
+        cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1",
+                               "port": self.http_port}
+        return cfg
+
+    def write(self, cfg: dict[str, Any]) -> Path:
+        self._n += 1
+        path = self.workdir / f"config-{self._n}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def deploy(self, cfg: dict[str, Any], **kw) -> Path:
+        """Write ``cfg`` to a file and apply it with the ``serve deploy`` CLI; wait for RUNNING."""
+        path = self.write(cfg)
+        deploy(path, self.dashboard, **kw)
+        return path
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=120)
+
+    def replica_ids(self, app: str, deployment: str) -> set[str]:
+        return replica_ids(self.dashboard, app, deployment)
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory) -> Mesh:
+    """A local Ray cluster (started in this process, with the dashboard for ``serve deploy``)."""
+    import ray
+    from ray import serve
+
+    # Loopback-only test cluster: no token auth, so the serve CLI and the REST status calls
+    # need no token (production clusters keep Ray's token auth; see README).
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    dash_port, http_port = free_port(), free_port()
+    ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=dash_port, configure_logging=False, log_to_driver=False)
+    m = Mesh(f"http://127.0.0.1:{dash_port}", http_port, tmp_path_factory.mktemp("configs"))
+    yield m
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def local_mesh(mesh: Mesh) -> Mesh:
+    """serve_configs/local.yaml deployed with the serve CLI (one vLLM variant, route smollm)."""
+    mesh.deploy(mesh.config("local.yaml"))
+    return mesh
