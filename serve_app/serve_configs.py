@@ -19,14 +19,28 @@ ROUTER_DEPLOYMENT = "MeshRouter"
 REPLICA_DEPLOYMENT = "LLMReplica"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML file into a dict.
+    """Parse a YAML file into a dict (duplicate keys are an error).
 
     Raises:
-        ValueError: not YAML, or not a mapping at the top level.
+        ValueError: not YAML, duplicate keys, or not a mapping at the top level.
     """
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
