@@ -21,7 +21,7 @@ from ray import serve
 from serve_app.config import ReplicaConfig, VariantArgs, format_validation_error
 from serve_app.engine import EngineHandle, start_engine
 from serve_app.errors import error_body
-from serve_app.wire import Head
+from serve_app.wire import Head, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,10 +94,11 @@ class LLMReplica:
         return {"variant": self.variant, "pid": os.getpid(), "in_flight": self._in_flight,
                 "engine_unfinished": self.handle.engine.get_num_unfinished_requests()}
 
-    async def generate(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+    async def generate(self, endpoint: str, body: dict[str, Any]
+                       ) -> AsyncIterator[Head | str | Usage]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
 
-        Yields a :class:`Head`, then SSE lines if it is a stream. Bad requests become a head
+        Yields a :class:`Head`, then SSE lines and a :class:`Usage` if it is a stream. Bad requests become a head
         with vLLM's own 4xx verdict in the OpenAI error format; nothing raises to the caller
         except engine failures.
         """
@@ -108,7 +109,8 @@ class LLMReplica:
         finally:
             self._in_flight -= 1
 
-    async def _generate(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+    async def _generate(self, endpoint: str, body: dict[str, Any]
+                        ) -> AsyncIterator[Head | str | Usage]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -118,6 +120,12 @@ class LLMReplica:
         protocol = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         if endpoint == "chat":
             body = self._with_system_prompt(body)
+        # Streams always carry usage (for the router's token metrics); the usage chunk is
+        # passed to the client only if it asked for it.
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if body.get("stream"):
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}),
+                                               "include_usage": True}}
         try:
             request = protocol.model_validate(body)
         except ValidationError as e:
@@ -138,11 +146,20 @@ class LLMReplica:
             err = result.error
             yield Head(err.code, _json(error_body(err.code, err.message, param=err.param)))
         elif hasattr(result, "model_dump_json"):
-            yield Head(200, result.model_dump_json())
+            u = result.usage
+            yield Head(200, result.model_dump_json(),
+                       usage=Usage(u.prompt_tokens, u.completion_tokens or 0) if u else None)
         else:
             yield Head(200, stream=True)
+            usage = Usage()
             async for line in result:
+                if _is_usage_chunk(line):
+                    u = json.loads(line[len("data: "):])["usage"]
+                    usage = Usage(u["prompt_tokens"], u.get("completion_tokens") or 0)
+                    if not client_wants_usage:
+                        continue
                 yield line
+            yield usage
 
     def _with_system_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = body.get("messages")
@@ -158,6 +175,11 @@ class LLMReplica:
         handle = getattr(self, "handle", None)
         if handle is not None:
             handle.engine.shutdown()
+
+
+def _is_usage_chunk(line: str) -> bool:
+    # vLLM sends usage as a final chunk with empty choices; parse only that one.
+    return line.startswith("data: {") and '"choices":[]' in line and '"usage":{' in line
 
 
 def _json(obj: Any) -> str:

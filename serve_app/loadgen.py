@@ -1,0 +1,131 @@
+"""Streaming chat load generator (official ``openai`` async client), shared by the benchmark
+and the zero-drop tests.
+
+Each request streams a chat completion with ``max_tokens`` and ``ignore_eos`` (a vLLM
+extension), so a complete answer has exactly ``max_tokens`` completion tokens; the result
+records whether the stream ended with ``[DONE]`` (the SDK raises otherwise), the status, the
+variant that served it (``x-mesh-variant``), TTFT and latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+
+@dataclass
+class RequestResult:
+    """One streamed request. Times in seconds from its start."""
+
+    ok: bool
+    status: int
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    variant: str | None = None
+    text: str = ""
+    error: str | None = None
+    started_at: float = 0.0  # time.monotonic() at start
+
+
+@dataclass
+class LoadSpec:
+    """What to send: ``requests`` streamed chats, ``concurrency`` at a time."""
+
+    base_url: str
+    model: str
+    requests: int = 32
+    concurrency: int = 4
+    max_tokens: int = 64
+    prompt: str = "Tell me a story about a robot."
+    api_key: str = "none"
+    headers: dict[str, str] = field(default_factory=dict)
+    duration_s: float | None = None  # if set: keep going until this many seconds passed
+    timeout_s: float = 180  # per request
+
+
+async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | None = None
+                     ) -> RequestResult:
+    """Send one streaming chat request and account for it; never raises."""
+    t0 = time.monotonic()
+    res = RequestResult(ok=False, status=0, started_at=t0)
+    pieces: list[str] = []
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=spec.model, messages=[{"role": "user", "content": spec.prompt}],
+            max_tokens=spec.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers=spec.headers, **({"user": user} if user else {}))
+        res.status, res.variant = raw.status_code, raw.headers.get("x-mesh-variant")
+        stream = raw.parse()
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if res.ttft_s is None:
+                    res.ttft_s = time.monotonic() - t0
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.usage:
+                res.completion_tokens = chunk.usage.completion_tokens
+        res.ok = res.status == 200 and res.completion_tokens == spec.max_tokens
+        if not res.ok:
+            res.error = f"incomplete: {res.completion_tokens}/{spec.max_tokens} tokens"
+    except openai.APIStatusError as e:
+        res.status, res.error = e.status_code, str(e)[:300]
+    except Exception as e:  # connection reset, truncated stream, timeout
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    res.latency_s = time.monotonic() - t0
+    res.text = "".join(pieces)
+    return res
+
+
+async def run_load(spec: LoadSpec) -> list[RequestResult]:
+    """Run the load; returns one result per request, in completion order."""
+    client = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0,
+                                timeout=spec.timeout_s)
+    results: list[RequestResult] = []
+    deadline = time.monotonic() + spec.duration_s if spec.duration_s else None
+    counter = iter(range(10**9))
+
+    async def worker() -> None:
+        while True:
+            i = next(counter)
+            if deadline is None and i >= spec.requests:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            results.append(await stream_one(client, spec, user=None))
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    finally:
+        await client.close()
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (``statistics.quantiles``, inclusive)."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if 0 < q < 100 \
+        else (min(values) if q <= 0 else max(values))
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Throughput and latency figures: tokens/s over the wall time, TTFT and latency p50/p95
+    in ms over successful requests, error count."""
+    good = [r for r in results if r.ok]
+    ttft = [r.ttft_s * 1000 for r in good if r.ttft_s is not None]
+    lat = [r.latency_s * 1000 for r in good]
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "tokens_per_s": sum(r.completion_tokens for r in good) / wall_s if wall_s else 0.0,
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+        "latency_p50_ms": percentile(lat, 50), "latency_p95_ms": percentile(lat, 95),
+    }
