@@ -3,6 +3,8 @@
     meshctl validate CONFIG...        check Serve configs before `serve deploy` (exit 1 if bad)
     meshctl deploy CONFIG [-a URL]    validate, `serve deploy`, wait until RUNNING
     meshctl wait CONFIG [-a URL]      wait until the applications of CONFIG are RUNNING
+    meshctl hash-key [KEY]            SHA-256 of an API key for tenants[].api_keys_sha256
+                                      (reads the key from stdin when not given)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 from serve_app.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_running
 from serve_app.serve_configs import applications, load_yaml
+from serve_app.tenancy import hash_api_key
 from serve_app.validate import validate_config
 
 
@@ -47,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                   DEFAULT_DASHBOARD),
                        help="Ray dashboard address (default %(default)s)")
         p.add_argument("--timeout-s", type=float, default=900)
+    p = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key")
+    p.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     args = parser.parse_args(argv)
 
+    if args.command == "hash-key":
+        print(hash_api_key(args.key if args.key is not None else sys.stdin.readline().strip()))
+        return 0
     if args.command == "validate":
         return 0 if _validate(args.configs) else 1
     try:

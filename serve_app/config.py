@@ -101,14 +101,69 @@ class RouteConfig(_Strict):
         return v
 
 
+SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class Tenant(_Strict):
+    """A caller identity, authenticated by API key (``Authorization: Bearer <key>``).
+
+    Attributes:
+        id: tenant name (metrics label, logs).
+        api_keys_sha256: SHA-256 hex digests of the tenant's API keys; keys themselves are
+            never stored (``meshctl hash-key`` prints a digest).
+        admin: may pin a variant with the ``x-mesh-variant`` request header.
+        routes: routes the tenant may call; ``["*"]`` for all.
+    """
+
+    id: str = Field(pattern=NAME_PATTERN)
+    api_keys_sha256: list[str] = Field(min_length=1)
+    admin: bool = False
+    routes: list[str] = Field(default_factory=lambda: ["*"])
+
+    @field_validator("api_keys_sha256")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        for digest in v:
+            if not re.match(SHA256_HEX, digest):
+                raise ValueError(f"{digest[:12]!r}... is not a SHA-256 hex digest (64 lowercase "
+                                 "hex characters); store hashes, never keys: meshctl hash-key")
+        return v
+
+    def may_call(self, route: str) -> bool:
+        return "*" in self.routes or route in self.routes
+
+
 class RouterConfig(_Strict):
     """``user_config`` of the ``MeshRouter`` deployment.
 
     Attributes:
         routes: route name (the OpenAI ``model`` field) -> its variants and weights.
+        tenants: who may call; empty means open mode (no auth, logged loudly, no pinning).
     """
 
     routes: dict[str, RouteConfig] = Field(min_length=1)
+    tenants: list[Tenant] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _tenants_consistent(self) -> RouterConfig:
+        ids = [t.id for t in self.tenants]
+        if dupes := sorted({i for i in ids if ids.count(i) > 1}):
+            raise ValueError(f"tenant id listed twice: {', '.join(dupes)}")
+        owner: dict[str, str] = {}
+        for t in self.tenants:
+            for digest in t.api_keys_sha256:
+                if digest in owner:
+                    raise ValueError(f"API key {digest[:12]}... belongs to both {owner[digest]!r} "
+                                     f"and {t.id!r}")
+                owner[digest] = t.id
+            for route in t.routes:
+                if route != "*" and route not in self.routes:
+                    raise ValueError(f"tenant {t.id!r} names unknown route {route!r}")
+        return self
+
+    def tenant_by_key_digest(self) -> dict[str, Tenant]:
+        """SHA-256 digest of an API key -> its tenant."""
+        return {d: t for t in self.tenants for d in t.api_keys_sha256}
 
     @field_validator("routes")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,11 +83,16 @@ async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | Non
     return res
 
 
-async def run_load(spec: LoadSpec) -> list[RequestResult]:
-    """Run the load; returns one result per request, in completion order."""
+async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
+                   results: list[RequestResult] | None = None) -> list[RequestResult]:
+    """Run the load; returns one result per request, in completion order.
+
+    Stops starting new requests after ``spec.requests`` (or ``spec.duration_s``), or once
+    ``stop`` is set; requests in flight always finish. ``results``, if given, is filled in
+    place (so another thread can watch progress)."""
     client = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0,
                                 timeout=spec.timeout_s)
-    results: list[RequestResult] = []
+    results = [] if results is None else results
     deadline = time.monotonic() + spec.duration_s if spec.duration_s else None
     counter = iter(range(10**9))
 
@@ -96,6 +102,8 @@ async def run_load(spec: LoadSpec) -> list[RequestResult]:
             if deadline is None and i >= spec.requests:
                 return
             if deadline is not None and time.monotonic() >= deadline:
+                return
+            if stop is not None and stop.is_set():
                 return
             results.append(await stream_one(client, spec, user=None))
 

@@ -12,6 +12,7 @@ applied in place by ``reconfigure()``; an invalid config is logged and ignored.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,10 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from serve_app.config import RouterConfig, format_validation_error
+from serve_app.config import RouterConfig, Tenant, format_validation_error
 from serve_app.errors import MeshError, error_body
+from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
-from serve_app.wire import Head
+from serve_app.tenancy import authenticate
+from serve_app.wire import Head, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -79,22 +82,49 @@ async def read_json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _relay(stream, variant: str) -> AsyncIterator[str]:
-    """Pass SSE lines through; a failure mid-stream ends it with an SSE error event."""
-    try:
-        async for line in stream:
-            yield line
-    except Exception as e:
-        logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
-        yield f"data: {json.dumps(error_body(503, f'variant {variant} failed mid-stream'))}\n\n"
-
-
 def _retry_after() -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def caller_identity(request: Request, body: dict[str, Any], tenant: Tenant | None) -> str | None:
+    """The identity that keeps a caller on one variant, most specific first:
+    ``x-session-id`` header, then the OpenAI ``user`` field, then the tenant id."""
+    return (request.headers.get(SESSION_HEADER) or _str_or_none(body.get("user"))
+            or (tenant.id if tenant else None))
+
+
+async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float
+                 ) -> AsyncIterator[str]:
+    """Pass SSE lines through and account for the request when it ends.
+
+    A failure mid-stream ends it with an SSE error event (the status is already sent)."""
+    ttft = None
+    usage = Usage()
+    error_kind = None
+    try:
+        async for item in stream:
+            if isinstance(item, Usage):
+                usage = item
+                continue
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            yield item
+    except asyncio.CancelledError:
+        error_kind = "client_disconnected"
+        raise
+    except Exception as e:
+        error_kind = "stream_failed"
+        logger.error("variant %s failed mid-stream: %s: %s", tags["variant"], type(e).__name__, e)
+        message = f"variant {tags['variant']} failed mid-stream; retry the request"
+        yield f"data: {json.dumps(error_body(503, message))}\n\n"
+    finally:
+        metrics.record(tags, 200, time.monotonic() - t0, ttft_s=ttft,
+                       prompt_tokens=usage.prompt_tokens,
+                       completion_tokens=usage.completion_tokens, error_kind=error_kind)
 
 
 @serve.deployment(
@@ -109,7 +139,9 @@ class MeshRouter:
 
     def __init__(self) -> None:
         self.config: RouterConfig | None = None
+        self._tenants: dict[str, Tenant] = {}  # API key digest -> tenant
         self._handles: dict[str, Any] = {}
+        self.metrics = MeshMetrics()
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -128,9 +160,15 @@ class MeshRouter:
             msg = f"invalid MeshRouter user_config:\n{format_validation_error(e, 'user_config')}"
             if self.config is None:
                 raise ValueError(msg) from None
+            self.metrics.config_rejected.inc()
             logger.error("%s\nkeeping the last good config", msg)
             return
         self.config = new
+        self._tenants = new.tenant_by_key_digest()
+        if not new.tenants:
+            logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
+                           "unauthenticated. Add `tenants:` to the MeshRouter user_config "
+                           "before exposing the mesh.")
         logger.info("router config applied: %s", {
             r: {w.application: w.weight for w in rc.variants} for r, rc in new.routes.items()})
 
@@ -151,18 +189,19 @@ class MeshRouter:
 
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
-        """Router liveness and the routes it serves."""
+        """Router liveness and the routes it serves with their weights."""
         config = self._require_config()
-        return {"status": "ok", "routes": {
+        return {"status": "ok", "open_mode": not config.tenants, "routes": {
             r: {w.application: w.weight for w in rc.variants} for r, rc in config.routes.items()}}
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        """OpenAI ``GET /v1/models``: one entry per route."""
+    async def models(self, request: Request) -> dict[str, Any]:
+        """OpenAI ``GET /v1/models``: the routes the caller may use."""
         config = self._require_config()
+        tenant = authenticate(self._tenants, request.headers.get("authorization"))
         return {"object": "list", "data": [
             {"id": r, "object": "model", "created": 0, "owned_by": "model-mesh"}
-            for r in config.routes]}
+            for r in config.routes if tenant is None or tenant.may_call(r)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -177,38 +216,73 @@ class MeshRouter:
     # -- request path -------------------------------------------------------------------------
 
     async def _serve(self, endpoint: str, request: Request) -> Response:
-        body = await read_json_body(request)
+        t0 = time.monotonic()
+        tags = {"route": "", "variant": "", "tenant": ""}
+        try:
+            return await self._route(endpoint, request, tags, t0)
+        except MeshError as e:
+            self.metrics.record(tags, e.status, time.monotonic() - t0)
+            raise
+
+    async def _route(self, endpoint: str, request: Request, tags: dict[str, str], t0: float
+                     ) -> Response:
         config = self._require_config()
+        tenant = authenticate(self._tenants, request.headers.get("authorization"))
+        tags["tenant"] = tenant.id if tenant else ""
+        body = await read_json_body(request)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise MeshError(400, "you must provide a model parameter (a route name, e.g. "
                             f"{next(iter(config.routes))!r}; see GET /v1/models)", param="model")
         route = config.routes.get(model)
         if route is None:
-            raise MeshError(404, f"The model {model!r} does not exist. Available: "
-                            f"{', '.join(sorted(config.routes))}", param="model",
-                            code="model_not_found")
-        weighted = [(w.application, w.weight) for w in route.variants]
-        identity = request.headers.get(SESSION_HEADER) or _str_or_none(body.get("user"))
-        first = pick_variant(weighted, route.salt or model, identity)
+            raise MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for "
+                            "the models you can use.", param="model", code="model_not_found")
+        if tenant and not tenant.may_call(model):
+            raise MeshError(403, f"tenant {tenant.id!r} may not call model {model!r}",
+                            param="model", code="model_not_allowed")
+        tags["route"] = model
 
-        for variant in failover_order(weighted, first):
+        weighted = [(w.application, w.weight) for w in route.variants]
+        pinned = request.headers.get(VARIANT_HEADER)
+        if pinned:
+            if tenant is None or not tenant.admin:
+                raise MeshError(403, f"the {VARIANT_HEADER} request header (pinning a variant) "
+                                "is for admin callers only", code="pinning_not_allowed")
+            if pinned not in dict(weighted):
+                raise MeshError(400, f"variant {pinned!r} is not a variant of route {model!r} "
+                                f"(variants: {', '.join(dict(weighted))})",
+                                code="unknown_variant")
+            candidates = [pinned]
+        else:
+            first = pick_variant(weighted, route.salt or model,
+                                 caller_identity(request, body, tenant))
+            candidates = failover_order(weighted, first)
+
+        for variant in candidates:
+            tags["variant"] = variant
             stream = self._handle(variant).options(stream=True).generate.remote(endpoint, body)
             try:
                 head: Head = await stream.__anext__()
             except Exception as e:  # the variant could not take it: nothing sent yet, try next
                 logger.warning("variant %s failed before the first byte (%s: %s); failing over",
-                               variant, type(e).__name__, e)
+                               variant, type(e).__name__, str(e)[:500])
+                self.metrics.failovers.inc(1, {"route": model, "variant": variant})
                 continue
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
-                return StreamingResponse(_relay(stream, variant), media_type="text/event-stream",
-                                         headers=headers)
+                return StreamingResponse(_relay(stream, dict(tags), self.metrics, t0),
+                                         media_type="text/event-stream", headers=headers)
+            usage = head.usage or Usage()
+            self.metrics.record(tags, head.status, time.monotonic() - t0,
+                                prompt_tokens=usage.prompt_tokens,
+                                completion_tokens=usage.completion_tokens)
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
+        tags["variant"] = ""
         raise MeshError(503, f"no variant of route {model!r} can take the request now "
-                        f"(tried {', '.join(failover_order(weighted, first))})",
-                        code="no_healthy_variant", headers=_retry_after())
+                        f"(tried {', '.join(candidates)})", code="no_healthy_variant",
+                        headers=_retry_after())
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -51,6 +51,11 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     parts = mesh_parts(config)
 
     router_at = f"applications[{routers[0]}]"
+    prefix = parts.router_app.get("route_prefix", "/")
+    if not isinstance(prefix, str) or not prefix.startswith("/") or (
+            prefix != "/" and prefix.endswith("/")):
+        problems.append(f"{router_at}.route_prefix: got {prefix!r}; the router needs a route "
+                        "prefix that starts with '/' and does not end with '/' (usually '/')")
     router_config = _check(problems, RouterConfig, parts.router_user_config,
                            f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config")
 

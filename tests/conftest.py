@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from serve_app.deploy import deploy, replica_ids
+from serve_app.deploy import deploy, replica_ids, serve_status
 from serve_app.paths import REPO_ROOT
 from serve_app.serve_configs import load_yaml
 
@@ -70,6 +70,12 @@ class Mesh:
     def replica_ids(self, app: str, deployment: str) -> set[str]:
         return replica_ids(self.dashboard, app, deployment)
 
+    def all_replica_ids(self) -> dict[str, set[str]]:
+        """Replica ids of every application's deployments (restart checks)."""
+        status = serve_status(self.dashboard)["applications"]
+        return {f"{app}/{dep}": replica_ids(self.dashboard, app, dep)
+                for app, a in status.items() for dep in a.get("deployments", {})}
+
 
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory) -> Mesh:
@@ -80,16 +86,18 @@ def mesh(tmp_path_factory) -> Mesh:
     # Loopback-only test cluster: no token auth, so the serve CLI and the REST status calls
     # need no token (production clusters keep Ray's token auth; see README).
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    dash_port, http_port = free_port(), free_port()
+    dash_port, http_port, metrics_port = free_port(), free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=dash_port, configure_logging=False, log_to_driver=False)
+             dashboard_port=dash_port, configure_logging=False, log_to_driver=False,
+             _metrics_export_port=metrics_port)
     m = Mesh(f"http://127.0.0.1:{dash_port}", http_port, tmp_path_factory.mktemp("configs"))
+    m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield m
     serve.shutdown()
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_mesh(mesh: Mesh) -> Mesh:
     """serve_configs/local.yaml deployed with the serve CLI (one vLLM variant, route smollm)."""
     mesh.deploy(mesh.config("local.yaml"))

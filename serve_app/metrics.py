@@ -1,0 +1,55 @@
+"""Mesh metrics, exported through Ray's metrics API so they add up across router replicas.
+
+Ray exposes them in Prometheus format on every node's metrics export port
+(``ray start --metrics-export-port=8080``); Prometheus finds the ports through
+``/tmp/ray/prom_metrics_service_discovery.json`` (Ray docs, "Collecting and monitoring
+metrics"). Names get Ray's ``ray_`` prefix, e.g. ``ray_mesh_requests_total``.
+
+Labels: ``route``, ``variant`` (the application that served; empty when the router refused
+the request itself), ``tenant`` (empty in open mode), ``status`` (HTTP status) on requests.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Histogram
+
+TAGS = ("route", "variant", "tenant")
+_SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
+
+
+class MeshMetrics:
+    """The router's metrics; create one per router replica."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("mesh_requests", "Requests by final HTTP status.",
+                                tag_keys=TAGS + ("status",))
+        self.errors = Counter("mesh_errors", "Failed requests (status >= 400 or a stream cut "
+                              "short), by kind.", tag_keys=TAGS + ("kind",))
+        self.ttft = Histogram("mesh_time_to_first_token_seconds", "Time to the first streamed "
+                              "chunk, s.", boundaries=_SECONDS, tag_keys=TAGS)
+        self.latency = Histogram("mesh_request_latency_seconds", "End-to-end request latency, s.",
+                                 boundaries=_SECONDS, tag_keys=TAGS)
+        self.prompt_tokens = Counter("mesh_prompt_tokens", "Prompt tokens.", tag_keys=TAGS)
+        self.completion_tokens = Counter("mesh_completion_tokens", "Completion tokens.",
+                                         tag_keys=TAGS)
+        self.failovers = Counter("mesh_failovers", "Variants that failed before the first byte "
+                                 "and were skipped.", tag_keys=("route", "variant"))
+        self.config_rejected = Counter("mesh_config_rejected", "Invalid router user_configs "
+                                       "ignored by reconfigure().")
+
+    def record(self, tags: dict[str, str], status: int, latency_s: float, *,
+               ttft_s: float | None = None, prompt_tokens: int = 0, completion_tokens: int = 0,
+               error_kind: str | None = None) -> None:
+        """Account for one finished request (``tags``: route, variant, tenant)."""
+        self.requests.inc(1, {**tags, "status": str(status)})
+        self.latency.observe(latency_s, tags)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens, tags)
+        if completion_tokens:
+            self.completion_tokens.inc(completion_tokens, tags)
+        if error_kind is None and status >= 400:
+            error_kind = f"http_{status}"
+        if error_kind:
+            self.errors.inc(1, {**tags, "kind": error_kind})

@@ -1,0 +1,205 @@
+"""Canary releases on the real stack: weighted sticky split, in-place weight changes with the
+serve CLI, pinning, failover, metrics, invalid live configs, and zero drops under load."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serve_app.loadgen import LoadSpec, run_load
+from serve_app.split import pick_variant
+
+pytestmark = pytest.mark.integration
+
+OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of serve_configs/canary.yaml
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def with_weights(cfg, v1: int, v2: int):
+    cfg = copy.deepcopy(cfg)
+    variants = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"][
+        "variants"]
+    variants[0]["weight"], variants[1]["weight"] = v1, v2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def canary(mesh):
+    cfg = mesh.config("canary.yaml")
+    mesh.deploy(cfg)
+    mesh.canary_cfg = cfg
+    return mesh
+
+
+def chat(http: httpx.Client, *, user=None, key=OPS_KEY, pin=None, max_tokens=8):
+    headers = {"authorization": f"Bearer {key}"}
+    if pin:
+        headers["x-mesh-variant"] = pin
+    body = {"model": "smollm", "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens}
+    if user:
+        body["user"] = user
+    return http.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def test_pinned_variants_answer_differently(canary):
+    with canary.http() as http:
+        v1 = chat(http, pin="smollm-v1")
+        v2 = chat(http, pin="smollm-v2")
+    assert v1.headers["x-mesh-variant"] == "smollm-v1"
+    assert v2.headers["x-mesh-variant"] == "smollm-v2"
+    assert "Paris" in v1.json()["choices"][0]["message"]["content"]
+    # smollm-v2's user_config adds a pirate system prompt: a different greedy answer.
+    assert v1.json()["choices"][0]["message"]["content"] != \
+        v2.json()["choices"][0]["message"]["content"]
+
+
+def test_split_90_10_header_matches_body_and_sticks(canary):
+    with canary.http() as http:
+        reference = {v: chat(http, pin=v).json()["choices"][0]["message"]["content"]
+                     for v in ("smollm-v1", "smollm-v2")}
+        callers = [f"caller-{i}" for i in range(200)]
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda u: chat(http, user=u), callers))
+    weighted = [("smollm-v1", 90), ("smollm-v2", 10)]
+    served = [r.headers["x-mesh-variant"] for r in responses]
+    assert all(r.status_code == 200 for r in responses)
+    # Each caller lands exactly where the sticky hash puts it...
+    assert served == [pick_variant(weighted, "smollm", u) for u in callers]
+    # ...which is within 3 sigma of the 10 % weight...
+    n_canary = served.count("smollm-v2")
+    assert abs(n_canary - 20) <= 3 * math.sqrt(200 * 0.1 * 0.9), n_canary
+    # ...and the body is the answer of the variant the header names.
+    mismatched = [(v, r.json()["choices"][0]["message"]["content"])
+                  for v, r in zip(served, responses)
+                  if r.json()["choices"][0]["message"]["content"] != reference[v]]
+    assert not mismatched, mismatched[:5]
+    print(f"\nsplit 90/10 over 200 callers: smollm-v2 got {n_canary} (expected 20 +- 12.7)")
+    # The same caller sticks to its variant.
+    with canary.http() as http:
+        for u in callers[:10]:
+            again = {chat(http, user=u, max_tokens=1).headers["x-mesh-variant"] for _ in range(3)}
+            assert again == {served[callers.index(u)]}
+
+
+def test_pinning_is_admin_only(canary):
+    cfg = copy.deepcopy(canary.canary_cfg)
+    from serve_app.tenancy import hash_api_key
+    cfg["applications"][0]["deployments"][0]["user_config"]["tenants"].append(
+        {"id": "dev", "api_keys_sha256": [hash_api_key("sk-dev")]})
+    canary.deploy(cfg)
+    try:
+        with canary.http() as http:
+            r = chat(http, key="sk-dev", pin="smollm-v2")
+            assert r.status_code == 403
+            assert r.json()["error"]["code"] == "pinning_not_allowed"
+            assert chat(http, key="sk-dev").status_code == 200
+            assert chat(http, key="wrong").status_code == 401
+            r = chat(http, pin="smollm-v9")
+            assert r.status_code == 400 and "smollm-v9" in r.json()["error"]["message"]
+    finally:
+        canary.deploy(canary.canary_cfg)
+
+
+def test_weight_change_applies_in_place(canary):
+    before = canary.all_replica_ids()
+    canary.deploy(with_weights(canary.canary_cfg, 50, 50))
+    try:
+        with canary.http() as http:
+            assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 50,
+                                                                      "smollm-v2": 50}
+        assert canary.all_replica_ids() == before
+    finally:
+        canary.deploy(canary.canary_cfg)
+
+
+def test_invalid_config_deployed_live_keeps_last_good(canary):
+    before = canary.all_replica_ids()
+    canary.deploy(with_weights(canary.canary_cfg, 70, -30))  # serve accepts it; the router must not
+    with canary.http() as http:
+        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 90,
+                                                                  "smollm-v2": 10}
+        assert chat(http).status_code == 200
+    assert canary.all_replica_ids() == before
+    canary.deploy(canary.canary_cfg)
+
+
+def test_metrics_per_route_and_variant(canary):
+    with canary.http() as http:
+        for v in ("smollm-v1", "smollm-v2"):
+            assert chat(http, pin=v).status_code == 200
+        assert chat(http, key="wrong").status_code == 401
+    deadline = time.monotonic() + 60
+    wanted = ['ray_mesh_requests_total{', 'route="smollm"', 'variant="smollm-v2"',
+              'ray_mesh_completion_tokens_total', 'ray_mesh_time_to_first_token_seconds',
+              'ray_mesh_request_latency_seconds_bucket']
+    while True:
+        text = httpx.get(canary.metrics_url, timeout=10).text
+        if all(w in text for w in wanted):
+            break
+        assert time.monotonic() < deadline, [w for w in wanted if w not in text]
+        time.sleep(3)
+    lines = [line for line in text.splitlines() if line.startswith("ray_mesh_requests_total{")]
+    assert any('variant="smollm-v2"' in line and 'status="200"' in line for line in lines), lines
+    assert any('status="401"' in line for line in lines), lines
+
+
+def test_failover_before_first_byte_when_replica_dies(canary):
+    """All traffic to smollm-v2, then its replica is killed: requests fail over to smollm-v1."""
+    import ray
+
+    canary.deploy(with_weights(canary.canary_cfg, 0, 100))
+    try:
+        [replica_id] = canary.replica_ids("smollm-v2", "LLMReplica")
+        actor = ray.get_actor(f"SERVE_REPLICA::smollm-v2#LLMReplica#{replica_id}",
+                              namespace="serve")
+        ray.kill(actor, no_restart=True)
+        with canary.http() as http:
+            served = []
+            for i in range(6):
+                r = chat(http, user=f"failover-{i}")
+                assert r.status_code == 200, r.text
+                served.append(r.headers["x-mesh-variant"])
+        assert "smollm-v1" in served, served
+    finally:
+        canary.deploy(canary.canary_cfg, timeout_s=600)  # waits for smollm-v2 to come back
+
+
+def test_zero_drops_through_ramp_and_retirement(canary):
+    """>= 4 concurrent streams run while the serve CLI applies 100/0 -> 90/10 -> 50/50 -> 0/100
+    and then a config without smollm-v1. Every stream must complete in full."""
+    canary.deploy(with_weights(canary.canary_cfg, 100, 0))
+    spec = LoadSpec(base_url=f"{canary.base_url}/v1", model="smollm", concurrency=4,
+                    max_tokens=24, api_key=OPS_KEY, duration_s=600)
+    results: list = []
+    stop = threading.Event()
+    loader = threading.Thread(target=lambda: asyncio.run(run_load(spec, stop, results)))
+    loader.start()
+    try:
+        time.sleep(5)
+        for v1, v2 in ((90, 10), (50, 50), (0, 100)):
+            canary.deploy(with_weights(canary.canary_cfg, v1, v2))
+            time.sleep(5)
+        retired = with_weights(canary.canary_cfg, 0, 100)
+        del retired["applications"][1]  # smollm-v1's application
+        route = retired["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
+        route["variants"] = [v for v in route["variants"] if v["application"] != "smollm-v1"]
+        canary.deploy(retired)
+        time.sleep(5)
+    finally:
+        stop.set()
+        loader.join(timeout=300)
+    by_variant = {}
+    for r in results:
+        by_variant[r.variant] = by_variant.get(r.variant, 0) + 1
+    failed = [r for r in results if not r.ok]
+    print(f"\nzero-drop: {len(results)} streams, {len(failed)} failed, by variant {by_variant}")
+    assert len(results) >= 20
+    assert not failed, [(r.status, r.error) for r in failed[:5]]
+    assert by_variant.get("smollm-v1", 0) > 0 and by_variant.get("smollm-v2", 0) > 0

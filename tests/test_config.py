@@ -1,0 +1,158 @@
+"""Unit tests of config validation (pure logic): each bad case names its field and the fix."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from serve_app.config import RouterConfig
+from serve_app.paths import REPO_ROOT
+from serve_app.serve_configs import load_yaml
+from serve_app.tenancy import authenticate, hash_api_key
+from serve_app.errors import MeshError
+from serve_app.validate import validate_config
+
+CANARY = load_yaml(REPO_ROOT / "serve_configs" / "canary.yaml")
+ROUTER = "applications[0].deployments[MeshRouter].user_config"
+
+
+def router_cfg(cfg):
+    return cfg["applications"][0]["deployments"][0]["user_config"]
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "canary.yaml"])
+def test_shipped_configs_are_valid(name):
+    assert validate_config(load_yaml(REPO_ROOT / "serve_configs" / name)) == []
+
+
+def mutate(fn):
+    cfg = copy.deepcopy(CANARY)
+    fn(cfg)
+    return validate_config(cfg)
+
+
+def test_negative_weight():
+    problems = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(weight=-1))
+    assert problems == [f"{ROUTER}.routes.smollm.variants.1.weight: "
+                        "Input should be greater than or equal to 0"]
+
+
+def test_weights_sum_to_zero():
+    def zero(c):
+        for v in router_cfg(c)["routes"]["smollm"]["variants"]:
+            v["weight"] = 0
+    [problem] = mutate(zero)
+    assert problem.startswith(f"{ROUTER}.routes.smollm.variants: ")
+    assert "weights sum to 0" in problem
+
+
+def test_variant_missing_from_config():
+    [problem] = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(
+        application="smollm-v3"))
+    assert problem == (f"applications[0].deployments[MeshRouter].user_config.routes.smollm."
+                       "variants[1].application: no variant application named 'smollm-v3' in "
+                       "this config; add it or remove it from the route")
+
+
+def test_duplicate_variant_in_route():
+    [problem] = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(
+        application="smollm-v1"))
+    assert "variant listed twice: smollm-v1" in problem
+
+
+def test_duplicate_application_names_refused_by_ray_schema():
+    def dup(c):
+        c["applications"][2]["name"] = "smollm-v1"
+    [problem] = mutate(dup)
+    assert "smollm-v1" in problem and "duplicate" in problem.lower()
+
+
+def test_duplicate_yaml_keys_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("applications: []\napplications: []\n")
+    with pytest.raises(ValueError, match="duplicate key 'applications'"):
+        load_yaml(path)
+
+
+def test_variant_exposed_over_http():
+    def expose(c):
+        c["applications"][1]["route_prefix"] = "/v1-direct"
+    [problem] = mutate(expose)
+    assert problem.startswith("applications[1].route_prefix: variant 'smollm-v1' must not be "
+                              "exposed over HTTP")
+
+
+def test_bad_route_prefix_format():
+    def bad(c):
+        c["applications"][0]["route_prefix"] = "no-slash"
+    [problem] = mutate(bad)
+    assert problem == ("applications[0].route_prefix: got 'no-slash'; the router needs a route "
+                       "prefix that starts with '/' and does not end with '/' (usually '/')")
+
+
+def test_served_model_name_must_match_route():
+    def rename(c):
+        c["applications"][2]["args"] = {**c["applications"][2]["args"],
+                                         "served_model_name": "other"}
+    [problem] = mutate(rename)
+    assert "serves 'other'; set its args.served_model_name to 'smollm'" in problem
+
+
+def test_unknown_field_in_router_config():
+    [problem] = mutate(lambda c: router_cfg(c).update(weights={"smollm-v1": 1}))
+    assert problem == f"{ROUTER}.weights: Extra inputs are not permitted"
+
+
+def test_plaintext_key_refused():
+    [problem] = mutate(lambda c: router_cfg(c)["tenants"][0].update(
+        api_keys_sha256=["sk-mesh-ops-demo"]))
+    assert "is not a SHA-256 hex digest" in problem and "meshctl hash-key" in problem
+
+
+def test_tenant_unknown_route_and_shared_key():
+    base = router_cfg(CANARY)
+    bad = {**base, "tenants": [{"id": "a", "api_keys_sha256": [hash_api_key("k")],
+                                "routes": ["nope"]}]}
+    with pytest.raises(ValueError, match="tenant 'a' names unknown route 'nope'"):
+        RouterConfig.model_validate(bad)
+    shared = {**base, "tenants": [{"id": "a", "api_keys_sha256": [hash_api_key("k")]},
+                                  {"id": "b", "api_keys_sha256": [hash_api_key("k")]}]}
+    with pytest.raises(ValueError, match="belongs to both 'a' and 'b'"):
+        RouterConfig.model_validate(shared)
+
+
+def test_authenticate():
+    cfg = RouterConfig.model_validate(router_cfg(CANARY))
+    by_digest = cfg.tenant_by_key_digest()
+    assert authenticate(by_digest, "Bearer sk-mesh-ops-demo").id == "ops"
+    for header in (None, "Bearer ", "Basic sk-mesh-ops-demo", "Bearer wrong"):
+        with pytest.raises(MeshError) as e:
+            authenticate(by_digest, header)
+        assert e.value.status == 401
+    assert authenticate({}, None) is None  # open mode
+
+
+def test_cli_validate_exit_codes(tmp_path):
+    bad = copy.deepcopy(CANARY)
+    router_cfg(bad)["routes"]["smollm"]["variants"][0]["weight"] = -5
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    cli = [sys.executable, "-m", "serve_app.cli", "validate"]
+    good = subprocess.run(cli + [str(REPO_ROOT / "serve_configs" / "canary.yaml")],
+                          capture_output=True, text=True)
+    assert good.returncode == 0 and good.stdout.strip().endswith("canary.yaml: ok")
+    res = subprocess.run(cli + [str(path)], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "bad.yaml: INVALID" in res.stderr
+    assert "variants.0.weight: Input should be greater than or equal to 0" in res.stderr
+
+
+def test_cli_hash_key():
+    out = subprocess.run([sys.executable, "-m", "serve_app.cli", "hash-key", "sk-acme-demo"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == hash_api_key("sk-acme-demo") == (
+        "953d0ab8229abd463060e52204c8cb44e32297002500258c1181e18379c54626")
