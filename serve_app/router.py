@@ -1,10 +1,11 @@
 """``MeshRouter``: the OpenAI-compatible ingress of application ``mesh``.
 
-Per request: parse and check the body, resolve the ``model`` field to a route, pick a variant
-by weight (sticky per caller, see :mod:`serve_app.split`), call that variant's
-``LLMReplica`` through a ``DeploymentHandle``, and relay its answer. When a variant fails
-before its first byte, the next one in :func:`serve_app.split.failover_order` is tried; when
-none can serve, 503 with ``Retry-After``.
+Per request: authenticate the tenant, parse and check the body, resolve the ``model`` field
+to a route, pick a variant by weight (sticky per caller, see :mod:`serve_app.split`), call
+that variant's ``LLMReplica`` through a ``DeploymentHandle``, and relay its answer. When a
+variant fails before its first byte, the next one in
+:func:`serve_app.split.failover_order` is tried (variants with a running replica first, see
+:mod:`serve_app.availability`); when none can serve, 503 with ``Retry-After``.
 
 Routes and weights come from the deployment's ``user_config`` (:class:`RouterConfig`) and are
 applied in place by ``reconfigure()``; an invalid config is logged and ignored.
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from serve_app.availability import VariantAvailability
 from serve_app.config import RouterConfig, Tenant, format_validation_error
 from serve_app.errors import MeshError, error_body
 from serve_app.metrics import MeshMetrics
@@ -137,11 +139,13 @@ async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float
 class MeshRouter:
     """OpenAI-compatible ingress that splits each route's traffic across variant apps."""
 
-    def __init__(self) -> None:
+    async def __init__(self) -> None:
         self.config: RouterConfig | None = None
         self._tenants: dict[str, Tenant] = {}  # API key digest -> tenant
         self._handles: dict[str, Any] = {}
         self.metrics = MeshMetrics()
+        self.availability = VariantAvailability()
+        await self.availability.start()
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -257,7 +261,7 @@ class MeshRouter:
         else:
             first = pick_variant(weighted, route.salt or model,
                                  caller_identity(request, body, tenant))
-            candidates = failover_order(weighted, first)
+            candidates = self.availability.prefer_available(failover_order(weighted, first))
 
         for variant in candidates:
             tags["variant"] = variant

@@ -1,0 +1,212 @@
+"""The LoRA adapter registry (``adapters/manifest.yaml``) and the checks run before serving one.
+
+An adapter is registered once, as ``name`` + ``version``, with the SHA-256 of its weights. Before
+a variant loads it, :func:`verify_adapter` checks that the files on disk are the registered ones,
+hold no pickled weights, and fit the variant (base model, LoRA rank, target modules). Every
+failure is an :class:`AdapterError` whose message names the adapter and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serve_app.paths import REPO_ROOT, resolve_repo_path
+
+#: Default registry location.
+MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"
+
+#: Modules vLLM can apply a LoRA to in the Llama architecture.
+DEFAULT_SUPPORTED_MODULES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+#: File suffixes of pickle-based weight formats (loading them can execute code).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+class AdapterError(ValueError):
+    """An adapter or the manifest is unusable; the message names it and says how to fix it."""
+
+
+class AdapterSpec(BaseModel):
+    """One manifest entry: an immutable, checksummed adapter version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    version: int = Field(ge=1)
+    base_model: str = Field(min_length=1)
+    #: Where the adapter directory is: a local path (absolute or repo-relative) or ``file://``.
+    uri: str = Field(min_length=1)
+    rank: int = Field(ge=1)
+    target_modules: list[str] = Field(min_length=1)
+    #: Hex SHA-256 of ``adapter_model.safetensors``.
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    #: Free-form record of how the adapter was trained (behaviour, steps, loss, ...).
+    training: dict = {}
+
+    @property
+    def key(self) -> str:
+        """Registry key, ``name@vN``."""
+        return f"{self.name}@v{self.version}"
+
+
+def sha256_file(path: Path | str) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_manifest(path: Path | None = None) -> dict[str, AdapterSpec]:
+    """Read the registry into ``{"name@vN": AdapterSpec}``, in file order.
+
+    Args:
+        path: manifest file; defaults to ``<repo>/adapters/manifest.yaml``.
+
+    Raises:
+        AdapterError: the file is missing or not YAML, lacks a top-level ``adapters:`` list, an
+            entry breaks the schema (the message names ``adapters[i]`` and the field), or two
+            entries share a name and version.
+    """
+    path = Path(path) if path is not None else MANIFEST_PATH
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise AdapterError(f"cannot read adapter manifest {path}: {e}") from e
+    entries = (data or {}).get("adapters") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise AdapterError(f"{path}: expected a top-level 'adapters:' list of entries")
+
+    specs: dict[str, AdapterSpec] = {}
+    first_index: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        try:
+            spec = AdapterSpec.model_validate(entry)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"field '{'.'.join(str(p) for p in err['loc']) or '<entry>'}': {err['msg']}"
+                for err in e.errors())
+            raise AdapterError(f"{path}: adapters[{i}] is invalid: {problems}") from None
+        if spec.key in specs:
+            raise AdapterError(
+                f"{path}: adapters[{i}] duplicates {spec.key} (first at "
+                f"adapters[{first_index[spec.key]}]); registered versions are immutable, "
+                "so give the new adapter a new version number")
+        specs[spec.key] = spec
+        first_index[spec.key] = i
+    return specs
+
+
+def resolve_uri(uri: str) -> Path:
+    """Turn an adapter ``uri`` into a local directory path (existence is not checked).
+
+    Accepts absolute paths, repo-relative paths and ``file:///abs/path``.
+
+    Raises:
+        AdapterError: any other scheme (``s3://``, ``gs://``, ...), or a ``file://`` URI with a
+            host part.
+    """
+    parts = urlsplit(uri)
+    if parts.scheme == "":
+        return resolve_repo_path(uri)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise AdapterError(f"adapter uri {uri!r}: file:// URIs must be absolute "
+                               "(file:///path/to/adapter)")
+        return Path(unquote(parts.path))
+    raise AdapterError(f"adapter uri {uri!r}: scheme '{parts.scheme}://' is not supported; "
+                       "only local paths are supported yet; s3:// and gs:// are planned via "
+                       "fsspec")
+
+
+def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
+                   supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> Path:
+    """Check that an adapter can be served by a variant; return its local directory.
+
+    Checks, in order: the directory exists; it holds no pickle-format weights (``*.bin``,
+    ``*.pt``, ``*.pth``, ``*.pkl``); ``adapter_config.json`` is valid JSON with
+    ``peft_type: LORA``; ``adapter_model.safetensors`` exists and its SHA-256 matches the
+    manifest; the adapter's base model is the variant's; its rank matches the manifest and is at
+    most ``max_lora_rank``; its target modules are all in ``supported_modules``.
+
+    Args:
+        spec: the manifest entry.
+        base_model: the model name the variant serves (e.g. ``smollm2-135m-instruct``).
+        max_lora_rank: the variant engine's ``max_lora_rank``.
+        supported_modules: module names the engine can apply a LoRA to.
+
+    Raises:
+        AdapterError: the first failed check, with the reason and the fix.
+    """
+    def fail(reason: str) -> AdapterError:
+        return AdapterError(f"adapter {spec.key}: {reason}")
+
+    try:
+        path = resolve_uri(spec.uri)
+    except AdapterError as e:
+        raise fail(str(e)) from None
+    if not path.is_dir():
+        raise fail(f"directory {path} (uri {spec.uri!r}) does not exist; train it with "
+                   "scripts/train_adapter.py or fix 'uri' in adapters/manifest.yaml")
+
+    pickled = sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                     if p.is_file() and p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise fail(f"refusing pickle-format weights {pickled} in {path}: pickled weights can "
+                   "run code; save with safe_serialization=True and remove those files")
+
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise fail(f"{CONFIG_FILE} is missing from {path}; save the adapter with "
+                   "peft's save_pretrained()")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise fail(f"{config_path} is not valid JSON ({e}); re-save the adapter") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        raise fail(f"{config_path} has peft_type {found!r}; only LoRA adapters "
+                   "(peft_type 'LORA') can be served")
+
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise fail(f"{WEIGHTS_FILE} is missing from {path}; save the adapter with "
+                   "save_pretrained(out, safe_serialization=True)")
+    actual = sha256_file(weights)
+    if actual != spec.sha256:
+        raise fail(f"SHA-256 mismatch for {weights}: manifest {spec.sha256[:12]}..., file "
+                   f"{actual[:12]}...; the weights changed after registration: restore them, or "
+                   "register the new weights as a new version")
+
+    if spec.base_model != base_model:
+        raise fail(f"trained for {spec.base_model}, this variant serves {base_model}; attach it "
+                   f"to a variant that serves {spec.base_model}")
+
+    rank = config.get("r")
+    if rank != spec.rank:
+        raise fail(f"{CONFIG_FILE} has r={rank} but the manifest says rank={spec.rank}; "
+                   "fix 'rank' in adapters/manifest.yaml")
+    if rank > max_lora_rank:
+        raise fail(f"rank {rank} is over this variant's max_lora_rank={max_lora_rank}; raise "
+                   f"max_lora_rank in the variant's engine args or retrain with r<={max_lora_rank}")
+
+    modules = config.get("target_modules")
+    if not isinstance(modules, list):
+        raise fail(f"{CONFIG_FILE} target_modules is {modules!r}; expected an explicit list of "
+                   "module names")
+    unsupported = sorted(set(modules) - set(supported_modules))
+    if unsupported:
+        raise fail(f"target modules {unsupported} are not supported (supported: "
+                   f"{sorted(supported_modules)}); retrain targeting only supported modules")
+    return path

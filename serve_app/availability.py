@@ -1,0 +1,61 @@
+"""Which variant applications can take a request now, as the Serve controller sees them.
+
+A ``DeploymentHandle`` to a deployment with no running replica does not fail: it queues the
+request until a replica appears (a minute for a vLLM engine). So the router asks the
+controller (``serve.status()``, every ``period_s``) which variants have a RUNNING
+``LLMReplica`` and tries those first; the others stay as last resorts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from ray import serve
+
+from serve_app.serve_configs import REPLICA_DEPLOYMENT
+
+logger = logging.getLogger("ray.serve")
+
+
+class VariantAvailability:
+    """Background poller of variant readiness; ``await start()`` from the replica's loop."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self._running: dict[str, int] | None = None  # app -> RUNNING replicas; None: not polled
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Take a first view, then keep refreshing it in the background."""
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def refresh(self) -> None:
+        try:
+            status = await asyncio.to_thread(serve.status)
+        except Exception as e:  # keep the last view; the controller may be restarting
+            logger.warning("could not read Serve status: %s", e)
+            return
+        running = {
+            name: (app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
+                   if REPLICA_DEPLOYMENT in app.deployments and app.status != "DELETING" else 0)
+            for name, app in status.applications.items()}
+        if running != self._running:
+            logger.info("variant availability (running replicas): %s", running)
+        self._running = running
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            await self.refresh()
+
+    def is_available(self, application: str) -> bool:
+        """True when the application has a RUNNING replica (or nothing is known yet)."""
+        return self._running is None or self._running.get(application, 0) > 0
+
+    def prefer_available(self, candidates: Sequence[str]) -> list[str]:
+        """``candidates`` with the available ones first, each group in its given order."""
+        up = [c for c in candidates if self.is_available(c)]
+        return up + [c for c in candidates if c not in up]

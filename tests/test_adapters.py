@@ -1,0 +1,136 @@
+"""Adapter registry and verification, on the shipped adapters (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.adapters import (AdapterError, AdapterSpec, load_manifest, resolve_uri,
+                                sha256_file, verify_adapter)
+from serve_app.paths import REPO_ROOT
+
+BASE = "smollm2-135m-instruct"
+SHIPPED = {"acme-support@v1", "acme-support@v2", "globex-report@v1"}
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict[str, AdapterSpec]:
+    return load_manifest()
+
+
+@pytest.fixture
+def acme(manifest) -> AdapterSpec:
+    return manifest["acme-support@v1"]
+
+
+@pytest.fixture
+def acme_copy(acme, tmp_path) -> AdapterSpec:
+    """The acme-support@v1 spec pointing at a private copy of its directory."""
+    copy = tmp_path / "acme"
+    shutil.copytree(resolve_uri(acme.uri), copy)
+    return acme.model_copy(update={"uri": str(copy)})
+
+
+def test_manifest_lists_shipped_adapters(manifest):
+    assert SHIPPED <= set(manifest)
+    for key, spec in manifest.items():
+        assert key == f"{spec.name}@v{spec.version}"
+        assert not Path(spec.uri).is_absolute(), "shipped uris are repo-relative"
+
+
+def test_every_shipped_adapter_verifies(manifest):
+    for spec in manifest.values():
+        path = verify_adapter(spec, base_model=BASE, max_lora_rank=16)
+        assert path == REPO_ROOT / spec.uri
+        assert sorted(p.name for p in path.iterdir()) == [
+            "adapter_config.json", "adapter_model.safetensors"]
+        assert sha256_file(path / "adapter_model.safetensors") == spec.sha256
+        assert spec.training["steps"] >= 1 and "final_loss" in spec.training
+
+
+def test_copy_verifies_at_new_location(acme_copy):
+    assert verify_adapter(acme_copy, base_model=BASE, max_lora_rank=8) == Path(acme_copy.uri)
+    file_uri = acme_copy.model_copy(update={"uri": f"file://{acme_copy.uri}"})
+    assert verify_adapter(file_uri, base_model=BASE, max_lora_rank=8) == Path(acme_copy.uri)
+
+
+def test_tampered_weights_refused(acme_copy):
+    weights = Path(acme_copy.uri) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AdapterError) as e:
+        verify_adapter(acme_copy, base_model=BASE, max_lora_rank=8)
+    msg = str(e.value)
+    assert "acme-support@v1" in msg and "SHA-256 mismatch" in msg
+    assert acme_copy.sha256[:12] in msg and sha256_file(weights)[:12] in msg
+
+
+def test_pickle_weights_refused(acme_copy):
+    (Path(acme_copy.uri) / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(AdapterError, match="pickled weights can run code") as e:
+        verify_adapter(acme_copy, base_model=BASE, max_lora_rank=8)
+    assert "adapter_model.bin" in str(e.value)
+    assert "safe_serialization=True" in str(e.value)
+
+
+def test_wrong_base_model_refused(acme):
+    with pytest.raises(AdapterError) as e:
+        verify_adapter(acme, base_model="other-model", max_lora_rank=8)
+    assert f"trained for {BASE}, this variant serves other-model" in str(e.value)
+
+
+def test_rank_over_max_refused(acme):
+    with pytest.raises(AdapterError, match=r"rank 8 is over this variant's max_lora_rank=4"):
+        verify_adapter(acme, base_model=BASE, max_lora_rank=4)
+
+
+def test_rank_mismatch_with_config_refused(acme):
+    wrong = acme.model_copy(update={"rank": 16})
+    with pytest.raises(AdapterError, match=r"has r=8 but the manifest says rank=16"):
+        verify_adapter(wrong, base_model=BASE, max_lora_rank=64)
+
+
+def test_unsupported_target_modules_refused(acme):
+    with pytest.raises(AdapterError, match=r"target modules \['k_proj', 'o_proj'\] are not"):
+        verify_adapter(acme, base_model=BASE, max_lora_rank=8,
+                       supported_modules=frozenset({"q_proj", "v_proj"}))
+
+
+def test_missing_dir_refused(acme, tmp_path):
+    gone = acme.model_copy(update={"uri": str(tmp_path / "nowhere")})
+    with pytest.raises(AdapterError, match=r"adapter acme-support@v1: directory .*nowhere.* "
+                                           r"does not exist"):
+        verify_adapter(gone, base_model=BASE, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/acme/v1", "gs://bucket/acme/v1"])
+def test_remote_uri_refused(acme, uri):
+    with pytest.raises(AdapterError, match="only local paths are supported yet; "
+                                           "s3:// and gs:// are planned via fsspec"):
+        resolve_uri(uri)
+    with pytest.raises(AdapterError, match="adapter acme-support@v1: .*only local paths"):
+        verify_adapter(acme.model_copy(update={"uri": uri}), base_model=BASE, max_lora_rank=8)
+
+
+def test_duplicate_manifest_entries_refused(acme, tmp_path):
+    entry = acme.model_dump()
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump({"adapters": [entry, dict(entry, uri="elsewhere")]}))
+    with pytest.raises(AdapterError, match=r"adapters\[1\] duplicates acme-support@v1 "
+                                           r"\(first at adapters\[0\]\)"):
+        load_manifest(path)
+
+
+def test_schema_error_names_entry_and_field(acme, tmp_path):
+    path = tmp_path / "manifest.yaml"
+    bad = dict(acme.model_dump(), version=0)
+    path.write_text(yaml.safe_dump({"adapters": [acme.model_dump(), bad]}))
+    with pytest.raises(AdapterError, match=r"adapters\[1\] is invalid: field 'version'"):
+        load_manifest(path)
+    path.write_text(yaml.safe_dump({"adapters": [dict(acme.model_dump(), colour="red")]}))
+    with pytest.raises(AdapterError, match=r"adapters\[0\] is invalid: field 'colour'"):
+        load_manifest(path)
