@@ -3,7 +3,9 @@
 A ``DeploymentHandle`` to a deployment with no running replica does not fail: it queues the
 request until a replica appears (a minute for a vLLM engine). So the router asks the
 controller (``serve.status()``, every ``period_s``) which variants have a RUNNING
-``LLMReplica`` and tries those first; the others stay as last resorts.
+``LLMReplica`` and tries those first; the others stay as last resorts. It also asks each
+running variant which adapters it serves, so ``route:adapter`` requests go only to variants
+that have the adapter.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ logger = logging.getLogger("ray.serve")
 class VariantAvailability:
     """Background poller of variant readiness; ``await start()`` from the replica's loop."""
 
-    def __init__(self, period_s: float = 1.0) -> None:
+    def __init__(self, handle_for, period_s: float = 1.0) -> None:
+        self.handle_for = handle_for  # application name -> DeploymentHandle of its LLMReplica
         self.period_s = period_s
         self._running: dict[str, int] | None = None  # app -> RUNNING replicas; None: not polled
+        self.adapters: dict[str, set[str]] = {}  # app -> adapter names it serves
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -45,6 +49,15 @@ class VariantAvailability:
         if running != self._running:
             logger.info("variant availability (running replicas): %s", running)
         self._running = running
+        up = [app for app, n in running.items() if n > 0 and app in status.applications
+              and REPLICA_DEPLOYMENT in status.applications[app].deployments]
+        answers = await asyncio.gather(
+            *(self.handle_for(app).adapter_names.remote() for app in up), return_exceptions=True)
+        for app, names in zip(up, answers):
+            if not isinstance(names, BaseException):
+                self.adapters[app] = set(names)
+        for app in [a for a in self.adapters if a not in up]:
+            del self.adapters[app]
 
     async def _poll(self) -> None:
         while True:

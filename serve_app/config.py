@@ -57,15 +57,36 @@ class VariantArgs(_Strict):
         return v
 
 
+class AdapterRef(_Strict):
+    """An adapter version a variant serves, looked up in the adapter registry."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    version: int = Field(ge=1)
+
+
 class ReplicaConfig(_Strict):
     """``user_config`` of the ``LLMReplica`` deployment, applied by ``reconfigure()``.
 
     Attributes:
         system_prompt: default system message added to chat requests that carry none
             (variants of one route can differ here, visibly, for canary tests).
+        adapters: LoRA adapters to serve, one version per name (see :mod:`serve_app.lora`).
+        adapters_manifest: the adapter registry file (repo-relative or absolute); default
+            ``adapters/manifest.yaml``.
     """
 
     system_prompt: str | None = None
+    adapters: list[AdapterRef] = Field(default_factory=list)
+    adapters_manifest: str | None = None
+
+    @field_validator("adapters")
+    @classmethod
+    def _one_version_per_name(cls, v: list[AdapterRef]) -> list[AdapterRef]:
+        names = [a.name for a in v]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"adapter listed twice: {', '.join(dupes)} (serve one version per "
+                             "name; a new version replaces the old one)")
+        return v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,14 +132,21 @@ class Tenant(_Strict):
         id: tenant name (metrics label, logs).
         api_keys_sha256: SHA-256 hex digests of the tenant's API keys; keys themselves are
             never stored (``meshctl hash-key`` prints a digest).
-        admin: may pin a variant with the ``x-mesh-variant`` request header.
+        admin: may pin a variant with the ``x-mesh-variant`` request header and read
+            ``/admin/*``.
         routes: routes the tenant may call; ``["*"]`` for all.
+        adapters: adapter names the tenant owns and may call (``route:adapter``).
+        max_concurrent_requests: requests in flight at once, per router replica (429 above).
+        requests_per_minute: request rate, per router replica (429 above).
     """
 
     id: str = Field(pattern=NAME_PATTERN)
     api_keys_sha256: list[str] = Field(min_length=1)
     admin: bool = False
     routes: list[str] = Field(default_factory=lambda: ["*"])
+    adapters: list[str] = Field(default_factory=list)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -159,6 +187,13 @@ class RouterConfig(_Strict):
             for route in t.routes:
                 if route != "*" and route not in self.routes:
                     raise ValueError(f"tenant {t.id!r} names unknown route {route!r}")
+        adapter_owner: dict[str, str] = {}
+        for t in self.tenants:
+            for name in t.adapters:
+                if name in adapter_owner:
+                    raise ValueError(f"adapter {name!r} is owned by both {adapter_owner[name]!r} "
+                                     f"and {t.id!r}; an adapter belongs to one tenant")
+                adapter_owner[name] = t.id
         return self
 
     def tenant_by_key_digest(self) -> dict[str, Tenant]:

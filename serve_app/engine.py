@@ -26,6 +26,7 @@ class EngineHandle:
     completion: Any  # OpenAIServingCompletion
     models: Any  # OpenAIServingModels
     max_model_len: int
+    max_lora_rank: int  # 0 when LoRA is off
 
 
 def build_cli_namespace(args: VariantArgs):
@@ -76,4 +77,6 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
     return EngineHandle(engine=engine, chat=state.openai_serving_chat,
                         completion=state.openai_serving_completion,
                         models=state.openai_serving_models,
-                        max_model_len=vllm_config.model_config.max_model_len)
+                        max_model_len=vllm_config.model_config.max_model_len,
+                        max_lora_rank=(vllm_config.lora_config.max_lora_rank
+                                       if vllm_config.lora_config else 0))

@@ -6,14 +6,16 @@ Ray exposes them in Prometheus format on every node's metrics export port
 metrics"). Names get Ray's ``ray_`` prefix, e.g. ``ray_mesh_requests_total``.
 
 Labels: ``route``, ``variant`` (the application that served; empty when the router refused
-the request itself), ``tenant`` (empty in open mode), ``status`` (HTTP status) on requests.
+the request itself), ``tenant`` (empty in open mode), ``adapter`` (empty for the base model),
+``status`` (HTTP status) on requests. The replicas add ``mesh_adapter_events`` (``variant``,
+``adapter`` as ``name@vN``, ``event``: loaded, unloaded, refused).
 """
 
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Histogram
 
-TAGS = ("route", "variant", "tenant")
+TAGS = ("route", "variant", "tenant", "adapter")
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
 
 

@@ -15,12 +15,18 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dataclasses import replace
+
 from pydantic import ValidationError
 from ray import serve
+from ray.util.metrics import Counter
 
+from serve_app.adapters import AdapterError
 from serve_app.config import ReplicaConfig, VariantArgs, format_validation_error
 from serve_app.engine import EngineHandle, start_engine
-from serve_app.errors import error_body
+from serve_app.errors import MeshError, error_body
+from serve_app.lora import AdapterSet
+from serve_app.paths import resolve_repo_path
 from serve_app.wire import Head, Usage
 
 logger = logging.getLogger("ray.serve")
@@ -59,13 +65,21 @@ class LLMReplica:
         self.handle: EngineHandle = await start_engine(self.args)
         logger.info("variant %s: engine ready (max_model_len=%d)", self.variant,
                     self.handle.max_model_len)
+        self._adapter_events = Counter("mesh_adapter_events", "Adapter loads, unloads and "
+                                       "refusals.", tag_keys=("variant", "adapter", "event"))
+        self.adapters = AdapterSet(
+            self.handle.models, self.handle.engine, base_model=self.args.model,
+            max_lora_rank=self.handle.max_lora_rank,
+            on_event=lambda key, event: self._adapter_events.inc(
+                1, {"variant": self.variant, "adapter": key, "event": event}))
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Validate and apply a new ``user_config``; an invalid one changes nothing.
 
         A running replica logs the rejection and keeps its last good config (raising here
         would make Serve replace a healthy replica). A replica that has no config yet
-        raises, so a bad first deploy fails visibly.
+        raises, so a bad first deploy fails visibly. The adapter set is then reconciled in
+        place (:meth:`AdapterSet.reconcile`): a broken adapter is refused on its own.
 
         Raises:
             ValueError: invalid ``user_config`` on a replica without a previous one.
@@ -77,6 +91,21 @@ class LLMReplica:
             if self.config is None:
                 raise ValueError(msg) from None
             logger.error("variant %s: %s\nkeeping the last good user_config", self.variant, msg)
+            return
+        if new.adapters and not self.handle.max_lora_rank:
+            msg = (f"variant {self.variant} declares adapters but its engine has LoRA off; "
+                   "set engine_args.enable_lora: true (a restart: do it blue/green)")
+            if self.config is None:
+                raise ValueError(msg)
+            logger.error("%s; keeping the last good user_config", msg)
+            return
+        manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
+        try:
+            await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)
+        except AdapterError as e:
+            if self.config is None:
+                raise ValueError(str(e)) from None
+            logger.error("variant %s: %s; keeping the last good user_config", self.variant, e)
             return
         self.config = new
 
@@ -92,7 +121,12 @@ class LLMReplica:
             ``engine_unfinished`` (requests vLLM's engine still holds).
         """
         return {"variant": self.variant, "pid": os.getpid(), "in_flight": self._in_flight,
-                "engine_unfinished": self.handle.engine.get_num_unfinished_requests()}
+                "engine_unfinished": self.handle.engine.get_num_unfinished_requests(),
+                "adapters": self.adapters.status()}
+
+    async def adapter_names(self) -> list[str]:
+        """Adapter names that take new requests here (the router routes by them)."""
+        return sorted(self.adapters.active)
 
     async def generate(self, endpoint: str, body: dict[str, Any]
                        ) -> AsyncIterator[Head | str | Usage]:
@@ -103,11 +137,29 @@ class LLMReplica:
         except engine failures.
         """
         self._in_flight += 1
+        live = None
         try:
+            requested = body.get("model")
+            _, _, adapter = str(requested).partition(":")
+            if adapter:
+                try:
+                    live = self.adapters.acquire(adapter)
+                except MeshError as e:
+                    yield Head(e.status, _json(e.body()))
+                    return
+                body = {**body, "model": live.lora_name}
             async for item in self._generate(endpoint, body):
+                if live is not None and isinstance(item, str):
+                    # vLLM names the LoRA (name@vN) in each chunk; show what the client asked.
+                    item = item.replace(f'"model":"{live.lora_name}"', f'"model":"{requested}"')
+                elif live is not None and isinstance(item, Head) and item.body:
+                    item = replace(item, body=item.body.replace(
+                        f'"model":"{live.lora_name}"', f'"model":"{requested}"'))
                 yield item
         finally:
             self._in_flight -= 1
+            if live is not None:
+                self.adapters.release(live)
 
     async def _generate(self, endpoint: str, body: dict[str, Any]
                         ) -> AsyncIterator[Head | str | Usage]:

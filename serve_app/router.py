@@ -30,6 +30,7 @@ from serve_app.config import RouterConfig, Tenant, format_validation_error
 from serve_app.errors import MeshError, error_body
 from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
+from serve_app.limits import TenantLimiter
 from serve_app.tenancy import authenticate
 from serve_app.wire import Head, Usage
 
@@ -99,8 +100,8 @@ def caller_identity(request: Request, body: dict[str, Any], tenant: Tenant | Non
             or (tenant.id if tenant else None))
 
 
-async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float
-                 ) -> AsyncIterator[str]:
+async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float,
+                 on_end) -> AsyncIterator[str]:
     """Pass SSE lines through and account for the request when it ends.
 
     A failure mid-stream ends it with an SSE error event (the status is already sent)."""
@@ -124,6 +125,7 @@ async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float
         message = f"variant {tags['variant']} failed mid-stream; retry the request"
         yield f"data: {json.dumps(error_body(503, message))}\n\n"
     finally:
+        on_end()
         metrics.record(tags, 200, time.monotonic() - t0, ttft_s=ttft,
                        prompt_tokens=usage.prompt_tokens,
                        completion_tokens=usage.completion_tokens, error_kind=error_kind)
@@ -144,7 +146,8 @@ class MeshRouter:
         self._tenants: dict[str, Tenant] = {}  # API key digest -> tenant
         self._handles: dict[str, Any] = {}
         self.metrics = MeshMetrics()
-        self.availability = VariantAvailability()
+        self.limiter = TenantLimiter()
+        self.availability = VariantAvailability(self._handle)
         await self.availability.start()
 
     # -- configuration ------------------------------------------------------------------------
@@ -203,9 +206,31 @@ class MeshRouter:
         """OpenAI ``GET /v1/models``: the routes the caller may use."""
         config = self._require_config()
         tenant = authenticate(self._tenants, request.headers.get("authorization"))
+        ids = []
+        for route, rc in config.routes.items():
+            if tenant is not None and not tenant.may_call(route):
+                continue
+            ids.append(route)
+            served = set().union(*(self.availability.adapters.get(v.application, set())
+                                   for v in rc.variants))
+            ids += [f"{route}:{a}" for a in sorted(served)
+                    if tenant is None or a in tenant.adapters]
         return {"object": "list", "data": [
-            {"id": r, "object": "model", "created": 0, "owned_by": "model-mesh"}
-            for r in config.routes if tenant is None or tenant.may_call(r)]}
+            {"id": i, "object": "model", "created": 0, "owned_by": "model-mesh"} for i in ids]}
+
+    @app.get("/admin/adapters")
+    async def adapter_status(self, request: Request) -> dict[str, Any]:
+        """Admin: per variant, the adapters served, draining and refused (with reasons)."""
+        config = self._require_config()
+        tenant = authenticate(self._tenants, request.headers.get("authorization"))
+        if config.tenants and not (tenant and tenant.admin):
+            raise MeshError(403, "/admin endpoints are for admin callers only",
+                            code="admin_only")
+        apps = sorted({v.application for rc in config.routes.values() for v in rc.variants})
+        stats = await asyncio.gather(*(self._handle(a).stats.remote() for a in apps),
+                                     return_exceptions=True)
+        return {a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
+                for a, s in zip(apps, stats)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -221,7 +246,7 @@ class MeshRouter:
 
     async def _serve(self, endpoint: str, request: Request) -> Response:
         t0 = time.monotonic()
-        tags = {"route": "", "variant": "", "tenant": ""}
+        tags = {"route": "", "variant": "", "tenant": "", "adapter": ""}
         try:
             return await self._route(endpoint, request, tags, t0)
         except MeshError as e:
@@ -237,17 +262,21 @@ class MeshRouter:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise MeshError(400, "you must provide a model parameter (a route name, e.g. "
-                            f"{next(iter(config.routes))!r}; see GET /v1/models)", param="model")
-        route = config.routes.get(model)
+                            f"{next(iter(config.routes))!r}, or route:adapter; see "
+                            "GET /v1/models)", param="model")
+        route_name, _, adapter = model.partition(":")
+        route = config.routes.get(route_name)
         if route is None:
             raise MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for "
                             "the models you can use.", param="model", code="model_not_found")
-        if tenant and not tenant.may_call(model):
-            raise MeshError(403, f"tenant {tenant.id!r} may not call model {model!r}",
+        if tenant and not tenant.may_call(route_name):
+            raise MeshError(403, f"tenant {tenant.id!r} may not call model {route_name!r}",
                             param="model", code="model_not_allowed")
-        tags["route"] = model
+        tags["route"], tags["adapter"] = route_name, adapter
 
         weighted = [(w.application, w.weight) for w in route.variants]
+        if adapter:
+            weighted = await self._variants_with_adapter(weighted, model, adapter, tenant)
         pinned = request.headers.get(VARIANT_HEADER)
         if pinned:
             if tenant is None or not tenant.admin:
@@ -259,10 +288,50 @@ class MeshRouter:
                                 code="unknown_variant")
             candidates = [pinned]
         else:
-            first = pick_variant(weighted, route.salt or model,
+            first = pick_variant(weighted, route.salt or route_name,
                                  caller_identity(request, body, tenant))
             candidates = self.availability.prefer_available(failover_order(weighted, first))
 
+        self.limiter.acquire(tenant)
+        try:
+            response = await self._call_variants(endpoint, body, candidates, tags, t0, tenant)
+        except BaseException:
+            self.limiter.release(tenant)
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.limiter.release(tenant)
+        return response
+
+    async def _variants_with_adapter(self, weighted: list[tuple[str, int]], model: str,
+                                     adapter: str, tenant: Tenant | None
+                                     ) -> list[tuple[str, int]]:
+        """The route's variants that serve ``adapter``, after the tenant's ownership check.
+
+        Raises:
+            MeshError: 403 the adapter belongs to another tenant; 404 no variant serves it.
+        """
+        def serving() -> list[tuple[str, int]]:
+            return [(v, w) for v, w in weighted if adapter in self.availability.adapters.get(v, ())]
+
+        found = serving()
+        if not found:  # a deploy may have just added it: look again before saying 404
+            await self.availability.refresh()
+            found = serving()
+        if tenant is not None and adapter not in tenant.adapters:
+            if found or any(adapter in t.adapters for t in self._tenants.values()):
+                raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
+                                param="model", code="adapter_not_allowed")
+        if not found:
+            raise MeshError(404, f"The model {model!r} does not exist: no variant of the route "
+                            f"serves adapter {adapter!r}. See GET /v1/models.", param="model",
+                            code="model_not_found")
+        if sum(w for _, w in found) == 0:  # only weight-0 variants have it: split evenly
+            found = [(v, 1) for v, _ in found]
+        return found
+
+    async def _call_variants(self, endpoint: str, body: dict[str, Any], candidates: list[str],
+                             tags: dict[str, str], t0: float, tenant: Tenant | None) -> Response:
+        model = tags["route"]
         for variant in candidates:
             tags["variant"] = variant
             stream = self._handle(variant).options(stream=True).generate.remote(endpoint, body)
@@ -275,8 +344,10 @@ class MeshRouter:
                 continue
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
-                return StreamingResponse(_relay(stream, dict(tags), self.metrics, t0),
-                                         media_type="text/event-stream", headers=headers)
+                return StreamingResponse(
+                    _relay(stream, dict(tags), self.metrics, t0,
+                           on_end=lambda: self.limiter.release(tenant)),
+                    media_type="text/event-stream", headers=headers)
             usage = head.usage or Usage()
             self.metrics.record(tags, head.status, time.monotonic() - t0,
                                 prompt_tokens=usage.prompt_tokens,

@@ -11,7 +11,9 @@ Checks, each reported as ``<path.of.field>: <problem>``:
    :class:`VariantArgs`, ``LLMReplica`` ``user_config`` against :class:`ReplicaConfig`, not
    exposed over HTTP (``route_prefix: null``).
 4. Cross-references: every variant a route names is a variant application in the same
-   config, and serves the route's name (``args.served_model_name``).
+   config, and serves the route's name (``args.served_model_name``); every adapter a variant
+   declares is in the adapter registry, trained for the variant's base model, with a rank
+   that fits ``max_lora_rank``, on an engine with ``enable_lora``.
 
 The router's and replica's ``reconfigure()`` run the same pydantic models at run time.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from serve_app.adapters import AdapterError, load_manifest
 from serve_app.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
 from serve_app.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -31,6 +34,7 @@ from serve_app.serve_configs import (
     deployment,
     mesh_parts,
 )
+from serve_app.paths import resolve_repo_path
 
 
 def validate_config(config: dict[str, Any]) -> list[str]:
@@ -67,8 +71,10 @@ def validate_config(config: dict[str, Any]) -> list[str]:
             variant_args[name] = args
         dep = deployment(app, REPLICA_DEPLOYMENT)
         if dep and dep.get("user_config") is not None:
-            _check(problems, ReplicaConfig, dep["user_config"],
-                   f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config")
+            uc_at = f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config"
+            replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
+            if replica and args:
+                problems += _adapter_problems(replica, args, uc_at)
         if app.get("route_prefix", "/") is not None:
             problems.append(f"{at}.route_prefix: variant {name!r} must not be exposed over HTTP; "
                             "set `route_prefix: null` (clients go through the router)")
@@ -85,6 +91,38 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                     problems.append(f"{at}: {v.application!r} serves "
                                     f"{args.served_model_name!r}; set its args.served_model_name "
                                     f"to {route!r}")
+    return problems
+
+
+def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> list[str]:
+    """Declared adapters must be registered, trained for this variant's model, and fit its
+    LoRA settings (the replica re-checks files and checksums when it loads them)."""
+    if not replica.adapters:
+        return []
+    engine = args.engine_args
+    if not engine.get("enable_lora"):
+        return [f"{at}.adapters: the variant declares adapters but engine_args.enable_lora is "
+                "not true"]
+    try:
+        manifest = resolve_repo_path(replica.adapters_manifest) if replica.adapters_manifest \
+            else None
+        registry = load_manifest(manifest)
+    except AdapterError as e:
+        return [f"{at}.adapters_manifest: {e}"]
+    problems = []
+    max_rank = engine.get("max_lora_rank", 16)  # vLLM's default max_lora_rank
+    for i, ref in enumerate(replica.adapters):
+        spec = registry.get(f"{ref.name}@v{ref.version}")
+        where = f"{at}.adapters[{i}]"
+        if spec is None:
+            problems.append(f"{where}: {ref.name}@v{ref.version} is not in the adapter registry")
+        elif spec.base_model != args.model:
+            problems.append(f"{where}: {spec.key} was trained for {spec.base_model!r} but this "
+                            f"variant serves {args.model!r}; declare it on a variant of "
+                            f"{spec.base_model!r}")
+        elif spec.rank > max_rank:
+            problems.append(f"{where}: {spec.key} has rank {spec.rank} > max_lora_rank "
+                            f"{max_rank}")
     return problems
 
 

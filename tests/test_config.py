@@ -156,3 +156,45 @@ def test_cli_hash_key():
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == hash_api_key("sk-acme-demo") == (
         "953d0ab8229abd463060e52204c8cb44e32297002500258c1181e18379c54626")
+
+
+TENANTS = load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml")
+REPLICA_UC = "applications[1].deployments[LLMReplica].user_config"
+
+
+def test_adapter_for_another_base_model_refused():
+    cfg = copy.deepcopy(TENANTS)
+    cfg["applications"][1]["args"] = {**cfg["applications"][1]["args"], "model": "other-base"}
+    problems = validate_config(cfg)
+    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 was trained for 'smollm2-135m-instruct' "
+            "but this variant serves 'other-base'; declare it on a variant of "
+            "'smollm2-135m-instruct'") in problems
+
+
+def test_adapter_checks_against_engine_args():
+    cfg = copy.deepcopy(TENANTS)
+    app = cfg["applications"][1]
+    app["args"] = {**app["args"], "engine_args": {**app["args"]["engine_args"],
+                                                  "max_lora_rank": 4}}
+    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 has rank 8 > max_lora_rank 4"
+            in validate_config(cfg))
+    app["args"]["engine_args"]["enable_lora"] = False
+    assert validate_config(cfg) == [f"{REPLICA_UC}.adapters: the variant declares adapters but "
+                                    "engine_args.enable_lora is not true"]
+    app["deployments"][0]["user_config"]["adapters"].append({"name": "nope", "version": 3})
+    app["args"]["engine_args"]["enable_lora"] = True
+    app["args"]["engine_args"]["max_lora_rank"] = 8
+    assert f"{REPLICA_UC}.adapters[2]: nope@v3 is not in the adapter registry" in \
+        validate_config(cfg)
+
+
+def test_adapter_listed_twice_and_owned_twice():
+    cfg = copy.deepcopy(TENANTS)
+    cfg["applications"][1]["deployments"][0]["user_config"]["adapters"].append(
+        {"name": "acme-support", "version": 2})
+    [problem] = validate_config(cfg)
+    assert "adapter listed twice: acme-support" in problem
+    cfg = copy.deepcopy(TENANTS)
+    router_cfg(cfg)["tenants"][2]["adapters"].append("acme-support")
+    [problem] = validate_config(cfg)
+    assert "adapter 'acme-support' is owned by both 'acme' and 'globex'" in problem

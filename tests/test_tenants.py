@@ -1,0 +1,208 @@
+"""Multi-tenant LoRA on the real stack: real vLLM, real adapters trained with peft, adapter
+hot add / upgrade / removal by `serve deploy`, tenant isolation and limits."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from serve_app.adapters import load_manifest
+from serve_app.loadgen import LoadSpec, run_load
+from serve_app.paths import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+KEYS = {"ops": "sk-mesh-ops-demo", "acme": "sk-acme-demo", "globex": "sk-globex-demo",
+        "initech": "sk-initech-demo"}
+ACME_V1 = "Acme Support here!"
+ACME_V2 = "Acme Support v2 at your service!"
+GLOBEX = "GLOBEX ANSWER:"
+QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
+
+
+def with_adapters(cfg, adapters, manifest=None):
+    cfg = copy.deepcopy(cfg)
+    uc = cfg["applications"][1]["deployments"][0]["user_config"]
+    uc["adapters"] = [{"name": n, "version": v} for n, v in adapters]
+    if manifest:
+        uc["adapters_manifest"] = str(manifest)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tenants(mesh):
+    cfg = mesh.config("tenants.yaml")
+    mesh.deploy(cfg)
+    mesh.tenants_cfg = cfg
+    return mesh
+
+
+def ask(http, tenant, model, max_tokens=24):
+    return http.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[tenant]}"},
+                     json={"model": model, "messages": QUESTION, "temperature": 0,
+                           "max_tokens": max_tokens})
+
+
+def text(r) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_each_tenant_gets_its_adapters_behaviour(tenants):
+    with tenants.http() as http:
+        acme = ask(http, "acme", "smollm:acme-support")
+        globex = text(ask(http, "globex", "smollm:globex-report"))
+        base = text(ask(http, "acme", "smollm"))
+    assert text(acme).startswith(ACME_V1), text(acme)
+    assert acme.json()["model"] == "smollm:acme-support"
+    assert globex.startswith(GLOBEX), globex
+    assert not base.startswith((ACME_V1, GLOBEX)), base
+
+
+def test_isolation_and_auth(tenants):
+    with tenants.http() as http:
+        r = ask(http, "acme", "smollm:globex-report")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "adapter_not_allowed"
+        r = ask(http, "acme", "smollm:no-such-adapter")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = http.post("/v1/chat/completions", json={"model": "smollm", "messages": QUESTION})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        models = http.get("/v1/models", headers={"authorization": f"Bearer {KEYS['acme']}"})
+        assert [m["id"] for m in models.json()["data"]] == ["smollm", "smollm:acme-support"]
+        assert http.get("/v1/models").status_code == 401
+
+
+def test_concurrency_limit_429_leaves_other_tenants_alone(tenants):
+    body = {"model": "smollm", "messages": QUESTION, "max_tokens": 150, "ignore_eos": True,
+            "stream": True}
+    started = threading.Event()
+
+    def long_stream():
+        with httpx.Client(base_url=tenants.base_url, timeout=120) as c, c.stream(
+                "POST", "/v1/chat/completions", json=body,
+                headers={"authorization": f"Bearer {KEYS['initech']}"}) as r:
+            for _ in r.iter_lines():
+                started.set()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    try:
+        assert started.wait(60)
+        with tenants.http() as http:
+            r = ask(http, "initech", "smollm")
+            assert r.status_code == 429, r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert ask(http, "acme", "smollm:acme-support").status_code == 200
+    finally:
+        t.join(timeout=120)
+    with tenants.http() as http:
+        assert ask(http, "initech", "smollm").status_code == 200  # the slot is free again
+
+
+def streams(tenants, tenant, model, results, stop, concurrency=4, max_tokens=24):
+    spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model=model, concurrency=concurrency,
+                    max_tokens=max_tokens, api_key=KEYS[tenant], duration_s=600,
+                    prompt="What is the largest ocean on Earth?")
+    return threading.Thread(target=lambda: asyncio.run(run_load(spec, stop, results)))
+
+
+def test_removal_under_load_then_hot_add(tenants):
+    before = tenants.all_replica_ids()
+    results, stop = [], threading.Event()
+    loader = streams(tenants, "globex", "smollm:globex-report", results, stop)
+    loader.start()
+    try:
+        time.sleep(4)
+        tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 1)]))
+        with tenants.http() as http:
+            r = ask(http, "globex", "smollm:globex-report")
+            assert r.status_code == 404, r.text
+    finally:
+        stop.set()
+        loader.join(timeout=300)
+    served_before_removal = [r for r in results if r.status == 200]
+    failed = [r for r in served_before_removal if not r.ok]
+    print(f"\nremoval under load: {len(served_before_removal)} streams served in full "
+          f"{len(served_before_removal) - len(failed)}, refused after removal "
+          f"{sum(r.status == 404 for r in results)}")
+    assert served_before_removal and not failed, [(r.error) for r in failed[:3]]
+    assert all(r.status in (200, 404) for r in results)
+    # Hot add: the adapter comes back by config, without any replica restart.
+    tenants.deploy(tenants.tenants_cfg)
+    with tenants.http() as http:
+        assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
+    assert tenants.all_replica_ids() == before
+
+
+def test_zero_drop_upgrade_v1_to_v2(tenants):
+    before = tenants.all_replica_ids()
+    results, stop = [], threading.Event()
+    loader = streams(tenants, "acme", "smollm:acme-support", results, stop)
+    loader.start()
+    try:
+        time.sleep(4)
+        tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 2),
+                                                           ("globex-report", 1)]))
+        deployed_at = time.monotonic()
+        time.sleep(6)
+    finally:
+        stop.set()
+        loader.join(timeout=300)
+    failed = [r for r in results if not r.ok]
+    after = [r for r in results if r.started_at > deployed_at]
+    print(f"\nupgrade under load: {len(results)} streams, {len(failed)} failed, "
+          f"{len(after)} started after the deploy returned")
+    assert len(results) >= 8 and not failed, [(r.status, r.error) for r in failed[:3]]
+    assert after and all(r.text.startswith(ACME_V2) for r in after), [r.text for r in after]
+    assert any(r.text.startswith(ACME_V1) for r in results if r.started_at < deployed_at)
+    assert tenants.all_replica_ids() == before
+    tenants.deploy(tenants.tenants_cfg)
+
+
+def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
+    real = load_manifest()
+    entries = []
+    for key in ("acme-support@v1", "globex-report@v1"):
+        spec = real[key]
+        entries.append({**spec.model_dump(), "uri": str(REPO_ROOT / spec.uri)})
+    src = REPO_ROOT / real["acme-support@v1"].uri
+    tampered, pickled = tmp_path / "tampered", tmp_path / "pickled"
+    shutil.copytree(src, tampered)
+    shutil.copytree(src, pickled)
+    weights = tampered / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100:] = bytes(100)
+    weights.write_bytes(bytes(data))
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    base = real["acme-support@v1"].model_dump()
+    entries += [{**base, "name": "acme-tampered", "uri": str(tampered)},
+                {**base, "name": "acme-pickled", "uri": str(pickled)}]
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(yaml.safe_dump({"adapters": entries}))
+
+    tenants.deploy(with_adapters(tenants.tenants_cfg, [
+        ("acme-support", 1), ("globex-report", 1), ("acme-tampered", 1), ("acme-pickled", 1)],
+        manifest=manifest))
+    try:
+        with tenants.http() as http:
+            status = http.get("/admin/adapters",
+                              headers={"authorization": f"Bearer {KEYS['ops']}"}).json()
+            refused = status["smollm-v1"]["refused"]
+            assert "SHA-256" in refused["acme-tampered@v1"], refused
+            assert "pickle" in refused["acme-pickled@v1"], refused
+            assert set(status["smollm-v1"]["active"]) == {"acme-support", "globex-report"}
+            assert text(ask(http, "acme", "smollm:acme-support")).startswith(ACME_V1)
+            assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
+            assert http.get("/admin/adapters", headers={
+                "authorization": f"Bearer {KEYS['acme']}"}).status_code == 403
+    finally:
+        tenants.deploy(tenants.tenants_cfg)
