@@ -24,6 +24,20 @@ from serve_app.paths import DEFAULT_MODEL_NAME
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+def duplicates(names: list[str]) -> list[str]:
+    """Names that occur more than once, sorted."""
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def _single_owner(pairs, describe) -> None:
+    """Raise ``ValueError(describe(item, first_owner, other_owner))`` if an item of the
+    ``(item, owner)`` pairs has two owners."""
+    owner: dict[str, str] = {}
+    for item, who in pairs:
+        if owner.setdefault(item, who) != who:
+            raise ValueError(describe(item, owner[item], who))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -82,8 +96,7 @@ class ReplicaConfig(_Strict):
     @field_validator("adapters")
     @classmethod
     def _one_version_per_name(cls, v: list[AdapterRef]) -> list[AdapterRef]:
-        names = [a.name for a in v]
-        if dupes := sorted({n for n in names if names.count(n) > 1}):
+        if dupes := duplicates([a.name for a in v]):
             raise ValueError(f"adapter listed twice: {', '.join(dupes)} (serve one version per "
                              "name; a new version replaces the old one)")
         return v
@@ -113,9 +126,7 @@ class RouteConfig(_Strict):
     @field_validator("variants")
     @classmethod
     def _weights_and_names(cls, v: list[VariantWeight]) -> list[VariantWeight]:
-        names = [x.application for x in v]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
+        if dupes := duplicates([x.application for x in v]):
             raise ValueError(f"variant listed twice: {', '.join(dupes)}")
         if sum(x.weight for x in v) <= 0:
             raise ValueError("weights sum to 0: give at least one variant a positive weight")
@@ -174,26 +185,17 @@ class RouterConfig(_Strict):
 
     @model_validator(mode="after")
     def _tenants_consistent(self) -> RouterConfig:
-        ids = [t.id for t in self.tenants]
-        if dupes := sorted({i for i in ids if ids.count(i) > 1}):
+        if dupes := duplicates([t.id for t in self.tenants]):
             raise ValueError(f"tenant id listed twice: {', '.join(dupes)}")
-        owner: dict[str, str] = {}
+        _single_owner(((d, t.id) for t in self.tenants for d in t.api_keys_sha256),
+                      lambda d, a, b: f"API key {d[:12]}... belongs to both {a!r} and {b!r}")
+        _single_owner(((n, t.id) for t in self.tenants for n in t.adapters),
+                      lambda n, a, b: f"adapter {n!r} is owned by both {a!r} and {b!r}; an "
+                                      "adapter belongs to one tenant")
         for t in self.tenants:
-            for digest in t.api_keys_sha256:
-                if digest in owner:
-                    raise ValueError(f"API key {digest[:12]}... belongs to both {owner[digest]!r} "
-                                     f"and {t.id!r}")
-                owner[digest] = t.id
             for route in t.routes:
                 if route != "*" and route not in self.routes:
                     raise ValueError(f"tenant {t.id!r} names unknown route {route!r}")
-        adapter_owner: dict[str, str] = {}
-        for t in self.tenants:
-            for name in t.adapters:
-                if name in adapter_owner:
-                    raise ValueError(f"adapter {name!r} is owned by both {adapter_owner[name]!r} "
-                                     f"and {t.id!r}; an adapter belongs to one tenant")
-                adapter_owner[name] = t.id
         return self
 
     def tenant_by_key_digest(self) -> dict[str, Tenant]:

@@ -13,6 +13,8 @@ import asyncio
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +114,22 @@ async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
     finally:
         await client.close()
     return results
+
+
+@contextmanager
+def background_load(spec: LoadSpec) -> Iterator[list[RequestResult]]:
+    """Run :func:`run_load` in a thread while the ``with`` body runs (e.g. deploys); on exit,
+    stop starting requests and wait for those in flight. Yields the results list, filled as
+    requests finish."""
+    results: list[RequestResult] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(run_load(spec, stop, results)))
+    thread.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        thread.join(timeout=spec.timeout_s + 60)
 
 
 def percentile(values: list[float], q: float) -> float:

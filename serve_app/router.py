@@ -57,6 +57,12 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
 
+def _check_body_size(size: int) -> None:
+    if size > MAX_REQUEST_BYTES:
+        raise MeshError(413, f"request body is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
+                        "bytes", code="request_too_large")
+
+
 async def read_json_body(request: Request) -> dict[str, Any]:
     """The request's JSON object.
 
@@ -68,14 +74,11 @@ async def read_json_body(request: Request) -> dict[str, Any]:
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise MeshError(415, f"Content-Type must be application/json, got {content_type!r}",
                         code="unsupported_media_type")
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
-        raise MeshError(413, f"request body is {declared} bytes; the limit is "
-                        f"{MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():  # refuse before reading a body that is too large
+        _check_body_size(int(declared))
     raw = await request.body()
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise MeshError(413, f"request body is {len(raw)} bytes; the limit is "
-                        f"{MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    _check_body_size(len(raw))
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -48,6 +48,12 @@ class Mesh:
                                "port": self.http_port}
         return cfg
 
+    def deploy_shipped(self, name: str) -> dict[str, Any]:
+        """Deploy serve_configs/<name> (on this cluster's port); return the config deployed."""
+        cfg = self.config(name)
+        self.deploy(cfg)
+        return cfg
+
     def write(self, cfg: dict[str, Any]) -> Path:
         self._n += 1
         path = self.workdir / f"config-{self._n}.yaml"
@@ -100,5 +106,5 @@ def mesh(tmp_path_factory) -> Mesh:
 @pytest.fixture(scope="module")
 def local_mesh(mesh: Mesh) -> Mesh:
     """serve_configs/local.yaml deployed with the serve CLI (one vLLM variant, route smollm)."""
-    mesh.deploy(mesh.config("local.yaml"))
+    mesh.deploy_shipped("local.yaml")
     return mesh

@@ -3,17 +3,15 @@ serve CLI, pinning, failover, metrics, invalid live configs, and zero drops unde
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from serve_app.loadgen import LoadSpec, run_load
+from serve_app.loadgen import LoadSpec, background_load
 from serve_app.split import pick_variant
 
 pytestmark = pytest.mark.integration
@@ -32,9 +30,7 @@ def with_weights(cfg, v1: int, v2: int):
 
 @pytest.fixture(scope="module")
 def canary(mesh):
-    cfg = mesh.config("canary.yaml")
-    mesh.deploy(cfg)
-    mesh.canary_cfg = cfg
+    mesh.canary_cfg = mesh.deploy_shipped("canary.yaml")
     return mesh
 
 
@@ -187,11 +183,7 @@ def test_zero_drops_through_ramp_and_retirement(canary):
     canary.deploy(with_weights(canary.canary_cfg, 100, 0))
     spec = LoadSpec(base_url=f"{canary.base_url}/v1", model="smollm", concurrency=4,
                     max_tokens=24, api_key=OPS_KEY, duration_s=600)
-    results: list = []
-    stop = threading.Event()
-    loader = threading.Thread(target=lambda: asyncio.run(run_load(spec, stop, results)))
-    loader.start()
-    try:
+    with background_load(spec) as results:
         time.sleep(5)
         for v1, v2 in ((90, 10), (50, 50), (0, 100)):
             canary.deploy(with_weights(canary.canary_cfg, v1, v2))
@@ -202,9 +194,6 @@ def test_zero_drops_through_ramp_and_retirement(canary):
         route["variants"] = [v for v in route["variants"] if v["application"] != "smollm-v1"]
         canary.deploy(retired)
         time.sleep(5)
-    finally:
-        stop.set()
-        loader.join(timeout=300)
     by_variant = {}
     for r in results:
         by_variant[r.variant] = by_variant.get(r.variant, 0) + 1

@@ -53,7 +53,7 @@ def test_weights_sum_to_zero():
 def test_variant_missing_from_config():
     [problem] = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(
         application="smollm-v3"))
-    assert problem == (f"applications[0].deployments[MeshRouter].user_config.routes.smollm."
+    assert problem == ("applications[0].deployments[MeshRouter].user_config.routes.smollm."
                        "variants[1].application: no variant application named 'smollm-v3' in "
                        "this config; add it or remove it from the route")
 

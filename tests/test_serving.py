@@ -77,6 +77,8 @@ BAD_REQUESTS = [
     ("max_tokens over the limit", b'{"model": "smollm", "messages": [{"role": "user", '
      b'"content": "hi"}], "max_tokens": 100000}', "application/json", 400, "max_tokens"),
     ("wrong content type", b"model=smollm", "application/x-www-form-urlencoded", 415, None),
+    ("body over 4 MiB", b'{"model": "smollm", "messages": [{"role": "user", "content": "'
+     + b"a" * (4 * 1024 * 1024) + b'"}]}', "application/json", 413, None),
 ]
 
 

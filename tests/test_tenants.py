@@ -3,19 +3,17 @@ hot add / upgrade / removal by `serve deploy`, tenant isolation and limits."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
 from serve_app.adapters import load_manifest
-from serve_app.loadgen import LoadSpec, run_load
+from serve_app.loadgen import LoadSpec, background_load
 from serve_app.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -39,9 +37,7 @@ def with_adapters(cfg, adapters, manifest=None):
 
 @pytest.fixture(scope="module")
 def tenants(mesh):
-    cfg = mesh.config("tenants.yaml")
-    mesh.deploy(cfg)
-    mesh.tenants_cfg = cfg
+    mesh.tenants_cfg = mesh.deploy_shipped("tenants.yaml")
     return mesh
 
 
@@ -108,27 +104,21 @@ def test_concurrency_limit_429_leaves_other_tenants_alone(tenants):
         assert ask(http, "initech", "smollm").status_code == 200  # the slot is free again
 
 
-def streams(tenants, tenant, model, results, stop, concurrency=4, max_tokens=24):
-    spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model=model, concurrency=concurrency,
-                    max_tokens=max_tokens, api_key=KEYS[tenant], duration_s=600,
-                    prompt="What is the largest ocean on Earth?")
-    return threading.Thread(target=lambda: asyncio.run(run_load(spec, stop, results)))
+def streams(tenants, tenant, model):
+    """Four concurrent streams of 24 tokens each to ``model``, until the ``with`` ends."""
+    return background_load(LoadSpec(
+        base_url=f"{tenants.base_url}/v1", model=model, concurrency=4, max_tokens=24,
+        api_key=KEYS[tenant], duration_s=600, prompt="What is the largest ocean on Earth?"))
 
 
 def test_removal_under_load_then_hot_add(tenants):
     before = tenants.all_replica_ids()
-    results, stop = [], threading.Event()
-    loader = streams(tenants, "globex", "smollm:globex-report", results, stop)
-    loader.start()
-    try:
+    with streams(tenants, "globex", "smollm:globex-report") as results:
         time.sleep(4)
         tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 1)]))
         with tenants.http() as http:
             r = ask(http, "globex", "smollm:globex-report")
             assert r.status_code == 404, r.text
-    finally:
-        stop.set()
-        loader.join(timeout=300)
     served_before_removal = [r for r in results if r.status == 200]
     failed = [r for r in served_before_removal if not r.ok]
     print(f"\nremoval under load: {len(served_before_removal)} streams served in full "
@@ -145,18 +135,12 @@ def test_removal_under_load_then_hot_add(tenants):
 
 def test_zero_drop_upgrade_v1_to_v2(tenants):
     before = tenants.all_replica_ids()
-    results, stop = [], threading.Event()
-    loader = streams(tenants, "acme", "smollm:acme-support", results, stop)
-    loader.start()
-    try:
+    with streams(tenants, "acme", "smollm:acme-support") as results:
         time.sleep(4)
         tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 2),
                                                            ("globex-report", 1)]))
         deployed_at = time.monotonic()
         time.sleep(6)
-    finally:
-        stop.set()
-        loader.join(timeout=300)
     failed = [r for r in results if not r.ok]
     after = [r for r in results if r.started_at > deployed_at]
     print(f"\nupgrade under load: {len(results)} streams, {len(failed)} failed, "
