@@ -199,10 +199,13 @@ class MeshRouter:
 
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
-        """Router liveness and the routes it serves with their weights."""
+        """Router liveness, the routes with their weights, and which variants have a running
+        replica (as of the last poll of the Serve controller, at most ~1 s old)."""
         config = self._require_config()
+        apps = {w.application for rc in config.routes.values() for w in rc.variants}
         return {"status": "ok", "open_mode": not config.tenants, "routes": {
-            r: {w.application: w.weight for w in rc.variants} for r, rc in config.routes.items()}}
+            r: {w.application: w.weight for w in rc.variants} for r, rc in config.routes.items()},
+            "available": {a: self.availability.is_available(a) for a in sorted(apps)}}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:

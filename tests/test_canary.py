@@ -159,13 +159,13 @@ def test_failover_before_first_byte_when_replica_dies(canary):
         actor = ray.get_actor(f"SERVE_REPLICA::smollm-v2#LLMReplica#{replica_id}",
                               namespace="serve")
         ray.kill(actor, no_restart=True)
-        # Once the controller has noticed (its health check), the router (polling every
-        # second) must stop choosing smollm-v2 rather than queue behind its restart.
+        # Once the controller has noticed (its health check) and the router has polled it,
+        # the router must stop choosing smollm-v2 rather than queue behind its restart.
         deadline = time.monotonic() + 60
-        while canary.replica_ids("smollm-v2", "LLMReplica"):
-            assert time.monotonic() < deadline, "the controller never noticed the dead replica"
-            time.sleep(0.5)
-        time.sleep(2)
+        with canary.http() as http:
+            while http.get("/health").json()["available"]["smollm-v2"]:
+                assert time.monotonic() < deadline, "the router never saw the dead replica"
+                time.sleep(0.5)
         with canary.http() as http:
             served = []
             for i in range(6):
