@@ -51,8 +51,11 @@ class VariantAvailability:
         self._running = running
         up = [app for app, n in running.items() if n > 0 and app in status.applications
               and REPLICA_DEPLOYMENT in status.applications[app].deployments]
+        # A call to a replica that just died queues until its replacement starts: time-box it
+        # so one dead variant never freezes this view.
         answers = await asyncio.gather(
-            *(self.handle_for(app).adapter_names.remote() for app in up), return_exceptions=True)
+            *(asyncio.wait_for(self.handle_for(app).adapter_names.remote(), self.period_s * 2)
+              for app in up), return_exceptions=True)
         for app, names in zip(up, answers):
             if not isinstance(names, BaseException):
                 self.adapters[app] = set(names)
