@@ -184,6 +184,7 @@ def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
             assert "SHA-256" in refused["acme-tampered@v1"], refused
             assert "pickle" in refused["acme-pickled@v1"], refused
             assert set(status["smollm-v1"]["active"]) == {"acme-support", "globex-report"}
+            print(f"\nadapter verify+load times (s): {status['smollm-v1']['load_seconds']}")
             assert text(ask(http, "acme", "smollm:acme-support")).startswith(ACME_V1)
             assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
             assert http.get("/admin/adapters", headers={
