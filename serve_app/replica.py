@@ -132,9 +132,10 @@ class LLMReplica:
                        ) -> AsyncIterator[Head | str | Usage]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
 
-        Yields a :class:`Head`, then SSE lines and a :class:`Usage` if it is a stream. Bad requests become a head
-        with vLLM's own 4xx verdict in the OpenAI error format; nothing raises to the caller
-        except engine failures.
+        ``body["model"]`` is ``route`` or ``route:adapter``. Yields a :class:`Head`, then SSE
+        lines and a :class:`Usage` if it is a stream. Bad requests become a head with vLLM's
+        own 4xx verdict in the OpenAI error format (404 for an adapter not served here);
+        nothing raises to the caller except engine failures.
         """
         self._in_flight += 1
         live = None
@@ -149,13 +150,7 @@ class LLMReplica:
                     return
                 body = {**body, "model": live.lora_name}
             async for item in self._generate(endpoint, body):
-                if live is not None and isinstance(item, str):
-                    # vLLM names the LoRA (name@vN) in each chunk; show what the client asked.
-                    item = item.replace(f'"model":"{live.lora_name}"', f'"model":"{requested}"')
-                elif live is not None and isinstance(item, Head) and item.body:
-                    item = replace(item, body=item.body.replace(
-                        f'"model":"{live.lora_name}"', f'"model":"{requested}"'))
-                yield item
+                yield _rename_model(item, live.lora_name, requested) if live else item
         finally:
             self._in_flight -= 1
             if live is not None:
@@ -227,6 +222,16 @@ class LLMReplica:
         handle = getattr(self, "handle", None)
         if handle is not None:
             handle.engine.shutdown()
+
+
+def _rename_model(item: Head | str | Usage, lora_name: str, requested: str):
+    """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON; show what the client asked."""
+    old, new = f'"model":"{lora_name}"', f'"model":"{requested}"'
+    if isinstance(item, str):
+        return item.replace(old, new)
+    if isinstance(item, Head) and item.body:
+        return replace(item, body=item.body.replace(old, new))
+    return item
 
 
 def _is_usage_chunk(line: str) -> bool:
