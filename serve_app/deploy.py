@@ -6,7 +6,6 @@ same source ``serve status`` reads. Used by the demo, the tests and ``meshctl``.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -58,7 +57,7 @@ def deploy(config_path: str | Path, dashboard: str = DEFAULT_DASHBOARD, *,
     before = _deployed_times(dashboard)
     log(f"serve deploy {config_path} -> {dashboard}")
     proc = subprocess.run([serve_cli(), "deploy", "-a", dashboard, str(config_path)],
-                          capture_output=True, text=True, env={**os.environ})
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise DeployError(f"serve deploy {config_path} failed:\n{proc.stderr[-4000:]}")
     if wait:
