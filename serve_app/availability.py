@@ -49,8 +49,7 @@ class VariantAvailability:
         if running != self._running:
             logger.info("variant availability (running replicas): %s", running)
         self._running = running
-        up = [app for app, n in running.items() if n > 0 and app in status.applications
-              and REPLICA_DEPLOYMENT in status.applications[app].deployments]
+        up = [app for app, n in running.items() if n > 0]
         # A call to a replica that just died queues until its replacement starts: time-box it
         # so one dead variant never freezes this view.
         answers = await asyncio.gather(

@@ -13,12 +13,15 @@ Validation errors name the path of the bad field (pydantic's ``loc``); see
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serve_app.paths import DEFAULT_MODEL_NAME
+
+logger = logging.getLogger("ray.serve")
 
 # Route and application names end up in URLs, metric labels and `route:adapter` model ids.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -213,6 +216,25 @@ class RouterConfig(_Strict):
     def applications(self) -> set[str]:
         """Every variant application any route names."""
         return {w.application for r in self.routes.values() for w in r.variants}
+
+    def weights(self) -> dict[str, dict[str, int]]:
+        """Route -> variant application -> weight (for logs and ``/health``)."""
+        return {r: {w.application: w.weight for w in rc.variants} for r, rc in self.routes.items()}
+
+
+def reject_user_config(last_good: object | None, message: str) -> None:
+    """Refuse a new ``user_config`` in ``reconfigure()``.
+
+    With no last good config (a replica's first one) this raises, so a bad first deploy fails
+    visibly; otherwise it logs ``message`` and returns, and the caller keeps the last good
+    config (raising there would make Serve replace a healthy replica).
+
+    Raises:
+        ValueError: ``last_good`` is None.
+    """
+    if last_good is None:
+        raise ValueError(message)
+    logger.error("%s\nkeeping the last good user_config", message)
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:

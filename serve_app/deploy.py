@@ -92,7 +92,8 @@ def wait_until_running(dashboard: str, expected: list[str], before: dict[str, fl
         if taken and not pending and not leftover:
             return
         if time.monotonic() > deadline:
-            raise DeployError(f"timed out after {timeout_s:.0f} s waiting for {pending or leftover}")
+            raise DeployError(f"timed out after {timeout_s:.0f} s waiting for "
+                              f"{pending or leftover}")
         if time.monotonic() - last_log > 10:
             state = ", ".join(f"{n}={s}" for n, s in pending.items()) or "taking the new config"
             log(f"  waiting: {state}" + (f"; removing {', '.join(leftover)}" if leftover else ""))

@@ -52,5 +52,6 @@ def error_body(status: int, message: str, *, param: str | None = None,
     """Build the OpenAI error body for ``status`` (type chosen from the status)."""
     if code is None or isinstance(code, int):
         code = HTTPStatus(status).phrase.lower().replace(" ", "_")
-    error_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    fallback = "server_error" if status >= 500 else "invalid_request_error"
+    error_type = _TYPE_BY_STATUS.get(status, fallback)
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -22,7 +22,8 @@ from ray import serve
 from ray.util.metrics import Counter
 
 from serve_app.adapters import AdapterError
-from serve_app.config import ReplicaConfig, VariantArgs, format_validation_error
+from serve_app.config import (ReplicaConfig, VariantArgs, format_validation_error,
+                              reject_user_config)
 from serve_app.engine import EngineHandle, start_engine
 from serve_app.errors import MeshError, error_body
 from serve_app.lora import AdapterSet
@@ -87,26 +88,17 @@ class LLMReplica:
         try:
             new = ReplicaConfig.model_validate(user_config or {})
         except ValidationError as e:
-            msg = f"invalid LLMReplica user_config:\n{format_validation_error(e, 'user_config')}"
-            if self.config is None:
-                raise ValueError(msg) from None
-            logger.error("variant %s: %s\nkeeping the last good user_config", self.variant, msg)
-            return
+            return reject_user_config(self.config, f"variant {self.variant}: invalid LLMReplica "
+                                      f"user_config:\n{format_validation_error(e, 'user_config')}")
         if new.adapters and not self.handle.max_lora_rank:
-            msg = (f"variant {self.variant} declares adapters but its engine has LoRA off; "
-                   "set engine_args.enable_lora: true (a restart: do it blue/green)")
-            if self.config is None:
-                raise ValueError(msg)
-            logger.error("%s; keeping the last good user_config", msg)
-            return
+            return reject_user_config(self.config, f"variant {self.variant} declares adapters "
+                                      "but its engine has LoRA off; set engine_args.enable_lora: "
+                                      "true (a restart: do it blue/green)")
         manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
         try:
             await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)
         except AdapterError as e:
-            if self.config is None:
-                raise ValueError(str(e)) from None
-            logger.error("variant %s: %s; keeping the last good user_config", self.variant, e)
-            return
+            return reject_user_config(self.config, f"variant {self.variant}: {e}")
         self.config = new
 
     async def check_health(self) -> None:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.availability import VariantAvailability
-from serve_app.config import RouterConfig, Tenant, format_validation_error
+from serve_app.config import RouterConfig, Tenant, format_validation_error, reject_user_config
 from serve_app.errors import MeshError, error_body
 from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
@@ -167,11 +167,9 @@ class MeshRouter:
         try:
             new = RouterConfig.model_validate(user_config or {})
         except ValidationError as e:
-            msg = f"invalid MeshRouter user_config:\n{format_validation_error(e, 'user_config')}"
-            if self.config is None:
-                raise ValueError(msg) from None
+            reject_user_config(self.config, "invalid MeshRouter user_config:\n"
+                               + format_validation_error(e, "user_config"))
             self.metrics.config_rejected.inc()
-            logger.error("%s\nkeeping the last good config", msg)
             return
         self.config = new
         self._tenants = new.tenant_by_key_digest()
@@ -179,8 +177,7 @@ class MeshRouter:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
                            "unauthenticated. Add `tenants:` to the MeshRouter user_config "
                            "before exposing the mesh.")
-        logger.info("router config applied: %s", {
-            r: {w.application: w.weight for w in rc.variants} for r, rc in new.routes.items()})
+        logger.info("router config applied: %s", new.weights())
 
     def _require_config(self) -> RouterConfig:
         if self.config is None:
@@ -202,10 +199,9 @@ class MeshRouter:
         """Router liveness, the routes with their weights, and which variants have a running
         replica (as of the last poll of the Serve controller, at most ~1 s old)."""
         config = self._require_config()
-        apps = {w.application for rc in config.routes.values() for w in rc.variants}
-        return {"status": "ok", "open_mode": not config.tenants, "routes": {
-            r: {w.application: w.weight for w in rc.variants} for r, rc in config.routes.items()},
-            "available": {a: self.availability.is_available(a) for a in sorted(apps)}}
+        return {"status": "ok", "open_mode": not config.tenants, "routes": config.weights(),
+                "available": {a: self.availability.is_available(a)
+                              for a in sorted(config.applications())}}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -232,7 +228,7 @@ class MeshRouter:
         if config.tenants and not (tenant and tenant.admin):
             raise MeshError(403, "/admin endpoints are for admin callers only",
                             code="admin_only")
-        apps = sorted({v.application for rc in config.routes.values() for v in rc.variants})
+        apps = sorted(config.applications())
         stats = await asyncio.gather(*(self._handle(a).stats.remote() for a in apps),
                                      return_exceptions=True)
         return {a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
