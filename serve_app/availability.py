@@ -4,8 +4,8 @@ A ``DeploymentHandle`` to a deployment with no running replica does not fail: it
 request until a replica appears (a minute for a vLLM engine). So the router asks the
 controller (``serve.status()``, every ``period_s``) which variants have a RUNNING
 ``LLMReplica`` and tries those first; the others stay as last resorts. It also asks each
-running variant which adapters it serves, so ``route:adapter`` requests go only to variants
-that have the adapter.
+running variant which adapter versions (``name@vN``) it serves, so ``route:adapter`` requests
+go only to variants that have the adapter.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class VariantAvailability:
         self.handle_for = handle_for  # application name -> DeploymentHandle of its LLMReplica
         self.period_s = period_s
         self._running: dict[str, int] | None = None  # app -> RUNNING replicas; None: not polled
-        self.adapters: dict[str, set[str]] = {}  # app -> adapter names it serves
+        self.adapters: dict[str, set[str]] = {}  # app -> adapter versions it serves, "name@vN"
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -74,3 +74,10 @@ class VariantAvailability:
         """``candidates`` with the available ones first, each group in its given order."""
         up = [c for c in candidates if self.is_available(c)]
         return up + [c for c in candidates if c not in up]
+
+    def serves(self, application: str, adapter: str) -> bool:
+        """Whether the application serves ``adapter``: a version ``name@vN``, or any version
+        of ``name``."""
+        versions = self.adapters.get(application, ())
+        return adapter in versions if "@" in adapter else any(
+            v.partition("@")[0] == adapter for v in versions)

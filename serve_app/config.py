@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -81,33 +82,123 @@ class AdapterRef(_Strict):
     version: int = Field(ge=1)
 
 
+class FaultInjection(_Strict):
+    """FOR TESTS AND DRILLS ONLY: make a share of a variant's requests fail or slow down, so a
+    rollback can be exercised on a real deployment. Leave unset in production.
+
+    Attributes:
+        error_rate: share of requests (0..1) answered with HTTP 500 ``injected_fault``.
+        delay_rate: share of requests (0..1) held ``delay_ms`` before generation starts.
+        delay_ms: the added delay, ms.
+    """
+
+    error_rate: float = Field(default=0.0, ge=0, le=1)
+    delay_rate: float = Field(default=0.0, ge=0, le=1)
+    delay_ms: int = Field(default=0, ge=0, le=600_000)
+
+
 class ReplicaConfig(_Strict):
     """``user_config`` of the ``LLMReplica`` deployment, applied by ``reconfigure()``.
 
     Attributes:
         system_prompt: default system message added to chat requests that carry none
             (variants of one route can differ here, visibly, for canary tests).
-        adapters: LoRA adapters to serve, one version per name (see :mod:`serve_app.lora`).
+        adapters: LoRA adapters to serve (see :mod:`serve_app.lora`). Usually one version
+            per name (a new version replaces the old one); two versions of a name serve an
+            adapter version canary, split by the router's ``routes.<route>.adapters``.
         adapters_manifest: the adapter registry file (repo-relative or absolute); default
             ``adapters/manifest.yaml``.
+        fault_injection: testing only, see :class:`FaultInjection`.
     """
 
     system_prompt: str | None = None
     adapters: list[AdapterRef] = Field(default_factory=list)
     adapters_manifest: str | None = None
+    fault_injection: FaultInjection | None = None
 
     @field_validator("adapters")
     @classmethod
-    def _one_version_per_name(cls, v: list[AdapterRef]) -> list[AdapterRef]:
-        if dupes := duplicates([a.name for a in v]):
-            raise ValueError(f"adapter listed twice: {', '.join(dupes)} (serve one version per "
-                             "name; a new version replaces the old one)")
+    def _each_version_once(cls, v: list[AdapterRef]) -> list[AdapterRef]:
+        if dupes := duplicates([f"{a.name}@v{a.version}" for a in v]):
+            raise ValueError(f"adapter version listed twice: {', '.join(dupes)}")
         return v
 
 
 # ---------------------------------------------------------------------------------------------
 # Router: routes and weights
 # ---------------------------------------------------------------------------------------------
+
+class RolloutGates(_Strict):
+    """What the canary must stay within, compared with the stable arm, to advance.
+
+    Figures come from the router's own observations of each request (the same ones behind
+    the ``mesh_*`` metrics): the canary's over the current step, the stable arm's over the
+    whole rollout. ``None`` switches a ratio gate off.
+
+    Attributes:
+        max_error_rate_increase: canary error rate minus stable error rate (fractions; an
+            error is HTTP >= 500, a variant failing before its first byte, or a truncated
+            stream).
+        max_ttft_p95_ratio: canary / stable time-to-first-token p95 (streamed requests).
+        max_latency_p95_ratio: canary / stable end-to-end latency p95.
+        max_truncated_streams: canary streams cut short in one step.
+    """
+
+    max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
+    max_ttft_p95_ratio: float | None = Field(default=1.5, gt=0)
+    max_latency_p95_ratio: float | None = Field(default=1.5, gt=0)
+    max_truncated_streams: int = Field(default=0, ge=0)
+
+
+class RolloutPolicy(_Strict):
+    """A progressive rollout of a split's canary (its last arm) against its stable (first) arm.
+
+    The mesh sets the canary's weight to each step in turn (stable gets the rest). A step
+    passes when the canary has ``min_requests`` requests in it, ``min_step_s`` has passed and
+    every gate holds; after the last step the canary is promoted (weight 100). A gate that
+    fails once the canary has ``min_requests`` requests rolls it back (weight 0) at once.
+    While a rollout is on, it owns the split's weights; the configured ones are ignored.
+
+    Attributes:
+        id: the rollout's name; deploy a new one to restart from the first step.
+        steps: canary weights in percent, strictly increasing, in 1..100.
+        min_requests: canary requests per step before a verdict.
+        min_step_s: seconds each step lasts at least.
+        gates: see :class:`RolloutGates`.
+        paused: hold the current step (no verdicts) until a deploy sets it false again.
+        abort: roll back now (canary weight 0) and stop.
+    """
+
+    id: str = Field(default="1", min_length=1, max_length=64)
+    steps: list[int] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
+    min_requests: int = Field(default=20, ge=1)
+    min_step_s: float = Field(default=60, ge=0)
+    gates: RolloutGates = Field(default_factory=RolloutGates)
+    paused: bool = False
+    abort: bool = False
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_percentages(cls, v: list[int]) -> list[int]:
+        if any(not 1 <= x <= 100 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"steps {v} must be strictly increasing percentages in 1..100, "
+                             "e.g. [5, 25, 50, 100]")
+        return v
+
+
+def _check_weights(what: str, weighted: list[tuple[str, int]]) -> None:
+    """Rules every weighted split shares (route variants, adapter versions)."""
+    if dupes := duplicates([arm for arm, _ in weighted]):
+        raise ValueError(f"{what} listed twice: {', '.join(dupes)}")
+    if sum(w for _, w in weighted) <= 0:
+        raise ValueError("weights sum to 0: give at least one a positive weight")
+
+
+def _check_rollout(what: str, n_arms: int, rollout: RolloutPolicy | None) -> None:
+    if rollout is not None and n_arms != 2:
+        raise ValueError(f"a rollout needs exactly two {what}s, stable first and canary last; "
+                         f"got {n_arms}")
+
 
 class VariantWeight(_Strict):
     """One variant of a route and its integer weight (0: deployed, gets no new traffic)."""
@@ -116,24 +207,63 @@ class VariantWeight(_Strict):
     weight: int = Field(ge=0)
 
 
+class VersionWeight(_Strict):
+    """One version of an adapter and its integer weight."""
+
+    version: int = Field(ge=1)
+    weight: int = Field(ge=0)
+
+
+class AdapterSplit(_Strict):
+    """An adapter version canary: callers of ``route:<name>`` split between versions.
+
+    Every version listed must be served by a variant of the route (its ``LLMReplica``
+    ``user_config.adapters`` lists both). Stable version first, canary last.
+    """
+
+    versions: list[VersionWeight] = Field(min_length=1)
+    rollout: RolloutPolicy | None = None
+
+    @field_validator("versions")
+    @classmethod
+    def _weights(cls, v: list[VersionWeight]) -> list[VersionWeight]:
+        _check_weights("version", [(f"v{x.version}", x.weight) for x in v])
+        return v
+
+    @model_validator(mode="after")
+    def _rollout_arms(self) -> AdapterSplit:
+        _check_rollout("version", len(self.versions), self.rollout)
+        return self
+
+
 class RouteConfig(_Strict):
     """A route: the variants a client's ``model`` name maps to, laid out in this order.
 
     Sticky assignment maps callers onto [0, 1) in variant order, so list the stable variant
     first and the canary last: raising the canary's weight then only moves callers to it.
+
+    Attributes:
+        variants: the variant applications and their weights.
+        salt: hash salt of the sticky split; defaults to the route name.
+        rollout: progressive rollout of the last variant (see :class:`RolloutPolicy`).
+        adapters: adapter name -> version split (adapter version canaries).
     """
 
     variants: list[VariantWeight] = Field(min_length=1)
     salt: str | None = Field(default=None, description="hash salt; defaults to the route name")
+    rollout: RolloutPolicy | None = None
+    adapters: dict[str, AdapterSplit] = Field(default_factory=dict)
 
     @field_validator("variants")
     @classmethod
-    def _weights_and_names(cls, v: list[VariantWeight]) -> list[VariantWeight]:
-        if dupes := duplicates([x.application for x in v]):
-            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
-        if sum(x.weight for x in v) <= 0:
-            raise ValueError("weights sum to 0: give at least one variant a positive weight")
+    def _weights(cls, v: list[VariantWeight]) -> list[VariantWeight]:
+        _check_weights("variant", [(x.application, x.weight) for x in v])
         return v
+
+    @model_validator(mode="after")
+    def _rollout_arms(self) -> RouteConfig:
+        _check_rollout("variant", len(self.variants), self.rollout)
+        return self
 
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -217,9 +347,33 @@ class RouterConfig(_Strict):
         """Every variant application any route names."""
         return {w.application for r in self.routes.values() for w in r.variants}
 
-    def weights(self) -> dict[str, dict[str, int]]:
-        """Route -> variant application -> weight (for logs and ``/health``)."""
-        return {r: {w.application: w.weight for w in rc.variants} for r, rc in self.routes.items()}
+    def splits(self) -> dict[str, Split]:
+        """Every weighted split, by key: ``route`` (its variants) and ``route:adapter`` (the
+        versions of an adapter, arms named ``adapter@vN``)."""
+        out = {}
+        for route, rc in self.routes.items():
+            out[route] = Split([(w.application, w.weight) for w in rc.variants],
+                               rc.salt or route, rc.rollout)
+            for name, ac in rc.adapters.items():
+                key = f"{route}:{name}"
+                out[key] = Split([(f"{name}@v{v.version}", v.weight) for v in ac.versions],
+                                 key, ac.rollout)
+        return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """A weighted split as the router uses it.
+
+    Attributes:
+        weighted: ``(arm, weight)`` in config order, stable first.
+        salt: hash salt of the sticky assignment.
+        rollout: the progressive rollout that owns the weights, if any.
+    """
+
+    weighted: list[tuple[str, int]]
+    salt: str
+    rollout: RolloutPolicy | None = None
 
 
 def reject_user_config(last_good: object | None, message: str) -> None:

@@ -8,6 +8,9 @@ registry (:mod:`serve_app.adapters`). :meth:`AdapterSet.reconcile`:
   are never reused for another);
 - a new version of a served name is loaded under its own name; new requests use it at once;
   requests in flight finish on the old one, which is unloaded when its last request ends;
+- several versions of one name may be listed (an adapter version canary): all are served,
+  the router picks one per caller (``route:name@vN``); a request naming no version gets the
+  first listed;
 - a removed adapter stops taking requests (404) and is unloaded once its requests end;
 - a broken adapter is refused with its reason (see :attr:`AdapterSet.refused`) and changes
   nothing else: the version that served before keeps serving.
@@ -61,8 +64,9 @@ class AdapterSet:
         self.base_model = base_model
         self.max_lora_rank = max_lora_rank
         self.on_event = on_event
-        self.active: dict[str, LiveAdapter] = {}  # adapter name -> version taking new requests
-        self.retiring: dict[str, LiveAdapter] = {}  # lora name -> version draining
+        self.active: dict[str, LiveAdapter] = {}  # "name@vN" -> version taking new requests
+        self.default: dict[str, str] = {}  # adapter name -> "name@vN" for unversioned requests
+        self.retiring: dict[str, LiveAdapter] = {}  # "name@vN" -> version draining
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
         self.load_seconds: dict[str, float] = {}  # "name@vN" -> verify + load time, s
         self._lock = asyncio.Lock()
@@ -70,48 +74,54 @@ class AdapterSet:
     # -- reconcile ---------------------------------------------------------------------------
 
     async def reconcile(self, refs: list[tuple[str, int]], manifest: Path | None) -> None:
-        """Make the served set equal ``refs`` (``(name, version)`` pairs).
+        """Make the served set equal ``refs`` (``(name, version)`` pairs, in config order).
 
-        Never raises for a bad adapter: it is refused (reason in :attr:`refused`) and the rest
-        of the set is applied.
+        Several versions of one name may be served at once (an adapter version canary; the
+        router picks the version per caller). Requests that name no version get the first
+        listed version of the name (:meth:`acquire`).
+
+        Never raises for a bad adapter: it is refused (reason in :attr:`refused`), the rest of
+        the set is applied, and the versions of that name that served before keep serving.
 
         Raises:
             AdapterError: the manifest itself is unreadable (nothing is changed).
         """
         specs = await asyncio.to_thread(load_manifest, manifest) if refs else {}
         async with self._lock:
-            wanted = dict(refs)
-            for name in [n for n in self.active if n not in wanted]:
-                self._retire(self.active.pop(name))
-                logger.info("adapter %s removed: new requests get 404", name)
-            for name, version in refs:
-                current = self.active.get(name)
-                if current and current.spec.version == version:
+            wanted = [f"{name}@v{version}" for name, version in refs]
+            refused_names = set()
+            for key in wanted:
+                if key in self.active:
                     continue
-                key = f"{name}@v{version}"
                 if key in self.retiring:  # still draining: take it back instead of reloading
-                    self.active[name] = self.retiring.pop(key)
-                    if current:
-                        self._retire(current)
+                    self.active[key] = self.retiring.pop(key)
                     logger.info("adapter %s serves new requests again", key)
                     continue
-                spec = specs.get(key)
                 try:
+                    spec = specs.get(key)
                     if spec is None:
                         raise AdapterError(f"adapter {key} is not in the registry "
                                            f"{manifest or 'adapters/manifest.yaml'}; add it there")
-                    live = await self._load(spec)
+                    self.active[key] = await self._load(spec)
                 except AdapterError as e:
+                    refused_names.add(_name(key))
                     self.refused[key] = str(e)
                     self.on_event(key, "refused")
-                    logger.error("adapter %s refused: %s (still serving: %s)", key, e,
-                                 current.lora_name if current else "nothing")
+                    logger.error("adapter %s refused: %s", key, e)
                     continue
                 self.refused.pop(key, None)
-                self.active[name] = live
-                if current:
-                    self._retire(current)
-                logger.info("adapter %s now serves new requests", live.lora_name)
+                logger.info("adapter %s now serves new requests", key)
+            for key in [k for k in self.active if k not in wanted]:
+                if _name(key) in refused_names and not any(
+                        _name(k) == _name(key) and k in self.active for k in wanted):
+                    logger.warning("adapter %s keeps serving: its replacement was refused", key)
+                    continue
+                self._retire(self.active.pop(key))
+                logger.info("adapter %s retired: new requests no longer use it", key)
+            order = [k for k in wanted if k in self.active] + list(self.active)
+            self.default = {}
+            for key in order:
+                self.default.setdefault(_name(key), key)
 
     async def _load(self, spec: AdapterSpec) -> LiveAdapter:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -146,15 +156,19 @@ class AdapterSet:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def acquire(self, name: str) -> LiveAdapter:
-        """The version of ``name`` that takes new requests; count the request on it.
+    def acquire(self, adapter: str) -> LiveAdapter:
+        """The version that takes this request; count the request on it.
+
+        Args:
+            adapter: ``name@vN`` for one version, or ``name`` for its default version (the
+                first one listed in the config).
 
         Raises:
-            MeshError: 404 if this replica does not serve ``name``.
+            MeshError: 404 if this replica does not serve it.
         """
-        live = self.active.get(name)
+        live = self.active.get(self.default.get(adapter, adapter))
         if live is None:
-            raise MeshError(404, f"adapter {name!r} is not served by this variant",
+            raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
         live.in_flight += 1
         return live
@@ -168,9 +182,14 @@ class AdapterSet:
     def status(self) -> dict[str, Any]:
         """Served, draining and refused adapters, for the admin endpoint."""
         return {
-            "active": {n: {"version": a.spec.version, "in_flight": a.in_flight}
-                       for n, a in self.active.items()},
+            "active": {k: {"in_flight": a.in_flight, "default": self.default.get(_name(k)) == k}
+                       for k, a in self.active.items()},
             "retiring": {n: {"in_flight": a.in_flight} for n, a in self.retiring.items()},
             "refused": dict(self.refused),
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
         }
+
+
+def _name(key: str) -> str:
+    """``"name@vN"`` -> ``"name"``."""
+    return key.partition("@")[0]

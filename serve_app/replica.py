@@ -9,9 +9,11 @@ place by ``reconfigure()``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +30,7 @@ from serve_app.engine import EngineHandle, start_engine
 from serve_app.errors import MeshError, error_body
 from serve_app.lora import AdapterSet
 from serve_app.paths import resolve_repo_path
-from serve_app.wire import Head, Usage
+from serve_app.wire import ADAPTER_HEADER, Head, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -99,6 +101,9 @@ class LLMReplica:
             await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)
         except AdapterError as e:
             return reject_user_config(self.config, f"variant {self.variant}: {e}")
+        if new.fault_injection:
+            logger.warning("variant %s: FAULT INJECTION ON (testing only): %s", self.variant,
+                           new.fault_injection.model_dump())
         self.config = new
 
     async def check_health(self) -> None:
@@ -117,36 +122,56 @@ class LLMReplica:
                 "adapters": self.adapters.status()}
 
     async def adapter_names(self) -> list[str]:
-        """Adapter names that take new requests here (the router routes by them)."""
+        """Adapter versions (``name@vN``) that take new requests here (the router routes by
+        them)."""
         return sorted(self.adapters.active)
 
-    async def generate(self, endpoint: str, body: dict[str, Any]
+    async def generate(self, endpoint: str, body: dict[str, Any], adapter_version: str | None = None
                        ) -> AsyncIterator[Head | str | Usage]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
 
-        ``body["model"]`` is ``route`` or ``route:adapter``. Yields a :class:`Head`, then SSE
-        lines and a :class:`Usage` if it is a stream. Bad requests become a head with vLLM's
-        own 4xx verdict in the OpenAI error format (404 for an adapter not served here);
-        nothing raises to the caller except engine failures.
+        ``body["model"]`` is ``route`` or ``route:adapter``; ``adapter_version`` (``name@vN``)
+        is the version an adapter split chose, else the adapter's default version serves.
+        Yields a :class:`Head` (with ``x-mesh-adapter: name@vN`` for adapter requests), then
+        SSE lines and a :class:`Usage` if it is a stream. Bad requests become a head with
+        vLLM's own 4xx verdict in the OpenAI error format (404 for an adapter not served
+        here); nothing raises to the caller except engine failures.
         """
         self._in_flight += 1
         live = None
         try:
+            if fault := await self._injected_fault():
+                yield fault
+                return
             requested = body.get("model")
             _, _, adapter = str(requested).partition(":")
             if adapter:
                 try:
-                    live = self.adapters.acquire(adapter)
+                    live = self.adapters.acquire(adapter_version or adapter)
                 except MeshError as e:
                     yield Head(e.status, _json(e.body()))
                     return
                 body = {**body, "model": live.lora_name}
             async for item in self._generate(endpoint, body):
-                yield _rename_model(item, live.lora_name, requested) if live else item
+                yield _for_client(item, live, requested) if live else item
         finally:
             self._in_flight -= 1
             if live is not None:
                 self.adapters.release(live)
+
+    async def _injected_fault(self) -> Head | None:
+        """``user_config.fault_injection`` (tests and drills): maybe sleep, maybe fail."""
+        fault = self.config.fault_injection if self.config else None
+        if fault is None:
+            return None
+        if fault.delay_ms and random.random() < fault.delay_rate:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        if random.random() < fault.error_rate:
+            return Head(500, _json(error_body(
+                500, f"injected fault: variant {self.variant} has user_config.fault_injection."
+                f"error_rate {fault.error_rate} (a test or drill setting)",
+                code="injected_fault")))
+        return None
 
     async def _generate(self, endpoint: str, body: dict[str, Any]
                         ) -> AsyncIterator[Head | str | Usage]:
@@ -216,13 +241,15 @@ class LLMReplica:
             handle.engine.shutdown()
 
 
-def _rename_model(item: Head | str | Usage, lora_name: str, requested: str):
-    """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON; show what the client asked."""
-    old, new = f'"model":"{lora_name}"', f'"model":"{requested}"'
+def _for_client(item: Head | str | Usage, live, requested: str):
+    """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON: show what the client asked
+    instead, and say which version served in the ``x-mesh-adapter`` header."""
+    old, new = f'"model":"{live.lora_name}"', f'"model":"{requested}"'
     if isinstance(item, str):
         return item.replace(old, new)
-    if isinstance(item, Head) and item.body:
-        return replace(item, body=item.body.replace(old, new))
+    if isinstance(item, Head):
+        return replace(item, body=item.body.replace(old, new) if item.body else item.body,
+                       headers={**item.headers, ADAPTER_HEADER: live.lora_name})
     return item
 
 

@@ -26,11 +26,14 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.availability import VariantAvailability
-from serve_app.config import RouterConfig, Tenant, format_validation_error, reject_user_config
+from serve_app.config import (RouterConfig, Split, Tenant, format_validation_error,
+                              reject_user_config)
 from serve_app.errors import MeshError, error_body
 from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
 from serve_app.limits import TenantLimiter
+from serve_app.rollout import Observation
+from serve_app.rollout_controller import REPORT_PERIOD_S, RolloutController
 from serve_app.tenancy import authenticate
 from serve_app.wire import Head, Usage
 
@@ -42,6 +45,8 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 5
 VARIANT_HEADER = "x-mesh-variant"
 SESSION_HEADER = "x-session-id"
+#: Seconds a config apply waits for the rollout controller before leaving it to the loop.
+CONTROLLER_TIMEOUT_S = 10
 
 app = FastAPI(title="model mesh", description="OpenAI-compatible router over vLLM variants")
 
@@ -103,9 +108,8 @@ def caller_identity(request: Request, body: dict[str, Any], tenant: Tenant | Non
             or (tenant.id if tenant else None))
 
 
-async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float,
-                 on_end) -> AsyncIterator[str]:
-    """Pass SSE lines through and account for the request when it ends.
+async def _relay(stream, variant: str, t0: float, finish) -> AsyncIterator[str]:
+    """Pass SSE lines through, then call ``finish(ttft_s, usage, error_kind)`` once.
 
     A failure mid-stream ends it with an SSE error event (the status is already sent)."""
     ttft = None
@@ -124,14 +128,11 @@ async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float,
         raise
     except Exception as e:
         error_kind = "stream_failed"
-        logger.error("variant %s failed mid-stream: %s: %s", tags["variant"], type(e).__name__, e)
-        message = f"variant {tags['variant']} failed mid-stream; retry the request"
+        logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
+        message = f"variant {variant} failed mid-stream; retry the request"
         yield f"data: {json.dumps(error_body(503, message))}\n\n"
     finally:
-        on_end()
-        metrics.record(tags, 200, time.monotonic() - t0, ttft_s=ttft,
-                       prompt_tokens=usage.prompt_tokens,
-                       completion_tokens=usage.completion_tokens, error_kind=error_kind)
+        finish(ttft, usage, error_kind)
 
 
 @serve.deployment(
@@ -142,24 +143,35 @@ async def _relay(stream, tags: dict[str, str], metrics: MeshMetrics, t0: float,
 )
 @serve.ingress(app)
 class MeshRouter:
-    """OpenAI-compatible ingress that splits each route's traffic across variant apps."""
+    """OpenAI-compatible ingress that splits each route's traffic across variant apps.
 
-    async def __init__(self) -> None:
+    Args:
+        controller: handle to the ``RolloutController`` deployment (progressive rollouts).
+    """
+
+    async def __init__(self, controller) -> None:
         self.config: RouterConfig | None = None
+        self.splits: dict[str, Split] = {}
         self._tenants: dict[str, Tenant] = {}  # API key digest -> tenant
         self._handles: dict[str, Any] = {}
         self.metrics = MeshMetrics()
         self.limiter = TenantLimiter()
         self.availability = VariantAvailability(self._handle)
+        self.controller = controller
+        self._rollout_weights: dict[str, dict[str, int]] = {}  # split key -> arm -> weight
+        self._observations: list[Observation] = []
+        self._rollouts_synced = True
         await self.availability.start()
+        self._rollout_task = asyncio.get_running_loop().create_task(self._rollout_loop())
 
     # -- configuration ------------------------------------------------------------------------
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Validate and apply a new ``user_config`` (:class:`RouterConfig`).
 
         An invalid config is logged with the path of each bad field and changes nothing;
-        a router replica with no previous config raises instead.
+        a router replica with no previous config raises instead. Rollout policies are sent
+        to the ``RolloutController`` (see :mod:`serve_app.rollout_controller`).
 
         Raises:
             ValueError: invalid config and no last good one to keep.
@@ -172,12 +184,19 @@ class MeshRouter:
             self.metrics.config_rejected.inc()
             return
         self.config = new
+        self.splits = new.splits()
         self._tenants = new.tenant_by_key_digest()
         if not new.tenants:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
                            "unauthenticated. Add `tenants:` to the MeshRouter user_config "
                            "before exposing the mesh.")
-        logger.info("router config applied: %s", new.weights())
+        self._rollouts_synced = False
+        try:
+            await asyncio.wait_for(self._sync_rollouts(), CONTROLLER_TIMEOUT_S)
+        except Exception as e:  # the loop retries; meanwhile rollouts hold their stable arm
+            logger.warning("rollout controller not reached (%s: %s); retrying in the "
+                           "background", type(e).__name__, e)
+        logger.info("router config applied: %s", self.weights())
 
     def _require_config(self) -> RouterConfig:
         if self.config is None:
@@ -192,14 +211,61 @@ class MeshRouter:
             self._handles[application] = handle
         return handle
 
+    # -- progressive rollouts -----------------------------------------------------------------
+
+    async def _sync_rollouts(self) -> None:
+        specs = {key: {"stable": split.weighted[0][0], "canary": split.weighted[-1][0],
+                       "policy": split.rollout.model_dump()}
+                 for key, split in self.splits.items() if split.rollout}
+        self._rollout_weights = await self.controller.sync.remote(specs)
+        self._rollouts_synced = True
+
+    async def _rollout_loop(self) -> None:
+        """Every REPORT_PERIOD_S: send observations, read the rollouts' weights back."""
+        while True:
+            await asyncio.sleep(REPORT_PERIOD_S)
+            try:
+                if not self._rollouts_synced:
+                    await self._sync_rollouts()
+                if any(split.rollout for split in self.splits.values()):
+                    batch, self._observations = self._observations, []
+                    self._rollout_weights = await self.controller.report.remote(batch)
+            except Exception as e:  # keep the last weights; the controller may be restarting
+                logger.warning("rollout controller: %s: %s", type(e).__name__, str(e)[:300])
+
+    def _weighted(self, key: str) -> list[tuple[str, int]]:
+        """The arms of split ``key`` with the weights in force: the rollout's when it has
+        one (its stable arm alone until the controller has answered), else the config's."""
+        split = self.splits[key]
+        if split.rollout is None:
+            return split.weighted
+        weights = self._rollout_weights.get(key) or {split.weighted[0][0]: 100}
+        return [(arm, weights.get(arm, 0)) for arm, _ in split.weighted]
+
+    def weights(self) -> dict[str, dict[str, int]]:
+        """Split key -> arm -> weight in force (for logs and ``/health``)."""
+        return {key: dict(self._weighted(key)) for key in self.splits}
+
+    def _observe(self, arms: list[tuple[str, str]], *, error: bool, truncated: bool = False,
+                 ttft_s: float | None = None, latency_s: float) -> None:
+        """Queue an observation for each ``(split key, arm)`` under a rollout."""
+        for key, arm in arms:
+            if self.splits.get(key) and self.splits[key].rollout:
+                self._observations.append(Observation(key, arm, error, truncated, ttft_s,
+                                                      latency_s))
+
     # -- endpoints ----------------------------------------------------------------------------
 
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
-        """Router liveness, the routes with their weights, and which variants have a running
-        replica (as of the last poll of the Serve controller, at most ~1 s old)."""
+        """Router liveness, the weights in force per route (and per adapter version split),
+        and which variants have a running replica (as of the last poll of the Serve
+        controller, at most ~1 s old)."""
         config = self._require_config()
-        return {"status": "ok", "open_mode": not config.tenants, "routes": config.weights(),
+        weights = self.weights()
+        return {"status": "ok", "open_mode": not config.tenants,
+                "routes": {k: w for k, w in weights.items() if k in config.routes},
+                "adapters": {k: w for k, w in weights.items() if k not in config.routes},
                 "available": {a: self.availability.is_available(a)
                               for a in sorted(config.applications())}}
 
@@ -213,26 +279,42 @@ class MeshRouter:
             if tenant is not None and not tenant.may_call(route):
                 continue
             ids.append(route)
-            served = set().union(*(self.availability.adapters.get(v.application, set())
-                                   for v in rc.variants))
+            served = {key.partition("@")[0] for v in rc.variants
+                      for key in self.availability.adapters.get(v.application, ())}
             ids += [f"{route}:{a}" for a in sorted(served)
                     if tenant is None or a in tenant.adapters]
         return {"object": "list", "data": [
             {"id": i, "object": "model", "created": 0, "owned_by": "model-mesh"} for i in ids]}
 
-    @app.get("/admin/adapters")
-    async def adapter_status(self, request: Request) -> dict[str, Any]:
-        """Admin: per variant, the adapters served, draining and refused (with reasons)."""
+    def _require_admin(self, request: Request) -> RouterConfig:
         config = self._require_config()
         tenant = authenticate(self._tenants, request.headers.get("authorization"))
         if config.tenants and not (tenant and tenant.admin):
             raise MeshError(403, "/admin endpoints are for admin callers only",
                             code="admin_only")
-        apps = sorted(config.applications())
+        return config
+
+    @app.get("/admin/adapters")
+    async def adapter_status(self, request: Request) -> dict[str, Any]:
+        """Admin: per variant, the adapters served, draining and refused (with reasons)."""
+        apps = sorted(self._require_admin(request).applications())
         stats = await asyncio.gather(*(self._handle(a).stats.remote() for a in apps),
                                      return_exceptions=True)
         return {a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
                 for a, s in zip(apps, stats)}
+
+    @app.get("/admin/rollouts")
+    async def rollout_status(self, request: Request) -> dict[str, Any]:
+        """Admin: every progressive rollout by split key: state, step, weights, policy and
+        the decision history with the figures behind each decision."""
+        self._require_admin(request)
+        try:
+            return await asyncio.wait_for(self.controller.snapshot.remote(),
+                                          CONTROLLER_TIMEOUT_S)
+        except Exception as e:
+            raise MeshError(503, f"the rollout controller did not answer ({type(e).__name__}); "
+                            "retry", code="controller_unavailable",
+                            headers=_retry_after()) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -267,18 +349,21 @@ class MeshRouter:
                             f"{next(iter(config.routes))!r}, or route:adapter; see "
                             "GET /v1/models)", param="model")
         route_name, _, adapter = model.partition(":")
-        route = config.routes.get(route_name)
-        if route is None:
+        if route_name not in config.routes or "@" in adapter:
             raise MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for "
                             "the models you can use.", param="model", code="model_not_found")
         if tenant and not tenant.may_call(route_name):
             raise MeshError(403, f"tenant {tenant.id!r} may not call model {route_name!r}",
                             param="model", code="model_not_allowed")
         tags["route"], tags["adapter"] = route_name, adapter
+        identity = caller_identity(request, body, tenant)
 
-        weighted = [(w.application, w.weight) for w in route.variants]
+        weighted = self._weighted(route_name)
+        version = None  # adapter version chosen by an adapter split ("name@vN")
         if adapter:
-            weighted = await self._variants_with_adapter(weighted, model, adapter, tenant)
+            self._check_adapter_owner(adapter, tenant)
+            version = self._pick_adapter_version(route_name, adapter, identity)
+            weighted = await self._variants_with_adapter(weighted, model, version or adapter)
         pinned = request.headers.get(VARIANT_HEADER)
         if pinned:
             if tenant is None or not tenant.admin:
@@ -290,13 +375,17 @@ class MeshRouter:
                                 code="unknown_variant")
             candidates = [pinned]
         else:
-            first = pick_variant(weighted, route.salt or route_name,
-                                 caller_identity(request, body, tenant))
+            first = pick_variant(weighted, self.splits[route_name].salt, identity)
             candidates = self.availability.prefer_available(failover_order(weighted, first))
 
+        # Rollouts judge only traffic the split chose (not pinned requests).
+        arms = [] if pinned else [(route_name, "")]
+        if version:
+            arms.append((f"{route_name}:{adapter}", version))
         self.limiter.acquire(tenant)
         try:
-            response = await self._call_variants(endpoint, body, candidates, tags, t0, tenant)
+            response = await self._call_variants(endpoint, body, candidates, version, arms,
+                                                 tags, t0, tenant)
         except BaseException:
             self.limiter.release(tenant)
             raise
@@ -304,25 +393,46 @@ class MeshRouter:
             self.limiter.release(tenant)
         return response
 
+    def _check_adapter_owner(self, adapter: str, tenant: Tenant | None) -> None:
+        """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and
+        the caller does not own it)."""
+        if tenant is not None and adapter not in tenant.adapters:
+            if any(adapter in t.adapters for t in self._tenants.values()) or any(
+                    self.availability.serves(v, adapter) for v in self.availability.adapters):
+                raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
+                                param="model", code="adapter_not_allowed")
+
+    def _pick_adapter_version(self, route: str, adapter: str, identity: str | None
+                              ) -> str | None:
+        """The version ``name@vN`` an adapter split gives this caller (sticky), among the
+        versions a variant of the route serves; None when the adapter has no split (the
+        variant then uses its default version)."""
+        key = f"{route}:{adapter}"
+        if key not in self.splits:
+            return None
+        variants = [a for a, _ in self.splits[route].weighted]
+        served = [(v, w) for v, w in self._weighted(key)
+                  if any(self.availability.serves(a, v) for a in variants)]
+        if not served:
+            return None
+        if sum(w for _, w in served) == 0:
+            return served[0][0]
+        return pick_variant(served, self.splits[key].salt, identity)
+
     async def _variants_with_adapter(self, weighted: list[tuple[str, int]], model: str,
-                                     adapter: str, tenant: Tenant | None
-                                     ) -> list[tuple[str, int]]:
-        """The route's variants that serve ``adapter``, after the tenant's ownership check.
+                                     adapter: str) -> list[tuple[str, int]]:
+        """The route's variants that serve ``adapter`` (a name, or a version ``name@vN``).
 
         Raises:
-            MeshError: 403 the adapter belongs to another tenant; 404 no variant serves it.
+            MeshError: 404 no variant serves it.
         """
         def serving() -> list[tuple[str, int]]:
-            return [(v, w) for v, w in weighted if adapter in self.availability.adapters.get(v, ())]
+            return [(v, w) for v, w in weighted if self.availability.serves(v, adapter)]
 
         found = serving()
         if not found:  # a deploy may have just added it: look again before saying 404
             await self.availability.refresh()
             found = serving()
-        if tenant is not None and adapter not in tenant.adapters:
-            if found or any(adapter in t.adapters for t in self._tenants.values()):
-                raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
-                                param="model", code="adapter_not_allowed")
         if not found:
             raise MeshError(404, f"The model {model!r} does not exist: no variant of the route "
                             f"serves adapter {adapter!r}. See GET /v1/models.", param="model",
@@ -332,34 +442,58 @@ class MeshRouter:
         return found
 
     async def _call_variants(self, endpoint: str, body: dict[str, Any], candidates: list[str],
+                             version: str | None, arms: list[tuple[str, str]],
                              tags: dict[str, str], t0: float, tenant: Tenant | None) -> Response:
+        """Try ``candidates`` in order until one answers; relay its answer.
+
+        ``arms``: the ``(split key, arm)`` pairs the request went through; the route's arm is
+        filled in with the variant that answers."""
         model = tags["route"]
         for variant in candidates:
             tags["variant"] = variant
-            stream = self._handle(variant).options(stream=True).generate.remote(endpoint, body)
+            here = [(key, arm or variant) for key, arm in arms]
+            stream = self._handle(variant).options(stream=True).generate.remote(
+                endpoint, body, version)
             try:
                 head: Head = await stream.__anext__()
             except Exception as e:  # the variant could not take it: nothing sent yet, try next
                 logger.warning("variant %s failed before the first byte (%s: %s); failing over",
                                variant, type(e).__name__, str(e)[:500])
                 self.metrics.failovers.inc(1, {"route": model, "variant": variant})
+                self._observe(here, error=True, latency_s=time.monotonic() - t0)
                 continue
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
                 return StreamingResponse(
-                    _relay(stream, dict(tags), self.metrics, t0,
-                           on_end=lambda: self.limiter.release(tenant)),
+                    _relay(stream, variant, t0, self._finisher(dict(tags), here, t0, tenant)),
                     media_type="text/event-stream", headers=headers)
             usage = head.usage or Usage()
-            self.metrics.record(tags, head.status, time.monotonic() - t0,
-                                prompt_tokens=usage.prompt_tokens,
+            latency = time.monotonic() - t0
+            self.metrics.record(tags, head.status, latency, prompt_tokens=usage.prompt_tokens,
                                 completion_tokens=usage.completion_tokens)
+            self._observe(here, error=head.status >= 500, latency_s=latency)
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
         tags["variant"] = ""
         raise MeshError(503, f"no variant of route {model!r} can take the request now "
                         f"(tried {', '.join(candidates)})", code="no_healthy_variant",
                         headers=_retry_after())
+
+    def _finisher(self, tags: dict[str, str], arms: list[tuple[str, str]], t0: float,
+                  tenant: Tenant | None):
+        """What runs when a relayed stream ends: release the tenant's slot, record metrics
+        and the rollout observation."""
+        def finish(ttft_s: float | None, usage: Usage, error_kind: str | None) -> None:
+            self.limiter.release(tenant)
+            latency = time.monotonic() - t0
+            self.metrics.record(tags, 200, latency, ttft_s=ttft_s,
+                                prompt_tokens=usage.prompt_tokens,
+                                completion_tokens=usage.completion_tokens, error_kind=error_kind)
+            if error_kind != "client_disconnected":
+                truncated = error_kind == "stream_failed"
+                self._observe(arms, error=truncated, truncated=truncated, ttft_s=ttft_s,
+                              latency_s=latency)
+        return finish
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -368,4 +502,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     Module-level helpers used by ``MeshRouter`` sit above the class: ``serve.ingress``
     pickles the class by value with the globals it sees at that point.
     """
-    return MeshRouter.bind()
+    return MeshRouter.bind(RolloutController.bind())

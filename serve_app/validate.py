@@ -13,7 +13,8 @@ Checks, each reported as ``<path.of.field>: <problem>``:
 4. Cross-references: every variant a route names is a variant application in the same
    config, and serves the route's name (``args.served_model_name``); every adapter a variant
    declares is in the adapter registry, trained for the variant's base model, with a rank
-   that fits ``max_lora_rank``, on an engine with ``enable_lora``.
+   that fits ``max_lora_rank``, on an engine with ``enable_lora``; every adapter version a
+   route's adapter split names is declared by a variant of the route.
 
 The router's and replica's ``reconfigure()`` run the same pydantic models at run time.
 """
@@ -64,6 +65,7 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                            f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config")
 
     variant_args: dict[str, VariantArgs] = {}
+    variant_adapters: dict[str, set[str]] = {}  # application -> declared "name@vN"
     for name, app in parts.variant_apps.items():
         at = f"applications[{parts.app_index[name]}]"
         args = _check(problems, VariantArgs, app.get("args") or {}, f"{at}.args")
@@ -73,6 +75,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
         if dep and dep.get("user_config") is not None:
             uc_at = f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config"
             replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
+            if replica:
+                variant_adapters[name] = {f"{a.name}@v{a.version}" for a in replica.adapters}
             if replica and args:
                 problems += _adapter_problems(replica, args, uc_at)
         if app.get("route_prefix", "/") is not None:
@@ -91,6 +95,17 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                     problems.append(f"{at}: {v.application!r} serves "
                                     f"{args.served_model_name!r}; set its args.served_model_name "
                                     f"to {route!r}")
+            declared = set().union(*(variant_adapters.get(v.application, set())
+                                     for v in rc.variants))
+            for name, split in rc.adapters.items():
+                for i, v in enumerate(split.versions):
+                    if f"{name}@v{v.version}" not in declared:
+                        problems.append(
+                            f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
+                            f"{route}.adapters.{name}.versions[{i}]: {name}@v{v.version} is not "
+                            f"served by any variant of route {route!r}; add {{name: {name}, "
+                            f"version: {v.version}}} to a variant's LLMReplica "
+                            "user_config.adapters")
     return problems
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SSE_DONE = "data: [DONE]\n\n"
+#: Response header naming the adapter version that served (``name@vN``).
+ADAPTER_HEADER = "x-mesh-adapter"
 
 
 @dataclass(frozen=True)

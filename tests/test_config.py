@@ -191,9 +191,9 @@ def test_adapter_checks_against_engine_args():
 def test_adapter_listed_twice_and_owned_twice():
     cfg = copy.deepcopy(TENANTS)
     cfg["applications"][1]["deployments"][0]["user_config"]["adapters"].append(
-        {"name": "acme-support", "version": 2})
+        {"name": "acme-support", "version": 1})
     [problem] = validate_config(cfg)
-    assert "adapter listed twice: acme-support" in problem
+    assert "adapter version listed twice: acme-support@v1" in problem
     cfg = copy.deepcopy(TENANTS)
     router_cfg(cfg)["tenants"][2]["adapters"].append("acme-support")
     [problem] = validate_config(cfg)
@@ -211,3 +211,16 @@ def test_adapter_of_the_instruct_base_refused_on_the_acme_base():
         f"{REPLICA_UC}.adapters[0]: acme-support@v1 was trained for 'smollm2-135m-instruct' but "
         "this variant serves 'smollm2-135m-acme'; declare it on a variant of "
         "'smollm2-135m-instruct'"]
+
+
+def test_adapter_split_version_must_be_served_by_a_variant():
+    cfg = copy.deepcopy(TENANTS)
+    router_cfg(cfg)["routes"]["smollm"]["adapters"] = {"acme-support": {"versions": [
+        {"version": 1, "weight": 90}, {"version": 2, "weight": 10}]}}
+    assert validate_config(cfg) == [
+        f"{ROUTER}.routes.smollm.adapters.acme-support.versions[1]: acme-support@v2 is not "
+        "served by any variant of route 'smollm'; add {name: acme-support, version: 2} to a "
+        "variant's LLMReplica user_config.adapters"]
+    cfg["applications"][1]["deployments"][0]["user_config"]["adapters"].append(
+        {"name": "acme-support", "version": 2})
+    assert validate_config(cfg) == []

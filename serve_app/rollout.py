@@ -1,0 +1,206 @@
+"""Progressive rollout of one split's canary: steps, gates and verdicts (pure logic).
+
+A *split* is a weighted choice between arms: a route's variant applications, or an
+adapter's versions (``route:adapter``, arms ``name@vN``). A :class:`Rollout` owns the
+weights of a split with two arms, stable (first) and canary (last), and moves the canary
+through ``policy.steps`` the way Flagger's canary analysis does (https://docs.flagger.app,
+"Canary analysis"): each step needs ``min_requests`` canary requests and ``min_step_s``
+seconds with every gate holding; the last step passed promotes the canary (weight 100); a
+failed gate rolls it back (weight 0) at once.
+
+Figures come from :class:`Observation`s the routers send (one per request that reached an
+arm): the canary's over the current step, the stable arm's over the whole rollout (the last
+:data:`STABLE_WINDOW` requests), so a ratio has a baseline even at step 100.
+
+States: ``progressing`` -> ``promoted`` | ``rolled_back``; ``paused`` and ``aborted`` come
+from the config (``policy.paused`` / ``policy.abort``). Every transition is a decision in
+:attr:`Rollout.history`, with the figures behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.config import RolloutGates, RolloutPolicy
+from serve_app.loadgen import percentile
+
+#: Stable-arm requests kept as the baseline, most recent first out.
+STABLE_WINDOW = 2000
+#: Fewest stable samples a p95 ratio gate needs; with fewer the ratio is not judged.
+MIN_BASELINE = 5
+
+ACTIVE = ("progressing", "paused")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One request's outcome on one arm of a split, as a router saw it.
+
+    Attributes:
+        split: the split's key (``route`` or ``route:adapter``).
+        arm: the variant application, or the adapter version ``name@vN``.
+        error: HTTP >= 500, a failure before the first byte, or a stream cut short.
+        truncated: a stream cut short after it started.
+        ttft_s: time to the first streamed chunk, s (None when not streamed or failed).
+        latency_s: end-to-end latency, s.
+    """
+
+    split: str
+    arm: str
+    error: bool
+    truncated: bool
+    ttft_s: float | None
+    latency_s: float
+
+
+def figures(observations) -> dict[str, Any]:
+    """Counts and p95s of observations: ``requests``, ``errors``, ``error_rate`` (0..1),
+    ``truncated``, ``ttft_p95_ms`` and ``latency_p95_ms`` (over requests without error; None
+    when there are none), ``samples`` (requests without error)."""
+    obs = list(observations)
+    good = [o for o in obs if not o.error]
+    ttft = [o.ttft_s * 1000 for o in good if o.ttft_s is not None]
+    errors = sum(o.error for o in obs)
+    return {
+        "requests": len(obs),
+        "errors": errors,
+        "error_rate": round(errors / len(obs), 4) if obs else 0.0,
+        "truncated": sum(o.truncated for o in obs),
+        "samples": len(good),
+        "ttft_p95_ms": round(percentile(ttft, 95), 1) if ttft else None,
+        "latency_p95_ms": round(percentile([o.latency_s * 1000 for o in good], 95), 1)
+        if good else None,
+    }
+
+
+def failed_gates(gates: RolloutGates, canary: dict[str, Any], stable: dict[str, Any]
+                 ) -> list[str]:
+    """The gates the canary's :func:`figures` break against the stable arm's, each as a
+    sentence with the figures; empty when all hold."""
+    failed = []
+    increase = canary["error_rate"] - stable["error_rate"]
+    if increase > gates.max_error_rate_increase:
+        failed.append(f"error rate {canary['error_rate']:.1%} vs stable "
+                      f"{stable['error_rate']:.1%} (+{increase:.1%} > "
+                      f"+{gates.max_error_rate_increase:.1%})")
+    if canary["truncated"] > gates.max_truncated_streams:
+        failed.append(f"{canary['truncated']} truncated streams > "
+                      f"{gates.max_truncated_streams}")
+    for field, limit in (("ttft_p95_ms", gates.max_ttft_p95_ratio),
+                         ("latency_p95_ms", gates.max_latency_p95_ratio)):
+        c, s = canary[field], stable[field]
+        if limit is None or c is None or s is None or stable["samples"] < MIN_BASELINE:
+            continue
+        if c / s > limit:
+            failed.append(f"{field[:-7]} p95 {c:.0f} ms vs stable {s:.0f} ms "
+                          f"(x{c / s:.2f} > x{limit})")
+    return failed
+
+
+class Rollout:
+    """The state of one split's rollout.
+
+    Args:
+        key: the split's key.
+        stable, canary: the two arms.
+        policy: steps, minimums and gates.
+        now: the current time, s since the epoch (tests pass their own clock).
+    """
+
+    def __init__(self, key: str, stable: str, canary: str, policy: RolloutPolicy,
+                 now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.key, self.stable, self.canary, self.policy = key, stable, canary, policy
+        self.state = "progressing"
+        self.step = 0
+        self.started_at = self.step_started_at = now
+        self.canary_window: list[Observation] = []
+        self.stable_window: deque[Observation] = deque(maxlen=STABLE_WINDOW)
+        self.history: list[dict[str, Any]] = []
+        self._decide("start", now, f"rollout {policy.id!r}: {canary} against {stable}, "
+                     f"steps {policy.steps}")
+        self.apply_policy(policy, now)
+
+    @property
+    def identity(self) -> tuple[str, str, str]:
+        """What a config must keep for this rollout to go on: arms and ``policy.id``."""
+        return self.stable, self.canary, self.policy.id
+
+    @property
+    def canary_weight(self) -> int:
+        """The canary's weight in percent (the stable arm gets the rest)."""
+        if self.state == "promoted":
+            return 100
+        if self.state in ("rolled_back", "aborted"):
+            return 0
+        return self.policy.steps[self.step]
+
+    def weights(self) -> dict[str, int]:
+        return {self.stable: 100 - self.canary_weight, self.canary: self.canary_weight}
+
+    def observe(self, o: Observation) -> None:
+        if o.arm == self.canary and self.state == "progressing":
+            self.canary_window.append(o)
+        elif o.arm == self.stable:
+            self.stable_window.append(o)
+
+    def apply_policy(self, policy: RolloutPolicy, now: float) -> None:
+        """Take a redeployed policy: pause, resume or abort; new steps and gates apply to the
+        next verdict (the current step index is kept, clamped to the new steps)."""
+        self.policy = policy
+        self.step = min(self.step, len(policy.steps) - 1)
+        if policy.abort and self.state in ACTIVE:
+            self.state = "aborted"
+            self._decide("abort", now, "abort: true in the deployed config")
+        elif policy.paused and self.state == "progressing":
+            self.state = "paused"
+            self._decide("pause", now, "paused: true in the deployed config")
+        elif not policy.paused and self.state == "paused":
+            self.state = "progressing"
+            self.step_started_at = now
+            self._decide("resume", now, "paused: false in the deployed config")
+
+    def evaluate(self, now: float) -> dict[str, Any] | None:
+        """Judge the current step; returns the decision taken, or None (not enough yet).
+
+        With ``min_requests`` canary requests in the step: a failed gate rolls back; all
+        gates holding after ``min_step_s`` advance to the next step, or promote after the
+        last one."""
+        if self.state != "progressing" or len(self.canary_window) < self.policy.min_requests:
+            return None
+        failed = failed_gates(self.policy.gates, figures(self.canary_window),
+                              figures(self.stable_window))
+        if failed:
+            self.state = "rolled_back"
+            return self._decide("rollback", now, "; ".join(failed))
+        if now - self.step_started_at < self.policy.min_step_s:
+            return None
+        passed = self.canary_weight
+        if self.step == len(self.policy.steps) - 1:
+            self.state = "promoted"
+            return self._decide("promote", now, f"every gate held through the last step "
+                                f"({passed}%)")
+        finished, self.canary_window = self.canary_window, []
+        self.step += 1
+        self.step_started_at = now
+        return self._decide("advance", now, f"every gate held at {passed}%", finished)
+
+    def _decide(self, decision: str, now: float, reason: str,
+                canary_window: list[Observation] | None = None) -> dict[str, Any]:
+        """Record a decision with the state after it and the figures behind it."""
+        window = self.canary_window if canary_window is None else canary_window
+        record = {"at": round(now, 3), "decision": decision, "state": self.state,
+                  "step": self.step, "canary_weight": self.canary_weight, "reason": reason,
+                  "canary": figures(window), "stable": figures(self.stable_window)}
+        self.history.append(record)
+        return record
+
+    def to_dict(self) -> dict[str, Any]:
+        """State for the admin endpoint: arms, state, step, weights, policy and history."""
+        return {"key": self.key, "stable": self.stable, "canary": self.canary,
+                "state": self.state, "step": self.step, "weights": self.weights(),
+                "started_at": self.started_at, "step_started_at": self.step_started_at,
+                "policy": self.policy.model_dump(), "history": list(self.history)}

@@ -1,0 +1,116 @@
+"""``RolloutController``: the one place that holds the mesh's progressive rollouts.
+
+A Serve deployment of application ``mesh`` with one replica, beside the router. Every
+``MeshRouter`` replica
+
+- sends it the rollout policies of its ``user_config`` (:meth:`RolloutController.sync`)
+  when a config is applied, and
+- every :data:`REPORT_PERIOD_S` sends the :class:`~serve_app.rollout.Observation`s of its
+  requests and reads back the weights the rollouts set (:meth:`RolloutController.report`).
+
+So every router replica splits by the same weights, and a router replica that restarts
+finds the rollout where it was: the state lives here, not in the router. A rollout restarts
+only when a deployed config changes its arms or ``rollout.id``.
+
+Each decision is logged with its figures, counted in ``ray_mesh_rollout_decisions_total``
+(``rollout``, ``decision``) and visible at the router's ``GET /admin/rollouts``; the
+canary's current weight is the gauge ``ray_mesh_rollout_canary_weight`` (``rollout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.util.metrics import Counter, Gauge
+
+from serve_app.config import RolloutPolicy
+from serve_app.rollout import Observation, Rollout
+
+logger = logging.getLogger("ray.serve")
+
+#: Seconds between two verdicts on every rollout, and between two router reports.
+EVALUATE_PERIOD_S = 0.5
+REPORT_PERIOD_S = 0.5
+
+#: What a router sends per rollout: ``{"stable": arm, "canary": arm, "policy": {...}}``.
+RolloutSpec = dict[str, Any]
+
+
+@serve.deployment(name="RolloutController", num_replicas=1, max_ongoing_requests=1000,
+                  ray_actor_options={"num_cpus": 0})
+class RolloutController:
+    """Holds every rollout by split key and judges them every :data:`EVALUATE_PERIOD_S`."""
+
+    def __init__(self) -> None:
+        self.rollouts: dict[str, Rollout] = {}
+        self._weight = Gauge("mesh_rollout_canary_weight", "Canary weight set by a progressive "
+                             "rollout, percent.", tag_keys=("rollout",))
+        self._decisions = Counter("mesh_rollout_decisions", "Progressive rollout decisions.",
+                                  tag_keys=("rollout", "decision"))
+        self._task = asyncio.get_running_loop().create_task(self._evaluate_forever())
+
+    async def sync(self, specs: dict[str, RolloutSpec]) -> dict[str, dict[str, int]]:
+        """Make the rollouts match a router's config; returns :meth:`weights`.
+
+        A split with the same arms and ``policy.id`` keeps its state and takes the new
+        policy (pause, resume, abort, steps, gates); otherwise it starts from its first step.
+        Rollouts no longer in ``specs`` are dropped.
+        """
+        now = time.time()
+        for key in [k for k in self.rollouts if k not in specs]:
+            logger.info("rollout %s: removed from the config, its weights are the config's", key)
+            del self.rollouts[key]
+        for key, spec in specs.items():
+            policy = RolloutPolicy.model_validate(spec["policy"])
+            current = self.rollouts.get(key)
+            if current and current.identity == (spec["stable"], spec["canary"], policy.id):
+                before = len(current.history)
+                current.apply_policy(policy, now)
+                self._log_new(current, before)
+                continue
+            rollout = Rollout(key, spec["stable"], spec["canary"], policy, now)
+            self.rollouts[key] = rollout
+            self._log_new(rollout, 0)
+        return self.weights()
+
+    async def report(self, observations: list[Observation]) -> dict[str, dict[str, int]]:
+        """Take a router's observations; returns :meth:`weights`."""
+        for o in observations:
+            rollout = self.rollouts.get(o.split)
+            if rollout is not None:
+                rollout.observe(o)
+        return self.weights()
+
+    def weights(self) -> dict[str, dict[str, int]]:
+        """Split key -> arm -> weight (percent), for every rollout."""
+        return {key: r.weights() for key, r in self.rollouts.items()}
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Every rollout's state and decision history (``Rollout.to_dict``), by split key."""
+        return {key: r.to_dict() for key, r in self.rollouts.items()}
+
+    async def _evaluate_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EVALUATE_PERIOD_S)
+            now = time.time()
+            for rollout in list(self.rollouts.values()):
+                before = len(rollout.history)
+                try:
+                    rollout.evaluate(now)
+                except Exception:  # one broken rollout must not stop the others
+                    logger.exception("rollout %s: evaluation failed", rollout.key)
+                self._log_new(rollout, before)
+
+    def _log_new(self, rollout: Rollout, before: int) -> None:
+        """Log, count and export the decisions made since ``before`` entries of history."""
+        for d in rollout.history[before:]:
+            logger.info("rollout %s: %s -> canary %s at %d%% (%s); canary %s; stable %s",
+                        rollout.key, d["decision"], rollout.canary, d["canary_weight"],
+                        d["reason"], json.dumps(d["canary"]), json.dumps(d["stable"]))
+            self._decisions.inc(1, {"rollout": rollout.key, "decision": d["decision"]})
+        self._weight.set(rollout.canary_weight, {"rollout": rollout.key})
