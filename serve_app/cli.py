@@ -1,8 +1,14 @@
 """``meshctl``: the mesh's command line (also ``python -m serve_app.cli``).
 
     meshctl validate CONFIG...        check Serve configs before `serve deploy` (exit 1 if bad)
+    meshctl validate NEW --against OLD|live [--allow-restart]
+                                      also exit 1 if NEW would restart replicas of OLD
+    meshctl diff OLD|live NEW [--fail-on-restart]
+                                      per application: what restarts, what changes in place
     meshctl deploy CONFIG [-a URL]    validate, `serve deploy`, wait until RUNNING
     meshctl wait CONFIG [-a URL]      wait until the applications of CONFIG are RUNNING
+    meshctl swap CONFIG --route R --new-app APP --model M [--steps 50,100] [--emit DIR]
+                                      blue/green base-model swap of a route (serve_app.swap)
     meshctl hash-key [KEY]            SHA-256 of an API key for tenants[].api_keys_sha256
                                       (reads the key from stdin when not given)
 """
@@ -13,8 +19,12 @@ import argparse
 import os
 import sys
 
+import httpx
+
+from serve_app.config_diff import diff_configs, format_report, load_config, restarts
 from serve_app.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_running
-from serve_app.serve_configs import applications, load_yaml
+from serve_app.serve_configs import applications, load_yaml, mesh_parts
+from serve_app.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.tenancy import hash_api_key
 from serve_app.validate import validate_config
 
@@ -37,19 +47,93 @@ def _validate(paths: list[str]) -> bool:
     return ok
 
 
+def _report(old: str, new: str, address: str, *, refuse_restart: bool) -> bool:
+    """Print the change report of ``new`` against ``old`` (a file or ``live``); False when
+    ``refuse_restart`` and a change restarts replicas (each one explained on stderr)."""
+    new_config = load_config(new, address)
+    report = diff_configs(load_config(old, address), new_config)
+    print(f"{new} against {old}:")
+    for line in format_report(report):
+        print(f"  {line}")
+    restarting = restarts(report)
+    if refuse_restart and restarting:
+        print(f"{new}: REFUSED: {len(restarting)} change(s) restart replicas:", file=sys.stderr)
+        for c in restarting:
+            print(f"  {c}", file=sys.stderr)
+        variant = mesh_parts(new_config).variant_apps.get(restarting[0].app) or {}
+        args = variant.get("args") or {}
+        print("  A restarted vLLM replica serves nothing until its new engine is up. Release "
+              "new args blue/green instead (a new variant application, weights shifted to it, "
+              "the old one retired), e.g. for a new base model:\n"
+              f"    meshctl swap {old if old != 'live' else 'CURRENT_CONFIG'} "
+              f"--route {args.get('served_model_name', 'ROUTE')} "
+              f"--new-app {restarting[0].app}-next --model {args.get('model', 'MODEL')}\n"
+              "  or accept the restart: --allow-restart (validate), no --fail-on-restart (diff).",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-a", "--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS",
+                                                              DEFAULT_DASHBOARD),
+                   help="Ray dashboard address (default %(default)s)")
+
+
+def _swap(args: argparse.Namespace) -> int:
+    plan = plan_swap(load_yaml(args.config), route=args.route, new_app=args.new_app,
+                     model=args.model, steps=parse_steps(args.steps), from_app=args.from_app)
+    for i, s in enumerate(plan):
+        print(f"[swap] plan {s.filename(i)}: "
+              + ", ".join(f"{a}={w}" for a, w in s.weights.items()))
+    if args.emit:
+        paths = write_plan(plan, args.emit)
+        print(f"[swap] wrote {len(paths)} configs to {args.emit}; apply them in order with "
+              f"`serve deploy` (wait until RUNNING after each, pause after the weight steps); "
+              f"the new desired state is {paths[-1]}")
+    else:
+        apply_plan(plan, args.address, pause_s=args.pause_s, timeout_s=args.timeout_s)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check Serve configs of the mesh")
     p.add_argument("configs", nargs="+")
+    p.add_argument("--against", metavar="OLD",
+                   help="also report changes against OLD (a file, or `live`: the deployed "
+                        "config) and refuse those that restart replicas")
+    p.add_argument("--allow-restart", action="store_true",
+                   help="with --against: accept changes that restart replicas")
+    _add_address(p)
+    p = sub.add_parser("diff", help="what a new config restarts and what it changes in place")
+    p.add_argument("old", help="the current config file, or `live` (the deployed config)")
+    p.add_argument("new")
+    p.add_argument("--fail-on-restart", action="store_true",
+                   help="exit 1 when a change restarts replicas")
+    _add_address(p)
     for name, help_ in (("deploy", "validate, serve deploy, wait until RUNNING"),
                         ("wait", "wait until the config's applications are RUNNING")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("config")
-        p.add_argument("-a", "--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS",
-                                                                  DEFAULT_DASHBOARD),
-                       help="Ray dashboard address (default %(default)s)")
+        _add_address(p)
         p.add_argument("--timeout-s", type=float, default=900)
+    p = sub.add_parser("swap", help="blue/green base-model swap of one route")
+    p.add_argument("config", help="the Serve config deployed now")
+    p.add_argument("--route", required=True, help="the route to move (e.g. smollm)")
+    p.add_argument("--new-app", required=True, help="name of the new variant application")
+    p.add_argument("--model", required=True, help="the new variant's args.model")
+    p.add_argument("--from-app", help="variant application to copy (default: the route's "
+                                      "variant with a positive weight)")
+    p.add_argument("--steps", default="100",
+                   help="new variant's weight percentages, ending at 100 (default %(default)s)")
+    p.add_argument("--pause-s", type=float, default=10,
+                   help="seconds to wait after each weight step (default %(default)s)")
+    p.add_argument("--emit", metavar="DIR",
+                   help="only write the numbered configs to DIR (for CI), apply nothing")
+    _add_address(p)
+    p.add_argument("--timeout-s", type=float, default=900, help="per step")
     p = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key")
     p.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     args = parser.parse_args(argv)
@@ -57,8 +141,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_api_key(args.key if args.key is not None else sys.stdin.readline().strip()))
         return 0
-    if args.command == "validate":
-        return 0 if _validate(args.configs) else 1
+    try:
+        if args.command == "validate":
+            if args.allow_restart and not args.against:
+                parser.error("--allow-restart needs --against OLD")
+            ok = _validate(args.configs)
+            if ok and args.against:
+                ok = all([_report(args.against, c, args.address, refuse_restart=not
+                                  args.allow_restart) for c in args.configs])
+            return 0 if ok else 1
+        if args.command == "diff":
+            return 0 if _report(args.old, args.new, args.address,
+                                refuse_restart=args.fail_on_restart) else 1
+        if args.command == "swap":
+            return _swap(args)
+    except httpx.HTTPError as e:
+        print(f"meshctl {args.command}: cannot read the Serve status from the Ray dashboard at "
+              f"{args.address} ({e}); pass its address with -a", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, DeployError) as e:  # SwapError is a ValueError
+        print(f"meshctl {args.command}: {e}", file=sys.stderr)
+        return 1
     try:
         if args.command == "deploy":
             if not _validate([args.config]):
