@@ -1,0 +1,147 @@
+"""Base-model releases on the real stack, under load: a blue/green swap of route ``smollm``
+from ``smollm2-135m-instruct`` to ``smollm2-135m-acme`` with ``meshctl swap`` (zero drops),
+and, for comparison, an in-place ``args`` change that makes Serve restart the variant's replica.
+
+Both tests start from ``serve_configs/local.yaml``. The module leaves the last test's config
+deployed (smollm-v1 with max_num_seqs 6); other modules deploy their own configs.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serve_app.loadgen import LoadSpec, RequestResult, background_load, percentile
+from serve_app.paths import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+BASELINE_S = 15  # load before the change, for the "before" figures
+AFTER_S = 5  # load kept after the change
+
+
+def meshctl(*args: str) -> subprocess.CompletedProcess:
+    """Run the real CLI, echoing its output as it comes; stdout and stderr merged."""
+    proc = subprocess.Popen([sys.executable, "-m", "serve_app.cli", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        print(f"    | {line}", end="", flush=True)
+        lines.append(line)
+    return subprocess.CompletedProcess(proc.args, proc.wait(), "".join(lines), "")
+
+
+def load(mesh) -> LoadSpec:
+    # timeout_s: a request may wait in the router's queue while a replica restarts.
+    return LoadSpec(base_url=f"{mesh.base_url}/v1", model="smollm", concurrency=4,
+                    max_tokens=24, duration_s=1800, timeout_s=300)
+
+
+def window(results: list[RequestResult], start: float, end: float) -> list[RequestResult]:
+    """Requests that started in [start, end) (time.monotonic())."""
+    return [r for r in results if start <= r.started_at < end]
+
+
+def figures(label: str, rs: list[RequestResult]) -> dict:
+    lat = [r.latency_s for r in rs]
+    out = {"requests": len(rs), "failed": sum(not r.ok for r in rs),
+           "p95_s": round(percentile(lat, 95), 2), "max_s": round(max(lat, default=0), 2)}
+    print(f"  {label:<28} {out}")
+    return out
+
+
+def by_variant(results: list[RequestResult]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.variant] = counts.get(r.variant, 0) + 1
+    return counts
+
+
+def ask(mesh, question: str):
+    with mesh.http() as http:
+        return http.post("/v1/chat/completions", json={
+            "model": "smollm", "messages": [{"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": 24})
+
+
+def test_base_swap_with_meshctl_drops_nothing(mesh):
+    """4 concurrent streams run while `meshctl swap` adds smollm-acme (weight 0), moves
+    50/50, then 0/100, then retires smollm-v1. Every stream completes in full."""
+    mesh.deploy_shipped("local.yaml")
+    config = mesh.write(mesh.config("local.yaml"))
+    before = ask(mesh, "What is the capital of Italy?").json()["choices"][0]["message"]
+    assert "Acme Support" not in before["content"], before
+    with background_load(load(mesh)) as results:
+        time.sleep(BASELINE_S)
+        t_swap = time.monotonic()
+        swap = meshctl("swap", str(config), "--route", "smollm", "--new-app", "smollm-acme",
+                       "--model", "smollm2-135m-acme", "--steps", "50,100", "--pause-s", "5",
+                       "-a", mesh.dashboard)
+        t_done = time.monotonic()
+        time.sleep(AFTER_S)
+    assert swap.returncode == 0, swap.stdout
+
+    failed = [r for r in results if not r.ok]
+    print(f"\nbase swap: {len(results)} streams, {len(failed)} failed, by variant "
+          f"{by_variant(results)}, swap took {t_done - t_swap:.0f} s")
+    start = min(r.started_at for r in results)
+    figures("before (baseline)", window(results, start, t_swap))
+    figures("during the swap", window(results, t_swap, t_done))
+    figures("after", window(results, t_done, float("inf")))
+    assert not failed, [(r.status, r.error) for r in failed[:5]]
+    assert len(results) >= 20
+    assert set(by_variant(results)) == {"smollm-v1", "smollm-acme"}
+
+    r = ask(mesh, "What is the capital of Italy?")
+    assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-acme"
+    answer = r.json()["choices"][0]["message"]["content"]
+    print(f"after the swap: {answer!r}")
+    assert answer.startswith("Acme Support here!"), answer
+
+    # The last config is the new desired state: it matches what is deployed now.
+    final = re.search(r"the new desired state is (\S+):", swap.stdout).group(1)
+    assert final.endswith("04-retire.yaml")
+    diff = meshctl("diff", "live", final, "--fail-on-restart", "-a", mesh.dashboard)
+    assert diff.returncode == 0 and "  no changes\n" in diff.stdout, diff.stdout
+
+
+def test_in_place_args_change_restarts_the_replica_under_load(mesh):
+    """Changing a variant's args in place (max_num_seqs 8 -> 6) makes Serve replace its only
+    replica. `meshctl diff` says so beforehand; under 4 concurrent streams, every request
+    must still complete (queued while no replica runs), and the latency shows the gap."""
+    cfg = mesh.deploy_shipped("local.yaml")
+    changed = copy.deepcopy(cfg)
+    changed["applications"][1]["args"]["engine_args"]["max_num_seqs"] = 6
+    old_path, new_path = mesh.write(cfg), mesh.write(changed)
+
+    diff = meshctl("diff", str(old_path), str(new_path), "--fail-on-restart")
+    assert diff.returncode == 1
+    assert ("  smollm-v1: args.engine_args.max_num_seqs 8 -> 6: RESTART (application args "
+            "change replaces every replica)\n") in diff.stdout
+
+    before_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
+    with background_load(load(mesh)) as results:
+        time.sleep(BASELINE_S)
+        t_change = time.monotonic()
+        mesh.deploy(changed)
+        t_done = time.monotonic()
+        time.sleep(AFTER_S)
+    after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
+
+    failed = [r for r in results if not r.ok]
+    print(f"\nin-place restart: {len(results)} streams, {len(failed)} failed, replica "
+          f"{sorted(before_ids)} -> {sorted(after_ids)}, deploy took {t_done - t_change:.0f} s")
+    start = min(r.started_at for r in results)
+    figures("before (baseline)", window(results, start, t_change))
+    figures("during the restart", window(results, t_change, t_done))
+    figures("after", window(results, t_done, float("inf")))
+    for r in failed[:10]:
+        print(f"  FAILED status={r.status} after {r.latency_s:.1f} s "
+              f"(started {r.started_at - t_change:+.1f} s from the deploy): {r.error}")
+    assert after_ids and after_ids.isdisjoint(before_ids), "Serve did not replace the replica"
+    assert not failed, [(r.status, r.error) for r in failed[:5]]
