@@ -49,6 +49,9 @@ class LoadSpec:
     api_key: str = "none"
     headers: dict[str, str] = field(default_factory=dict)
     duration_s: float | None = None  # if set: keep going until this many seconds passed
+    # If set, request i sends the OpenAI `user` field f"{user_prefix}{i}": each request is a
+    # new caller for the sticky split (without it, callers of one tenant share a variant).
+    user_prefix: str | None = None
     timeout_s: float = 180  # per request
 
 
@@ -107,7 +110,8 @@ async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
                 return
             if stop is not None and stop.is_set():
                 return
-            results.append(await stream_one(client, spec, user=None))
+            user = f"{spec.user_prefix}{i}" if spec.user_prefix is not None else None
+            results.append(await stream_one(client, spec, user=user))
 
     try:
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))

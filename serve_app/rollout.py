@@ -199,8 +199,11 @@ class Rollout:
         return record
 
     def to_dict(self) -> dict[str, Any]:
-        """State for the admin endpoint: arms, state, step, weights, policy and history."""
+        """State for the admin endpoint: arms, state, step, weights, the figures so far
+        (``current_step``), policy and history."""
         return {"key": self.key, "stable": self.stable, "canary": self.canary,
                 "state": self.state, "step": self.step, "weights": self.weights(),
                 "started_at": self.started_at, "step_started_at": self.step_started_at,
+                "current_step": {"canary": figures(self.canary_window),
+                                 "stable": figures(self.stable_window)},
                 "policy": self.policy.model_dump(), "history": list(self.history)}

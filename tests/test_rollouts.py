@@ -1,0 +1,163 @@
+"""Progressive rollouts on the real stack: the mesh ramps smollm-v2 against smollm-v1 by
+itself under real load, promotes a healthy canary, rolls back one with injected errors, and
+keeps its state through a router replica restart and config-driven pause and abort."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import httpx
+import pytest
+
+from serve_app.loadgen import LoadSpec, background_load
+
+pytestmark = pytest.mark.integration
+
+OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of serve_configs/canary.yaml
+ADMIN = {"authorization": f"Bearer {OPS_KEY}"}
+
+
+def router_uc(cfg):
+    return cfg["applications"][0]["deployments"][0]["user_config"]
+
+
+def with_rollout(base, rollout: dict, canary_user_config: dict | None = None):
+    """canary.yaml with a rollout of smollm-v2 (canary) against smollm-v1 (stable)."""
+    cfg = copy.deepcopy(base)
+    route = router_uc(cfg)["routes"]["smollm"]
+    route["variants"] = [{"application": "smollm-v1", "weight": 100},
+                         {"application": "smollm-v2", "weight": 0}]
+    route["rollout"] = {"min_requests": 4, "min_step_s": 2,
+                        "gates": {"max_ttft_p95_ratio": 3.0, "max_latency_p95_ratio": 3.0},
+                        **rollout}
+    if canary_user_config:
+        cfg["applications"][2]["deployments"][0]["user_config"].update(canary_user_config)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def rollouts(mesh):
+    mesh.base_cfg = mesh.deploy_shipped("canary.yaml")
+    yield mesh
+    mesh.deploy(mesh.base_cfg)  # no rollout, no fault injection
+
+
+def rollout_state(http: httpx.Client) -> dict:
+    r = http.get("/admin/rollouts", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return r.json()["smollm"]
+
+
+def wait_for_state(http: httpx.Client, states: set[str], timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = rollout_state(http)
+        if state["state"] in states:
+            return state
+        assert time.monotonic() < deadline, (state["state"], state["history"][-1])
+        time.sleep(1)
+
+
+def load(mesh) -> LoadSpec:
+    return LoadSpec(base_url=f"{mesh.base_url}/v1", model="smollm", concurrency=4,
+                    max_tokens=8, api_key=OPS_KEY, duration_s=600, user_prefix="caller-")
+
+
+def print_history(state: dict) -> None:
+    for d in state["history"]:
+        print(f"  {d['decision']:>8} -> {d['canary_weight']:>3}%  canary {d['canary']}  "
+              f"stable {d['stable']}  ({d['reason']})")
+
+
+def test_healthy_canary_is_promoted_step_by_step(rollouts):
+    rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "promote", "steps": [25, 50, 100]}))
+    with rollouts.http() as http:
+        assert rollout_state(http)["weights"] == {"smollm-v1": 75, "smollm-v2": 25}
+        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 75,
+                                                                  "smollm-v2": 25}
+        with background_load(load(rollouts)) as results:
+            state = wait_for_state(http, {"promoted", "rolled_back"})
+        print("\nrollout 'promote':")
+        print_history(state)
+        assert state["state"] == "promoted", state["history"][-1]["reason"]
+        assert [d["decision"] for d in state["history"]] == ["start", "advance", "advance",
+                                                             "promote"]
+        assert [d["canary_weight"] for d in state["history"]] == [25, 50, 100, 100]
+        for d in state["history"][1:]:
+            assert d["canary"]["requests"] >= 4 and d["canary"]["errors"] == 0, d
+        assert state["weights"] == {"smollm-v1": 0, "smollm-v2": 100}
+        assert http.get("/health").json()["routes"]["smollm"]["smollm-v2"] == 100
+    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    # Each decision is a metric too.
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(rollouts.metrics_url, timeout=10).text
+        if 'decision="promote"' in text and "ray_mesh_rollout_canary_weight" in text:
+            break
+        assert time.monotonic() < deadline, "rollout metrics never appeared"
+        time.sleep(3)
+    assert any(line.startswith("ray_mesh_rollout_decisions_total{") and 'rollout="smollm"' in line
+               for line in text.splitlines())
+
+
+def test_canary_with_injected_errors_is_rolled_back_within_one_step(rollouts):
+    rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "drill", "steps": [25, 50, 100]},
+                                 {"fault_injection": {"error_rate": 1.0}}))
+    with rollouts.http() as http:
+        with background_load(load(rollouts)) as results:
+            state = wait_for_state(http, {"promoted", "rolled_back"})
+        print("\nrollout 'drill':")
+        print_history(state)
+        assert [d["decision"] for d in state["history"]] == ["start", "rollback"]
+        rollback = state["history"][-1]
+        assert rollback["step"] == 0 and rollback["canary_weight"] == 0
+        assert rollback["canary"]["errors"] >= 4 and rollback["stable"]["errors"] == 0
+        assert rollback["reason"].startswith("error rate 100.0% vs stable 0.0%")
+        assert state["weights"] == {"smollm-v1": 100, "smollm-v2": 0}
+        # After the rollback every caller is on the stable variant.
+        for i in range(6):
+            r = http.post("/v1/chat/completions", headers=ADMIN, json={
+                "model": "smollm", "user": f"after-{i}", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-v1"
+    failed = [r for r in results if not r.ok]
+    print(f"load during the drill: {len(results)} requests, {len(failed)} failed (injected)")
+    assert failed and all(r.status == 500 and "injected fault" in r.error for r in failed)
+    assert any(r.ok for r in results)
+
+
+def test_rollout_state_survives_router_restart_and_follows_deploys(rollouts):
+    import ray
+
+    slow = {"id": "restart", "steps": [20, 50, 100], "min_requests": 1000, "min_step_s": 3600}
+    rollouts.deploy(with_rollout(rollouts.base_cfg, slow))
+    with rollouts.http() as http:
+        before = rollout_state(http)
+        assert before["state"] == "progressing" and before["weights"]["smollm-v2"] == 20
+        [router_id] = rollouts.replica_ids("mesh", "MeshRouter")
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::mesh#MeshRouter#{router_id}", namespace="serve"),
+                 no_restart=True)
+        deadline = time.monotonic() + 120
+        while rollouts.replica_ids("mesh", "MeshRouter") in (set(), {router_id}):
+            assert time.monotonic() < deadline, "the router replica was not replaced"
+            time.sleep(1)
+        after = rollout_state(http)
+        assert after["started_at"] == before["started_at"]
+        assert after["history"] == before["history"] and after["state"] == "progressing"
+        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 80,
+                                                                  "smollm-v2": 20}
+        # A deploy of the same rollout with paused/abort set is how users steer it.
+        rollouts.deploy(with_rollout(rollouts.base_cfg, {**slow, "paused": True}))
+        paused = rollout_state(http)
+        assert paused["state"] == "paused" and paused["started_at"] == before["started_at"]
+        rollouts.deploy(with_rollout(rollouts.base_cfg, {**slow, "abort": True}))
+        aborted = rollout_state(http)
+        assert aborted["state"] == "aborted" and aborted["weights"]["smollm-v2"] == 0
+        assert [d["decision"] for d in aborted["history"]] == ["start", "pause", "abort"]
+        # A new id restarts it from the first step.
+        rollouts.deploy(with_rollout(rollouts.base_cfg, {**slow, "id": "restart-2"}))
+        again = rollout_state(http)
+        assert [d["decision"] for d in again["history"]] == ["start"]
+        assert again["weights"]["smollm-v2"] == 20
+        assert http.get("/admin/rollouts").status_code == 401
