@@ -24,7 +24,7 @@ def router_cfg(cfg):
     return cfg["applications"][0]["deployments"][0]["user_config"]
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "canary.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml"])
 def test_shipped_configs_are_valid(name):
     assert validate_config(load_yaml(REPO_ROOT / "serve_configs" / name)) == []
 

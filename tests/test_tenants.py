@@ -4,9 +4,11 @@ hot add / upgrade / removal by `serve deploy`, tenant isolation and limits."""
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ import yaml
 from serve_app.adapters import load_manifest
 from serve_app.loadgen import LoadSpec, background_load
 from serve_app.paths import REPO_ROOT
+from serve_app.split import pick_variant
 
 pytestmark = pytest.mark.integration
 
@@ -41,10 +44,21 @@ def tenants(mesh):
     return mesh
 
 
-def ask(http, tenant, model, max_tokens=24):
+def ask(http, tenant, model, max_tokens=24, user=None):
     return http.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[tenant]}"},
                      json={"model": model, "messages": QUESTION, "temperature": 0,
-                           "max_tokens": max_tokens})
+                           "max_tokens": max_tokens, **({"user": user} if user else {})})
+
+
+def with_acme_split(cfg, versions, rollout=None):
+    """Both acme-support versions served; the router splits callers between them."""
+    cfg = with_adapters(cfg, [("acme-support", 1), ("acme-support", 2), ("globex-report", 1)])
+    split = {"versions": [{"version": v, "weight": w} for v, w in versions]}
+    if rollout:
+        split["rollout"] = rollout
+    cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]["adapters"] = {
+        "acme-support": split}
+    return cfg
 
 
 def text(r) -> str:
@@ -183,11 +197,70 @@ def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
             refused = status["smollm-v1"]["refused"]
             assert "SHA-256" in refused["acme-tampered@v1"], refused
             assert "pickle" in refused["acme-pickled@v1"], refused
-            assert set(status["smollm-v1"]["active"]) == {"acme-support", "globex-report"}
+            assert set(status["smollm-v1"]["active"]) == {"acme-support@v1", "globex-report@v1"}
             print(f"\nadapter verify+load times (s): {status['smollm-v1']['load_seconds']}")
             assert text(ask(http, "acme", "smollm:acme-support")).startswith(ACME_V1)
             assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
             assert http.get("/admin/adapters", headers={
                 "authorization": f"Bearer {KEYS['acme']}"}).status_code == 403
+    finally:
+        tenants.deploy(tenants.tenants_cfg)
+
+
+def test_adapter_version_canary_split_is_sticky(tenants):
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 90), (2, 10)]))
+    try:
+        callers = [f"acme-user-{i}" for i in range(200)]
+        with tenants.http() as http, ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(
+                lambda u: ask(http, "acme", "smollm:acme-support", max_tokens=1, user=u), callers))
+        assert all(r.status_code == 200 for r in responses), responses[0].text
+        served = [r.headers["x-mesh-adapter"] for r in responses]
+        weighted = [("acme-support@v1", 90), ("acme-support@v2", 10)]
+        # Each caller gets exactly the version the sticky hash gives it...
+        assert served == [pick_variant(weighted, "smollm:acme-support", u) for u in callers]
+        # ...within 3 sigma of 10 %...
+        n_v2 = served.count("acme-support@v2")
+        print(f"\nadapter split 90/10 over 200 callers: acme-support@v2 got {n_v2}")
+        assert abs(n_v2 - 20) <= 3 * math.sqrt(200 * 0.1 * 0.9), n_v2
+        # ...keeps it, and gets that version's behaviour under the name it asked for.
+        v1_user, v2_user = (callers[served.index(v)] for v in ("acme-support@v1",
+                                                                 "acme-support@v2"))
+        with tenants.http() as http:
+            for u in callers[:10]:
+                again = {ask(http, "acme", "smollm:acme-support", max_tokens=1, user=u)
+                         .headers["x-mesh-adapter"] for _ in range(3)}
+                assert again == {served[callers.index(u)]}
+            v1 = ask(http, "acme", "smollm:acme-support", user=v1_user)
+            v2 = ask(http, "acme", "smollm:acme-support", user=v2_user)
+        assert text(v1).startswith(ACME_V1) and not text(v1).startswith(ACME_V2), text(v1)
+        assert text(v2).startswith(ACME_V2), text(v2)
+        assert v2.json()["model"] == "smollm:acme-support"
+    finally:
+        tenants.deploy(tenants.tenants_cfg)
+
+
+def test_adapter_version_rollout_is_promoted(tenants):
+    rollout = {"id": "acme-v2", "steps": [50, 100], "min_requests": 3, "min_step_s": 1,
+               "gates": {"max_ttft_p95_ratio": 3.0, "max_latency_p95_ratio": 3.0}}
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 100), (2, 0)], rollout))
+    spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model="smollm:acme-support",
+                    concurrency=4, max_tokens=8, api_key=KEYS["acme"], duration_s=600,
+                    user_prefix="acme-caller-")
+    try:
+        with tenants.http() as http, background_load(spec) as results:
+            deadline = time.monotonic() + 240
+            while (state := http.get("/admin/rollouts", headers={
+                    "authorization": f"Bearer {KEYS['ops']}"}).json()["smollm:acme-support"]
+                   )["state"] not in ("promoted", "rolled_back"):
+                assert time.monotonic() < deadline, state["history"][-1]
+                time.sleep(1)
+        print(f"\nadapter rollout: {[(d['decision'], d['canary_weight']) for d in state['history']]}"
+              f"; {len(results)} requests")
+        assert [d["decision"] for d in state["history"]] == ["start", "advance", "promote"]
+        assert state["weights"] == {"acme-support@v1": 0, "acme-support@v2": 100}
+        assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        with tenants.http() as http:
+            assert text(ask(http, "acme", "smollm:acme-support", user="new")).startswith(ACME_V2)
     finally:
         tenants.deploy(tenants.tenants_cfg)
