@@ -124,6 +124,15 @@ class Rollout:
                      f"steps {policy.steps}")
         self.apply_policy(policy, now)
 
+    @classmethod
+    def restore(cls, saved: dict[str, Any]) -> Rollout:
+        """Rebuild a rollout from :meth:`to_dict` (the current step's figures start over)."""
+        r = cls(saved["key"], saved["stable"], saved["canary"],
+                RolloutPolicy.model_validate(saved["policy"]), now=saved["started_at"])
+        r.state, r.step = saved["state"], saved["step"]
+        r.step_started_at, r.history = saved["step_started_at"], list(saved["history"])
+        return r
+
     @property
     def identity(self) -> tuple[str, str, str]:
         """What a config must keep for this rollout to go on: arms and ``policy.id``."""

@@ -9,8 +9,11 @@ A Serve deployment of application ``mesh`` with one replica, beside the router. 
   requests and reads back the weights the rollouts set (:meth:`RolloutController.report`).
 
 So every router replica splits by the same weights, and a router replica that restarts
-finds the rollout where it was: the state lives here, not in the router. A rollout restarts
-only when a deployed config changes its arms or ``rollout.id``.
+finds the rollout where it was: the state lives here, not in the router. The controller saves
+every rollout's state and history in Ray's GCS key-value store (where Serve keeps its own
+checkpoints) on each change, so a replacement controller replica takes them up again; only
+the current step's figures start over. A rollout restarts only when a deployed config changes
+its arms or ``rollout.id``.
 
 Each decision is logged with its figures, counted in ``ray_mesh_rollout_decisions_total``
 (``rollout``, ``decision``) and visible at the router's ``GET /admin/rollouts``; the
@@ -26,6 +29,7 @@ import time
 from typing import Any
 
 from ray import serve
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
 from serve_app.config import RolloutPolicy
@@ -37,6 +41,9 @@ logger = logging.getLogger("ray.serve")
 EVALUATE_PERIOD_S = 0.5
 REPORT_PERIOD_S = 0.5
 
+#: Where the state is saved in the GCS key-value store.
+KV_NAMESPACE, KV_KEY = "model-mesh", "rollouts"
+
 #: What a router sends per rollout: ``{"stable": arm, "canary": arm, "policy": {...}}``.
 RolloutSpec = dict[str, Any]
 
@@ -46,12 +53,17 @@ RolloutSpec = dict[str, Any]
 class RolloutController:
     """Holds every rollout by split key and judges them every :data:`EVALUATE_PERIOD_S`."""
 
-    def __init__(self) -> None:
+    async def __init__(self) -> None:
         self.rollouts: dict[str, Rollout] = {}
         self._weight = Gauge("mesh_rollout_canary_weight", "Canary weight set by a progressive "
                              "rollout, percent.", tag_keys=("rollout",))
         self._decisions = Counter("mesh_rollout_decisions", "Progressive rollout decisions.",
                                   tag_keys=("rollout", "decision"))
+        saved = _internal_kv_get(KV_KEY, namespace=KV_NAMESPACE)
+        for key, state in json.loads(saved or "{}").items():
+            self.rollouts[key] = Rollout.restore(state)
+            logger.info("rollout %s: taken up again at %s, step %d", key,
+                        self.rollouts[key].state, self.rollouts[key].step)
         self._task = asyncio.get_running_loop().create_task(self._evaluate_forever())
 
     async def sync(self, specs: dict[str, RolloutSpec]) -> dict[str, dict[str, int]]:
@@ -76,6 +88,7 @@ class RolloutController:
             rollout = Rollout(key, spec["stable"], spec["canary"], policy, now)
             self.rollouts[key] = rollout
             self._log_new(rollout, 0)
+        self._save()
         return self.weights()
 
     async def report(self, observations: list[Observation]) -> dict[str, dict[str, int]]:
@@ -98,19 +111,28 @@ class RolloutController:
         while True:
             await asyncio.sleep(EVALUATE_PERIOD_S)
             now = time.time()
+            decided = False
             for rollout in list(self.rollouts.values()):
                 before = len(rollout.history)
                 try:
                     rollout.evaluate(now)
                 except Exception:  # one broken rollout must not stop the others
                     logger.exception("rollout %s: evaluation failed", rollout.key)
-                self._log_new(rollout, before)
+                decided |= self._log_new(rollout, before)
+            if decided:
+                self._save()
 
-    def _log_new(self, rollout: Rollout, before: int) -> None:
-        """Log, count and export the decisions made since ``before`` entries of history."""
+    def _save(self) -> None:
+        _internal_kv_put(KV_KEY, json.dumps({k: r.to_dict() for k, r in self.rollouts.items()}),
+                         overwrite=True, namespace=KV_NAMESPACE)
+
+    def _log_new(self, rollout: Rollout, before: int) -> bool:
+        """Log, count and export the decisions made since ``before`` entries of history;
+        True if there were any."""
         for d in rollout.history[before:]:
             logger.info("rollout %s: %s -> canary %s at %d%% (%s); canary %s; stable %s",
                         rollout.key, d["decision"], rollout.canary, d["canary_weight"],
                         d["reason"], json.dumps(d["canary"]), json.dumps(d["stable"]))
             self._decisions.inc(1, {"rollout": rollout.key, "decision": d["decision"]})
         self._weight.set(rollout.canary_weight, {"rollout": rollout.key})
+        return len(rollout.history) > before

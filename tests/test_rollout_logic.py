@@ -103,3 +103,14 @@ def test_rollout_config_rules():
     split = cfg.splits()["r:ad"]
     assert split.weighted == [("ad@v1", 90), ("ad@v2", 10)] and split.salt == "r:ad"
     assert split.rollout.steps == [50, 100]
+
+
+def test_restore_from_saved_state():
+    r = Rollout("smollm", "v1", "v2", POLICY, now=0)
+    feed(r, "v1", 10)
+    feed(r, "v2", 5)
+    r.evaluate(30)
+    again = Rollout.restore(r.to_dict())
+    assert again.to_dict()["history"] == r.to_dict()["history"]
+    assert (again.state, again.step, again.step_started_at, again.weights()) == \
+        ("progressing", 1, 30, {"v1": 50, "v2": 50})

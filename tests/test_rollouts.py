@@ -127,26 +127,37 @@ def test_canary_with_injected_errors_is_rolled_back_within_one_step(rollouts):
     assert any(r.ok for r in results)
 
 
-def test_rollout_state_survives_router_restart_and_follows_deploys(rollouts):
+def kill_replica(mesh, app: str, deployment: str) -> None:
+    """Kill the deployment's only replica actor and wait until Serve has replaced it."""
     import ray
 
+    [replica_id] = mesh.replica_ids(app, deployment)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica_id}", namespace="serve"),
+             no_restart=True)
+    deadline = time.monotonic() + 120
+    while mesh.replica_ids(app, deployment) in (set(), {replica_id}):
+        assert time.monotonic() < deadline, f"{app}/{deployment} was not replaced"
+        time.sleep(1)
+
+
+def test_rollout_state_survives_restarts_and_follows_deploys(rollouts):
     slow = {"id": "restart", "steps": [20, 50, 100], "min_requests": 1000, "min_step_s": 3600}
     rollouts.deploy(with_rollout(rollouts.base_cfg, slow))
     with rollouts.http() as http:
         before = rollout_state(http)
         assert before["state"] == "progressing" and before["weights"]["smollm-v2"] == 20
-        [router_id] = rollouts.replica_ids("mesh", "MeshRouter")
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::mesh#MeshRouter#{router_id}", namespace="serve"),
-                 no_restart=True)
-        deadline = time.monotonic() + 120
-        while rollouts.replica_ids("mesh", "MeshRouter") in (set(), {router_id}):
-            assert time.monotonic() < deadline, "the router replica was not replaced"
-            time.sleep(1)
+        # The router replica restarts: the state is the controller's, so nothing changes.
+        kill_replica(rollouts, "mesh", "MeshRouter")
         after = rollout_state(http)
         assert after["started_at"] == before["started_at"]
         assert after["history"] == before["history"] and after["state"] == "progressing"
         assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 80,
                                                                   "smollm-v2": 20}
+        # The controller replica restarts: it takes the saved state up again.
+        kill_replica(rollouts, "mesh", "RolloutController")
+        after = rollout_state(http)
+        assert after["started_at"] == before["started_at"]
+        assert after["history"] == before["history"] and after["weights"]["smollm-v2"] == 20
         # A deploy of the same rollout with paused/abort set is how users steer it.
         rollouts.deploy(with_rollout(rollouts.base_cfg, {**slow, "paused": True}))
         paused = rollout_state(http)
