@@ -362,7 +362,7 @@ class MeshRouter:
         version = None  # adapter version chosen by an adapter split ("name@vN")
         if adapter:
             self._check_adapter_owner(adapter, tenant)
-            version = self._pick_adapter_version(route_name, adapter, identity)
+            version = await self._pick_adapter_version(route_name, adapter, identity)
             weighted = await self._variants_with_adapter(weighted, model, version or adapter)
         pinned = request.headers.get(VARIANT_HEADER)
         if pinned:
@@ -402,22 +402,25 @@ class MeshRouter:
                 raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
                                 param="model", code="adapter_not_allowed")
 
-    def _pick_adapter_version(self, route: str, adapter: str, identity: str | None
-                              ) -> str | None:
-        """The version ``name@vN`` an adapter split gives this caller (sticky), among the
-        versions a variant of the route serves; None when the adapter has no split (the
-        variant then uses its default version)."""
+    async def _pick_adapter_version(self, route: str, adapter: str, identity: str | None
+                                    ) -> str | None:
+        """The version ``name@vN`` an adapter split gives this caller (sticky); if no variant
+        of the route serves that version (yet), the next one that is served, in failover
+        order. None when the adapter has no split or no version is served (the variant then
+        uses its default version)."""
         key = f"{route}:{adapter}"
         if key not in self.splits:
             return None
         variants = [a for a, _ in self.splits[route].weighted]
-        served = [(v, w) for v, w in self._weighted(key)
-                  if any(self.availability.serves(a, v) for a in variants)]
-        if not served:
-            return None
-        if sum(w for _, w in served) == 0:
-            return served[0][0]
-        return pick_variant(served, self.splits[key].salt, identity)
+
+        def served(version: str) -> bool:
+            return any(self.availability.serves(a, version) for a in variants)
+
+        weighted = self._weighted(key)
+        chosen = pick_variant(weighted, self.splits[key].salt, identity)
+        if not served(chosen):  # a deploy may have just added it: look again first
+            await self.availability.refresh()
+        return next((v for v in failover_order(weighted, chosen) if served(v)), None)
 
     async def _variants_with_adapter(self, weighted: list[tuple[str, int]], model: str,
                                      adapter: str) -> list[tuple[str, int]]:
