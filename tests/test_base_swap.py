@@ -55,6 +55,22 @@ def figures(label: str, rs: list[RequestResult]) -> dict:
     return out
 
 
+def report(what: str, results: list[RequestResult], t_change: float, t_done: float,
+           detail: str) -> list[RequestResult]:
+    """Print counts and latency before / during / after a change; return the failed requests
+    (each printed with its status and error)."""
+    failed = [r for r in results if not r.ok]
+    print(f"\n{what}: {len(results)} streams, {len(failed)} failed, {detail}, "
+          f"took {t_done - t_change:.0f} s")
+    figures("before (baseline)", window(results, min(r.started_at for r in results), t_change))
+    figures(f"during the {what}", window(results, t_change, t_done))
+    figures("after", window(results, t_done, float("inf")))
+    for r in failed[:10]:
+        print(f"  FAILED status={r.status} after {r.latency_s:.1f} s "
+              f"(started {r.started_at - t_change:+.1f} s from the change): {r.error}")
+    return failed
+
+
 def by_variant(results: list[RequestResult]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in results:
@@ -86,13 +102,7 @@ def test_base_swap_with_meshctl_drops_nothing(mesh):
         time.sleep(AFTER_S)
     assert swap.returncode == 0, swap.stdout
 
-    failed = [r for r in results if not r.ok]
-    print(f"\nbase swap: {len(results)} streams, {len(failed)} failed, by variant "
-          f"{by_variant(results)}, swap took {t_done - t_swap:.0f} s")
-    start = min(r.started_at for r in results)
-    figures("before (baseline)", window(results, start, t_swap))
-    figures("during the swap", window(results, t_swap, t_done))
-    figures("after", window(results, t_done, float("inf")))
+    failed = report("swap", results, t_swap, t_done, f"by variant {by_variant(results)}")
     assert not failed, [(r.status, r.error) for r in failed[:5]]
     assert len(results) >= 20
     assert set(by_variant(results)) == {"smollm-v1", "smollm-acme"}
@@ -133,15 +143,7 @@ def test_in_place_args_change_restarts_the_replica_under_load(mesh):
         time.sleep(AFTER_S)
     after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
 
-    failed = [r for r in results if not r.ok]
-    print(f"\nin-place restart: {len(results)} streams, {len(failed)} failed, replica "
-          f"{sorted(before_ids)} -> {sorted(after_ids)}, deploy took {t_done - t_change:.0f} s")
-    start = min(r.started_at for r in results)
-    figures("before (baseline)", window(results, start, t_change))
-    figures("during the restart", window(results, t_change, t_done))
-    figures("after", window(results, t_done, float("inf")))
-    for r in failed[:10]:
-        print(f"  FAILED status={r.status} after {r.latency_s:.1f} s "
-              f"(started {r.started_at - t_change:+.1f} s from the deploy): {r.error}")
+    failed = report("restart", results, t_change, t_done,
+                    f"replica {sorted(before_ids)} -> {sorted(after_ids)}")
     assert after_ids and after_ids.isdisjoint(before_ids), "Serve did not replace the replica"
     assert not failed, [(r.status, r.error) for r in failed[:5]]
