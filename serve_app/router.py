@@ -47,6 +47,9 @@ VARIANT_HEADER = "x-mesh-variant"
 SESSION_HEADER = "x-session-id"
 #: Seconds a config apply waits for the rollout controller before leaving it to the loop.
 CONTROLLER_TIMEOUT_S = 10
+#: Observations kept for the rollout controller while it cannot be reached; newer ones are
+#: dropped above this (the controller judges on counts, so losing some only slows a verdict).
+MAX_PENDING_OBSERVATIONS = 10_000
 
 app = FastAPI(title="model mesh", description="OpenAI-compatible router over vLLM variants")
 
@@ -250,7 +253,8 @@ class MeshRouter:
                  ttft_s: float | None = None, latency_s: float) -> None:
         """Queue an observation for each ``(split key, arm)`` under a rollout."""
         for key, arm in arms:
-            if self.splits.get(key) and self.splits[key].rollout:
+            if (self.splits.get(key) and self.splits[key].rollout
+                    and len(self._observations) < MAX_PENDING_OBSERVATIONS):
                 self._observations.append(Observation(key, arm, error, truncated, ttft_s,
                                                       latency_s))
 
@@ -474,7 +478,8 @@ class MeshRouter:
             latency = time.monotonic() - t0
             self.metrics.record(tags, head.status, latency, prompt_tokens=usage.prompt_tokens,
                                 completion_tokens=usage.completion_tokens)
-            self._observe(here, error=head.status >= 500, latency_s=latency)
+            if not 400 <= head.status < 500:  # a client's mistake says nothing of the arm
+                self._observe(here, error=head.status >= 500, latency_s=latency)
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
         tags["variant"] = ""
