@@ -17,11 +17,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
@@ -32,6 +31,7 @@ from serve_app.errors import MeshError, error_body
 from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
 from serve_app.limits import TenantLimiter
+from serve_app.relay import RelayResponse
 from serve_app.rollout import Observation
 from serve_app.rollout_controller import REPORT_PERIOD_S, RolloutController
 from serve_app.tenancy import authenticate
@@ -109,33 +109,6 @@ def caller_identity(request: Request, body: dict[str, Any], tenant: Tenant | Non
     ``x-session-id`` header, then the OpenAI ``user`` field, then the tenant id."""
     return (request.headers.get(SESSION_HEADER) or _str_or_none(body.get("user"))
             or (tenant.id if tenant else None))
-
-
-async def _relay(stream, variant: str, t0: float, finish) -> AsyncIterator[str]:
-    """Pass SSE lines through, then call ``finish(ttft_s, usage, error_kind)`` once.
-
-    A failure mid-stream ends it with an SSE error event (the status is already sent)."""
-    ttft = None
-    usage = Usage()
-    error_kind = None
-    try:
-        async for item in stream:
-            if isinstance(item, Usage):
-                usage = item
-                continue
-            if ttft is None:
-                ttft = time.monotonic() - t0
-            yield item
-    except asyncio.CancelledError:
-        error_kind = "client_disconnected"
-        raise
-    except Exception as e:
-        error_kind = "stream_failed"
-        logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
-        message = f"variant {variant} failed mid-stream; retry the request"
-        yield f"data: {json.dumps(error_body(503, message))}\n\n"
-    finally:
-        finish(ttft, usage, error_kind)
 
 
 @serve.deployment(
@@ -393,7 +366,7 @@ class MeshRouter:
         except BaseException:
             self.limiter.release(tenant)
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, RelayResponse):  # it releases the slot itself
             self.limiter.release(tenant)
         return response
 
@@ -471,9 +444,8 @@ class MeshRouter:
                 continue
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
-                return StreamingResponse(
-                    _relay(stream, variant, t0, self._finisher(dict(tags), here, t0, tenant)),
-                    media_type="text/event-stream", headers=headers)
+                return RelayResponse(stream, variant, t0,
+                                     self._finisher(dict(tags), here, t0, tenant), headers)
             usage = head.usage or Usage()
             latency = time.monotonic() - t0
             self.metrics.record(tags, head.status, latency, prompt_tokens=usage.prompt_tokens,
