@@ -56,7 +56,18 @@ class AdapterSpec(BaseModel):
     @property
     def key(self) -> str:
         """Registry key, ``name@vN``."""
-        return f"{self.name}@v{self.version}"
+        return adapter_key(self.name, self.version)
+
+
+def adapter_key(name: str, version: int) -> str:
+    """The name of one adapter version, ``name@vN``: its registry key, its LoRA name in vLLM
+    and the arm of an adapter version split."""
+    return f"{name}@v{version}"
+
+
+def adapter_name(key: str) -> str:
+    """``name@vN`` -> ``name``."""
+    return key.partition("@")[0]
 
 
 def sha256_file(path: Path | str) -> str:

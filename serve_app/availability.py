@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ray import serve
 
+from serve_app.adapters import adapter_name
 from serve_app.serve_configs import REPLICA_DEPLOYMENT
 
 logger = logging.getLogger("ray.serve")
@@ -80,4 +81,4 @@ class VariantAvailability:
         of ``name``."""
         versions = self.adapters.get(application, ())
         return adapter in versions if "@" in adapter else any(
-            v.partition("@")[0] == adapter for v in versions)
+            adapter_name(v) == adapter for v in versions)

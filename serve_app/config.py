@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serve_app.adapters import adapter_key
 from serve_app.paths import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("ray.serve")
@@ -81,6 +82,11 @@ class AdapterRef(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     version: int = Field(ge=1)
 
+    @property
+    def key(self) -> str:
+        """``name@vN``."""
+        return adapter_key(self.name, self.version)
+
 
 class FaultInjection(_Strict):
     """FOR TESTS AND DRILLS ONLY: make a share of a variant's requests fail or slow down, so a
@@ -119,7 +125,7 @@ class ReplicaConfig(_Strict):
     @field_validator("adapters")
     @classmethod
     def _each_version_once(cls, v: list[AdapterRef]) -> list[AdapterRef]:
-        if dupes := duplicates([f"{a.name}@v{a.version}" for a in v]):
+        if dupes := duplicates([a.key for a in v]):
             raise ValueError(f"adapter version listed twice: {', '.join(dupes)}")
         return v
 
@@ -356,7 +362,7 @@ class RouterConfig(_Strict):
                                rc.salt or route, rc.rollout)
             for name, ac in rc.adapters.items():
                 key = f"{route}:{name}"
-                out[key] = Split([(f"{name}@v{v.version}", v.weight) for v in ac.versions],
+                out[key] = Split([(adapter_key(name, v.version), v.weight) for v in ac.versions],
                                  key, ac.rollout)
         return out
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.adapters import AdapterError, AdapterSpec, load_manifest, verify_adapter
+from serve_app.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
+                                load_manifest, verify_adapter)
 from serve_app.errors import MeshError
 
 logger = logging.getLogger("ray.serve")
@@ -88,7 +89,7 @@ class AdapterSet:
         """
         specs = await asyncio.to_thread(load_manifest, manifest) if refs else {}
         async with self._lock:
-            wanted = [f"{name}@v{version}" for name, version in refs]
+            wanted = [adapter_key(name, version) for name, version in refs]
             refused_names = set()
             for key in wanted:
                 if key in self.active:
@@ -104,7 +105,7 @@ class AdapterSet:
                                            f"{manifest or 'adapters/manifest.yaml'}; add it there")
                     self.active[key] = await self._load(spec)
                 except AdapterError as e:
-                    refused_names.add(_name(key))
+                    refused_names.add(adapter_name(key))
                     self.refused[key] = str(e)
                     self.on_event(key, "refused")
                     logger.error("adapter %s refused: %s", key, e)
@@ -112,8 +113,8 @@ class AdapterSet:
                 self.refused.pop(key, None)
                 logger.info("adapter %s now serves new requests", key)
             for key in [k for k in self.active if k not in wanted]:
-                if _name(key) in refused_names and not any(
-                        _name(k) == _name(key) and k in self.active for k in wanted):
+                if adapter_name(key) in refused_names and not any(
+                        adapter_name(k) == adapter_name(key) and k in self.active for k in wanted):
                     logger.warning("adapter %s keeps serving: its replacement was refused", key)
                     continue
                 self._retire(self.active.pop(key))
@@ -121,7 +122,7 @@ class AdapterSet:
             order = [k for k in wanted if k in self.active] + list(self.active)
             self.default = {}
             for key in order:
-                self.default.setdefault(_name(key), key)
+                self.default.setdefault(adapter_name(key), key)
 
     async def _load(self, spec: AdapterSpec) -> LiveAdapter:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -182,14 +183,9 @@ class AdapterSet:
     def status(self) -> dict[str, Any]:
         """Served, draining and refused adapters, for the admin endpoint."""
         return {
-            "active": {k: {"in_flight": a.in_flight, "default": self.default.get(_name(k)) == k}
+            "active": {k: {"in_flight": a.in_flight, "default": k in self.default.values()}
                        for k, a in self.active.items()},
             "retiring": {n: {"in_flight": a.in_flight} for n, a in self.retiring.items()},
             "refused": dict(self.refused),
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
         }
-
-
-def _name(key: str) -> str:
-    """``"name@vN"`` -> ``"name"``."""
-    return key.partition("@")[0]

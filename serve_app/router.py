@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
+from serve_app.adapters import adapter_name
 from serve_app.availability import VariantAvailability
 from serve_app.config import (RouterConfig, Split, Tenant, format_validation_error,
                               reject_user_config)
@@ -256,7 +257,7 @@ class MeshRouter:
             if tenant is not None and not tenant.may_call(route):
                 continue
             ids.append(route)
-            served = {key.partition("@")[0] for v in rc.variants
+            served = {adapter_name(key) for v in rc.variants
                       for key in self.availability.adapters.get(v.application, ())}
             ids += [f"{route}:{a}" for a in sorted(served)
                     if tenant is None or a in tenant.adapters]

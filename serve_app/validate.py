@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from serve_app.adapters import AdapterError, load_manifest
+from serve_app.adapters import AdapterError, adapter_key, load_manifest
 from serve_app.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
 from serve_app.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -76,7 +76,7 @@ def validate_config(config: dict[str, Any]) -> list[str]:
             uc_at = f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config"
             replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
             if replica:
-                variant_adapters[name] = {f"{a.name}@v{a.version}" for a in replica.adapters}
+                variant_adapters[name] = {a.key for a in replica.adapters}
             if replica and args:
                 problems += _adapter_problems(replica, args, uc_at)
         if app.get("route_prefix", "/") is not None:
@@ -99,10 +99,10 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                                      for v in rc.variants))
             for name, split in rc.adapters.items():
                 for i, v in enumerate(split.versions):
-                    if f"{name}@v{v.version}" not in declared:
+                    if (key := adapter_key(name, v.version)) not in declared:
                         problems.append(
                             f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
-                            f"{route}.adapters.{name}.versions[{i}]: {name}@v{v.version} is not "
+                            f"{route}.adapters.{name}.versions[{i}]: {key} is not "
                             f"served by any variant of route {route!r}; add {{name: {name}, "
                             f"version: {v.version}}} to a variant's LLMReplica "
                             "user_config.adapters")
@@ -127,10 +127,10 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
     problems = []
     max_rank = engine.get("max_lora_rank", 16)  # vLLM's default max_lora_rank
     for i, ref in enumerate(replica.adapters):
-        spec = registry.get(f"{ref.name}@v{ref.version}")
+        spec = registry.get(ref.key)
         where = f"{at}.adapters[{i}]"
         if spec is None:
-            problems.append(f"{where}: {ref.name}@v{ref.version} is not in the adapter registry")
+            problems.append(f"{where}: {ref.key} is not in the adapter registry")
         elif spec.base_model != args.model:
             problems.append(f"{where}: {spec.key} was trained for {spec.base_model!r} but this "
                             f"variant serves {args.model!r}; declare it on a variant of "
