@@ -4,20 +4,24 @@ A ``DeploymentHandle`` to a deployment with no running replica does not fail: it
 request until a replica appears (a minute for a vLLM engine). So the router asks the
 controller (``serve.status()``, every ``period_s``) which variants have a RUNNING
 ``LLMReplica`` and tries those first; the others stay as last resorts. It also asks each
-running variant which adapter versions (``name@vN``) it serves, so ``route:adapter`` requests
-go only to variants that have the adapter.
+running variant (``LLMReplica.serving_info``) which adapter versions (``name@vN``) it serves,
+so ``route:adapter`` requests go only to variants that have the adapter, and how many
+requests its engine runs at once, which sets the variant's admission slots
+(:mod:`serve_app.admission`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from ray import serve
 
 from serve_app.adapters import adapter_name
 from serve_app.serve_configs import REPLICA_DEPLOYMENT
+from serve_app.wire import ReplicaInfo
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,11 +29,14 @@ logger = logging.getLogger("ray.serve")
 class VariantAvailability:
     """Background poller of variant readiness; ``await start()`` from the replica's loop."""
 
-    def __init__(self, handle_for, period_s: float = 1.0) -> None:
+    def __init__(self, handle_for, period_s: float = 1.0, on_refresh=None) -> None:
         self.handle_for = handle_for  # application name -> DeploymentHandle of its LLMReplica
         self.period_s = period_s
+        self.on_refresh = on_refresh  # called after every refresh (the router sets slots)
         self._running: dict[str, int] | None = None  # app -> RUNNING replicas; None: not polled
         self.adapters: dict[str, set[str]] = {}  # app -> adapter versions it serves, "name@vN"
+        self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
+        self._refreshed_at = float("-inf")
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -37,7 +44,12 @@ class VariantAvailability:
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
-    async def refresh(self) -> None:
+    async def refresh(self, max_age_s: float = 0.0) -> None:
+        """Take a new view now, unless the last one is younger than ``max_age_s`` (request
+        paths pass one, so many requests to a missing variant cost one status call)."""
+        if time.monotonic() - self._refreshed_at < max_age_s:
+            return
+        self._refreshed_at = time.monotonic()
         try:
             status = await asyncio.to_thread(serve.status)
         except Exception as e:  # keep the last view; the controller may be restarting
@@ -54,18 +66,32 @@ class VariantAvailability:
         # A call to a replica that just died queues until its replacement starts: time-box it
         # so one dead variant never freezes this view.
         answers = await asyncio.gather(
-            *(asyncio.wait_for(self.handle_for(app).adapter_names.remote(), self.period_s * 2)
+            *(asyncio.wait_for(self.handle_for(app).serving_info.remote(), self.period_s * 2)
               for app in up), return_exceptions=True)
-        for app, names in zip(up, answers):
-            if not isinstance(names, BaseException):
-                self.adapters[app] = set(names)
+        for app, info in zip(up, answers):
+            if not isinstance(info, BaseException):
+                self.info[app] = info
+                self.adapters[app] = set(info.adapters)
         for app in [a for a in self.adapters if a not in up]:
             del self.adapters[app]
+        if self.on_refresh is not None:
+            self.on_refresh()
 
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
             await self.refresh()
+
+    def slots(self, application: str) -> int | None:
+        """Admission slots of the application: ``max_num_seqs`` x RUNNING replicas; None
+        while unknown (not polled yet, or its replicas have not answered yet)."""
+        if self._running is None:
+            return None
+        running = self._running.get(application, 0)
+        info = self.info.get(application)
+        if running == 0:
+            return 0
+        return info.max_num_seqs * running if info else None
 
     def is_available(self, application: str) -> bool:
         """True when the application has a RUNNING replica (or nothing is known yet)."""

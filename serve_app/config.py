@@ -242,6 +242,23 @@ class AdapterSplit(_Strict):
         return self
 
 
+class Admission(_Strict):
+    """How a route's variants admit requests under load (see :mod:`serve_app.admission`).
+
+    Attributes:
+        queue_timeout_s: longest a request waits for a slot, s; a request that cannot start
+            within it gets 503 with ``Retry-After``, at arrival when its estimated wait is
+            already longer.
+        reserved_slots: slots of each variant only the best tenant priority may take, so its
+            requests start at once while worse ones fill the variant (0: none).
+        max_queued: most requests waiting for one variant at once (503 beyond).
+    """
+
+    queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    reserved_slots: int = Field(default=1, ge=0)
+    max_queued: int = Field(default=256, ge=0)
+
+
 class RouteConfig(_Strict):
     """A route: the variants a client's ``model`` name maps to, laid out in this order.
 
@@ -253,12 +270,14 @@ class RouteConfig(_Strict):
         salt: hash salt of the sticky split; defaults to the route name.
         rollout: progressive rollout of the last variant (see :class:`RolloutPolicy`).
         adapters: adapter name -> version split (adapter version canaries).
+        admission: bounded queues and priority under load (see :class:`Admission`).
     """
 
     variants: list[VariantWeight] = Field(min_length=1)
     salt: str | None = Field(default=None, description="hash salt; defaults to the route name")
     rollout: RolloutPolicy | None = None
     adapters: dict[str, AdapterSplit] = Field(default_factory=dict)
+    admission: Admission = Field(default_factory=Admission)
 
     @field_validator("variants")
     @classmethod
@@ -288,6 +307,9 @@ class Tenant(_Strict):
         adapters: adapter names the tenant owns and may call (``route:adapter``).
         max_concurrent_requests: requests in flight at once, per router replica (429 above).
         requests_per_minute: request rate, per router replica (429 above).
+        priority: the tenant's priority under contention, in vLLM's convention: lower is
+            served first (default 0). It orders the router's admission queues, and reaches
+            vLLM as the request ``priority`` on engines with ``scheduling_policy: priority``.
     """
 
     id: str = Field(pattern=NAME_PATTERN)
@@ -297,6 +319,7 @@ class Tenant(_Strict):
     adapters: list[str] = Field(default_factory=list)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     requests_per_minute: int | None = Field(default=None, ge=1)
+    priority: int = Field(default=0, ge=-1000, le=1000)
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -336,6 +359,10 @@ class RouterConfig(_Strict):
                 if route != "*" and route not in self.routes:
                     raise ValueError(f"tenant {t.id!r} names unknown route {route!r}")
         return self
+
+    def top_priority(self) -> int:
+        """The best (lowest) tenant priority configured; 0 in open mode."""
+        return min((t.priority for t in self.tenants), default=0)
 
     def tenant_by_key_digest(self) -> dict[str, Tenant]:
         """SHA-256 digest of an API key -> its tenant."""

@@ -7,6 +7,7 @@ bodies are exactly those of ``vllm serve``; only the HTTP layer is ours (the rou
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -27,41 +28,73 @@ class EngineHandle:
     models: Any  # OpenAIServingModels
     max_model_len: int
     max_lora_rank: int  # 0 when LoRA is off
+    max_num_seqs: int  # requests the engine runs at once
+    priority_scheduling: bool  # scheduling_policy "priority": requests carry a priority
 
 
 def build_cli_namespace(args: VariantArgs):
     """vLLM's API-server argument namespace with our values set on top of its defaults.
 
+    Mappings (``structured_outputs_config: {backend: guidance}``, ``compilation_config``,
+    ...) go through vLLM's own argument parser, as JSON, so they become vLLM's config
+    objects; plain values are set as they are.
+
     Raises:
-        ValueError: an ``engine_args`` key that vLLM does not know (the message lists it).
+        ValueError: an ``engine_args`` key that vLLM does not know (the message lists it), or
+            a mapping vLLM's parser refuses.
     """
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args([])
-    unknown = sorted(k for k in args.engine_args if not hasattr(ns, k))
+    parser = make_arg_parser(FlexibleArgumentParser())
+    known = parser.parse_args([])
+    unknown = sorted(k for k in args.engine_args if not hasattr(known, k))
     if unknown:
         raise ValueError(f"unknown vLLM engine_args: {', '.join(unknown)} "
                          "(use AsyncEngineArgs field names, e.g. max_model_len)")
+    mappings = {k: v for k, v in args.engine_args.items() if isinstance(v, dict)}
+    try:
+        ns = parser.parse_args([a for k, v in mappings.items()
+                                for a in (f"--{k.replace('_', '-')}", json.dumps(v))])
+    except SystemExit:  # argparse exits on a bad value; its message went to stderr
+        raise ValueError(f"vLLM refused engine_args {', '.join(mappings)}: "
+                         f"{json.dumps(mappings)}") from None
     ns.model = resolve_model_path(args.model)
     ns.served_model_name = [args.served_model_name]
     for key, value in args.engine_args.items():
-        setattr(ns, key, value)
+        if key not in mappings:
+            setattr(ns, key, value)
     validate_parsed_serve_args(ns)
     return ns
+
+
+def engine_config(args: VariantArgs):
+    """vLLM's argument namespace, ``AsyncEngineArgs`` and ``VllmConfig`` for ``args``, with
+    every check vLLM makes before it starts an engine (model config, ``max_model_len``
+    against the model, dtype, scheduler limits, LoRA settings). Takes ~10 s the first time
+    in a process (it imports vLLM and reads the model's config), and starts nothing.
+
+    Raises:
+        ValueError: an invalid engine argument; the message is vLLM's and names the field
+            (pydantic's ``ValidationError`` is a ``ValueError``).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    ns = build_cli_namespace(args)
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    return ns, engine_args, engine_args.create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER)
 
 
 async def start_engine(args: VariantArgs) -> EngineHandle:
     """Start an ``AsyncLLM`` and vLLM's OpenAI serving state for it (~30 s on a 2-core CPU)."""
     from starlette.datastructures import State
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    ns = build_cli_namespace(args)
-    engine_args = AsyncEngineArgs.from_cli_args(ns)
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    ns, engine_args, vllm_config = engine_config(args)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
@@ -79,4 +112,6 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
                         models=state.openai_serving_models,
                         max_model_len=vllm_config.model_config.max_model_len,
                         max_lora_rank=(vllm_config.lora_config.max_lora_rank
-                                       if vllm_config.lora_config else 0))
+                                       if vllm_config.lora_config else 0),
+                        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                        priority_scheduling=vllm_config.scheduler_config.policy == "priority")

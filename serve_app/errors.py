@@ -43,6 +43,12 @@ class MeshError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    @classmethod
+    def of(cls, verdict, headers: dict[str, str] | None = None) -> MeshError:
+        """The error for a :class:`serve_app.failures.Verdict`."""
+        return cls(verdict.status, verdict.message, param=verdict.param, code=verdict.code,
+                   headers=headers)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 

@@ -26,15 +26,20 @@ from ray.util.metrics import Counter
 from serve_app.adapters import AdapterError
 from serve_app.config import (ReplicaConfig, VariantArgs, format_validation_error,
                               reject_user_config)
-from serve_app.engine import EngineHandle, start_engine
+from serve_app.engine import EngineHandle, engine_config, start_engine
 from serve_app.errors import MeshError, error_body
 from serve_app.lora import AdapterSet
 from serve_app.paths import resolve_repo_path
-from serve_app.wire import ADAPTER_HEADER, Head, Usage
+from serve_app.failures import Failure, Verdict, replica_verdict, stream_error_verdict
+from serve_app.wire import ADAPTER_HEADER, Head, ReplicaInfo, Tail, Usage
 
 logger = logging.getLogger("ray.serve")
 
-ENDPOINTS = ("chat", "completion")
+#: How vLLM's stream generators start an in-band error event (then ``data: [DONE]``).
+IN_BAND_ERROR = 'data: {"error"'
+SSE_DONE = "data: [DONE]\n\n"
+#: Seconds a client should wait before retrying after a variant failure.
+RETRY_AFTER_S = 2
 
 
 @serve.deployment(
@@ -44,7 +49,15 @@ ENDPOINTS = ("chat", "completion")
     graceful_shutdown_wait_loop_s=1,
     health_check_period_s=10,
     health_check_timeout_s=60,
+    # The router admits at most max_num_seqs requests per replica (serve_app.admission);
+    # these are Serve's own bounds behind it: requests past them fail over at once
+    # (BackPressureError) instead of queueing without end.
     max_ongoing_requests=64,
+    max_queued_requests=64,
+    # Start a replacement before stopping the old replica, so a changed `args` or a bad
+    # deploy never leaves the variant with no replica (a failed replacement leaves the old
+    # one serving).
+    max_surge_percent=100,
     ray_actor_options={"num_cpus": 0.5},
 )
 class LLMReplica:
@@ -121,21 +134,27 @@ class LLMReplica:
                 "engine_unfinished": self.handle.engine.get_num_unfinished_requests(),
                 "adapters": self.adapters.status()}
 
-    async def adapter_names(self) -> list[str]:
-        """Adapter versions (``name@vN``) that take new requests here (the router routes by
-        them)."""
-        return sorted(self.adapters.active)
+    async def serving_info(self) -> ReplicaInfo:
+        """Adapter versions that take new requests here (the router routes ``route:adapter``
+        by them) and the engine's scheduling facts (the router's admission slots)."""
+        return ReplicaInfo(adapters=tuple(sorted(self.adapters.active)),
+                           max_num_seqs=self.handle.max_num_seqs,
+                           priority_scheduling=self.handle.priority_scheduling)
 
-    async def generate(self, endpoint: str, body: dict[str, Any], adapter_version: str | None = None
-                       ) -> AsyncIterator[Head | str | Usage]:
+    async def generate(self, endpoint: str, body: dict[str, Any],
+                       adapter_version: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[Head | str | Tail]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
 
         ``body["model"]`` is ``route`` or ``route:adapter``; ``adapter_version`` (``name@vN``)
         is the version an adapter split chose, else the adapter's default version serves.
+        ``priority`` is the tenant's (vLLM convention: lower is served first); it reaches
+        vLLM when the engine runs ``scheduling_policy: priority``.
+
         Yields a :class:`Head` (with ``x-mesh-adapter: name@vN`` for adapter requests), then
-        SSE lines and a :class:`Usage` if it is a stream. Bad requests become a head with
-        vLLM's own 4xx verdict in the OpenAI error format (404 for an adapter not served
-        here); nothing raises to the caller except engine failures.
+        SSE text and a :class:`Tail` if it is a stream. Nothing raises to the caller: every
+        failure becomes an error head (or, mid-stream, an in-band error event and a failed
+        tail) classified by :mod:`serve_app.failures`.
         """
         self._in_flight += 1
         live = None
@@ -149,9 +168,11 @@ class LLMReplica:
                 try:
                     live = self.adapters.acquire(adapter_version or adapter)
                 except MeshError as e:
-                    yield Head(e.status, _json(e.body()))
+                    yield Head(e.status, _json(e.body()), failure=Failure.REQUEST)
                     return
                 body = {**body, "model": live.lora_name}
+            if self.handle.priority_scheduling:
+                body = {**body, "priority": priority}
             async for item in self._generate(endpoint, body):
                 yield _for_client(item, live, requested) if live else item
         finally:
@@ -160,70 +181,96 @@ class LLMReplica:
                 self.adapters.release(live)
 
     async def _injected_fault(self) -> Head | None:
-        """``user_config.fault_injection`` (tests and drills): maybe sleep, maybe fail."""
+        """``user_config.fault_injection`` (tests and drills): maybe sleep, maybe fail as a
+        variant failure would (the router fails over, a rollout counts it)."""
         fault = self.config.fault_injection if self.config else None
         if fault is None:
             return None
         if fault.delay_ms and random.random() < fault.delay_rate:
             await asyncio.sleep(fault.delay_ms / 1000)
         if random.random() < fault.error_rate:
-            return Head(500, _json(error_body(
-                500, f"injected fault: variant {self.variant} has user_config.fault_injection."
+            return Head(503, _json(error_body(
+                503, f"injected fault: variant {self.variant} has user_config.fault_injection."
                 f"error_rate {fault.error_rate} (a test or drill setting)",
-                code="injected_fault")))
+                code="injected_fault")), failure=Failure.VARIANT)
         return None
 
+    def _verdict_head(self, verdict: Verdict) -> Head:
+        if verdict.failure is not Failure.REQUEST:
+            logger.warning("variant %s: %s (%d): %s", self.variant, verdict.failure.value,
+                           verdict.status, verdict.message[:500])
+        return Head(verdict.status, _json(verdict.body()), failure=verdict.failure,
+                    headers={"Retry-After": str(RETRY_AFTER_S)}
+                    if verdict.failure is Failure.VARIANT else {})
+
     async def _generate(self, endpoint: str, body: dict[str, Any]
-                        ) -> AsyncIterator[Head | str | Usage]:
+                        ) -> AsyncIterator[Head | str | Tail]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-        from vllm.exceptions import VLLMClientError
+
+        structured = wants_structured_output(body)
+
+        def classify(exc: BaseException) -> Verdict:
+            return replica_verdict(exc, variant=self.variant,
+                                   engine_is_dead=self.handle.engine.errored,
+                                   structured_output=structured)
 
         protocol = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         if endpoint == "chat":
             body = self._with_system_prompt(body)
         # Streams always carry usage (for the router's token metrics); the usage chunk is
         # passed to the client only if it asked for it.
-        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if body.get("stream"):
-            body = {**body, "stream_options": {**(body.get("stream_options") or {}),
-                                               "include_usage": True}}
-        try:
-            request = protocol.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            yield Head(400, _json(error_body(400, format_validation_error(e),
-                                             param=".".join(map(str, first["loc"])) or None)))
-            return
-
+        options = body.get("stream_options")
+        client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if body.get("stream") and (options is None or isinstance(options, dict)):
+            body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
         serving = self.handle.chat.create_chat_completion if endpoint == "chat" \
             else self.handle.completion.create_completion
         try:
-            result = await serving(request, None)
-        except (VLLMClientError, ValueError, TypeError, OverflowError) as e:
-            # vLLM's server maps these to 4xx with the same function; engine failures
-            # propagate so the router can fail over.
-            result = create_error_response(e)
-        if isinstance(result, ErrorResponse):
+            result = await serving(protocol.model_validate(body), None)
+        except Exception as e:  # noqa: BLE001 -- every error is classified, none escapes
+            yield self._verdict_head(classify(e))
+            return
+        if isinstance(result, ErrorResponse):  # vLLM's own verdict (4xx, or a 5xx)
             err = result.error
-            yield Head(err.code, _json(error_body(err.code, err.message, param=err.param)))
+            verdict = (Verdict(Failure.REQUEST, err.code, err.message, param=err.param)
+                       if 400 <= err.code < 500 else
+                       stream_error_verdict(err.code, err.message, variant=self.variant,
+                                            engine_is_dead=self.handle.engine.errored,
+                                            structured_output=structured))
+            yield self._verdict_head(verdict)
         elif hasattr(result, "model_dump_json"):
             u = result.usage
             yield Head(200, result.model_dump_json(),
                        usage=Usage(u.prompt_tokens, u.completion_tokens or 0) if u else None)
         else:
             yield Head(200, stream=True)
-            usage = Usage()
-            async for line in result:
-                if _is_usage_chunk(line):
-                    u = json.loads(line[len("data: "):])["usage"]
-                    usage = Usage(u["prompt_tokens"], u.get("completion_tokens") or 0)
-                    if not client_wants_usage:
-                        continue
-                yield line
-            yield usage
+            tail = Tail()
+            try:
+                async for line in result:
+                    if line.startswith(IN_BAND_ERROR):
+                        error = json.loads(line[len("data: "):])["error"]
+                        verdict = stream_error_verdict(
+                            int(error.get("code") or 500), str(error.get("message")),
+                            variant=self.variant, engine_is_dead=self.handle.engine.errored,
+                            structured_output=structured)
+                        tail = replace(tail, failure=verdict.failure, message=verdict.message)
+                    elif _is_usage_chunk(line):
+                        u = json.loads(line[len("data: "):])["usage"]
+                        tail = replace(tail, usage=Usage(u["prompt_tokens"],
+                                                         u.get("completion_tokens") or 0))
+                        if not client_wants_usage:
+                            continue
+                    yield line
+            except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
+                verdict = classify(e)
+                tail = replace(tail, failure=verdict.failure, message=verdict.message)
+                yield f"data: {_json(verdict.body())}\n\n{SSE_DONE}"
+            if tail.failure is not None and tail.failure is not Failure.REQUEST:
+                logger.warning("variant %s: stream ended with an in-band error (%s): %s",
+                               self.variant, tail.failure.value, tail.message[:500])
+            yield tail
 
     def _with_system_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = body.get("messages")
@@ -241,7 +288,7 @@ class LLMReplica:
             handle.engine.shutdown()
 
 
-def _for_client(item: Head | str | Usage, live, requested: str):
+def _for_client(item: Head | str | Tail, live, requested: str):
     """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON: show what the client asked
     instead, and say which version served in the ``x-mesh-adapter`` header."""
     old, new = f'"model":"{live.lora_name}"', f'"model":"{requested}"'
@@ -251,6 +298,15 @@ def _for_client(item: Head | str | Usage, live, requested: str):
         return replace(item, body=item.body.replace(old, new) if item.body else item.body,
                        headers={**item.headers, ADAPTER_HEADER: live.lora_name})
     return item
+
+
+def wants_structured_output(body: dict[str, Any]) -> bool:
+    """Whether the request asks for structured output (OpenAI ``response_format`` other
+    than text, vLLM's ``structured_outputs`` or its older ``guided_*`` fields)."""
+    fmt = body.get("response_format")
+    return (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or bool(
+        body.get("structured_outputs")) or any(
+        body.get(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))
 
 
 def _is_usage_chunk(line: str) -> bool:
@@ -263,6 +319,19 @@ def _json(obj: Any) -> str:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder for a variant: ``import_path: serve_app.replica:build_app``."""
-    VariantArgs.model_validate(args)  # fail the deploy early with a clear message
+    """Serve application builder for a variant: ``import_path: serve_app.replica:build_app``.
+
+    Checks ``args`` with our schema and then with vLLM's own engine-config checks before
+    any replica is touched, so a bad value (say ``max_model_len`` beyond the model's) fails
+    the deploy as ``DEPLOY_FAILED`` with vLLM's message, and the running replicas keep
+    serving. Serve runs this in its build task (~20 s: it imports vLLM).
+
+    Raises:
+        ValueError: invalid ``args`` or engine arguments (the message names the field).
+    """
+    checked = VariantArgs.model_validate(args)
+    try:
+        engine_config(checked)
+    except ValueError as e:
+        raise ValueError(f"invalid engine_args for model {checked.model!r}: {e}") from None
     return LLMReplica.bind(args)

@@ -25,10 +25,12 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.adapters import adapter_name
+from serve_app.admission import Rejected, Slot, VariantAdmission
 from serve_app.availability import VariantAvailability
 from serve_app.config import (RouterConfig, Split, Tenant, format_validation_error,
                               reject_user_config)
 from serve_app.errors import MeshError, error_body
+from serve_app.failures import Failure, handle_failure, nested_too_deeply
 from serve_app.metrics import MeshMetrics
 from serve_app.split import failover_order, pick_variant
 from serve_app.limits import TenantLimiter
@@ -36,7 +38,7 @@ from serve_app.relay import RelayResponse
 from serve_app.rollout import Observation
 from serve_app.rollout_controller import REPORT_PERIOD_S, RolloutController
 from serve_app.tenancy import authenticate
-from serve_app.wire import Head, Usage
+from serve_app.wire import Head, Tail, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -92,6 +94,8 @@ async def read_json_body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MeshError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise MeshError.of(nested_too_deeply()) from None
     if not isinstance(body, dict):
         raise MeshError(400, "request body must be a JSON object", code="invalid_json")
     return body
@@ -133,7 +137,8 @@ class MeshRouter:
         self._handles: dict[str, Any] = {}
         self.metrics = MeshMetrics()
         self.limiter = TenantLimiter()
-        self.availability = VariantAvailability(self._handle)
+        self._admission: dict[str, VariantAdmission] = {}  # variant -> its slots and queue
+        self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
         self.controller = controller
         self._rollout_weights: dict[str, dict[str, int]] = {}  # split key -> arm -> weight
         self._observations: list[Observation] = []
@@ -163,6 +168,7 @@ class MeshRouter:
         self.config = new
         self.splits = new.splits()
         self._tenants = new.tenant_by_key_digest()
+        self._update_slots()
         if not new.tenants:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
                            "unauthenticated. Add `tenants:` to the MeshRouter user_config "
@@ -180,6 +186,19 @@ class MeshRouter:
             raise MeshError(503, "the router has no routes configured yet; deploy a config "
                             "with MeshRouter user_config.routes", headers=_retry_after())
         return self.config
+
+    def _update_slots(self) -> None:
+        """Apply each route's admission settings and each variant's slots (from the
+        availability view) to the variants' admission queues."""
+        if self.config is None:
+            return
+        for rc in self.config.routes.values():
+            for v in rc.variants:
+                queue = self._admission.get(v.application)
+                if queue is None:
+                    queue = self._admission[v.application] = VariantAdmission(v.application)
+                queue.configure(**rc.admission.model_dump())
+                queue.set_capacity(self.availability.slots(v.application))
 
     def _handle(self, application: str):
         handle = self._handles.get(application)
@@ -312,7 +331,10 @@ class MeshRouter:
         try:
             return await self._route(endpoint, request, tags, t0)
         except MeshError as e:
-            self.metrics.record(tags, e.status, time.monotonic() - t0)
+            # Rejections by the router itself (overloaded, queue_timeout, shed,
+            # no_healthy_variant) are counted by their code; the rest by status.
+            kind = e.code if e.status in (500, 503) and e.code else None
+            self.metrics.record(tags, e.status, time.monotonic() - t0, error_kind=kind)
             raise
 
     async def _route(self, endpoint: str, request: Request, tags: dict[str, str], t0: float
@@ -335,6 +357,11 @@ class MeshRouter:
                             param="model", code="model_not_allowed")
         tags["route"], tags["adapter"] = route_name, adapter
         identity = caller_identity(request, body, tenant)
+        priority = tenant.priority if tenant else 0
+        if "priority" in body and body["priority"] != priority:
+            raise MeshError(400, "the request field `priority` is set by the mesh from your "
+                            f"tenant's config (yours is {priority}); remove it from the "
+                            "request", param="priority", code="priority_not_allowed")
 
         weighted = self._weighted(route_name)
         version = None  # adapter version chosen by an adapter split ("name@vN")
@@ -362,8 +389,9 @@ class MeshRouter:
             arms.append((f"{route_name}:{adapter}", version))
         self.limiter.acquire(tenant)
         try:
-            response = await self._call_variants(endpoint, body, candidates, version, arms,
-                                                 tags, t0, tenant)
+            response = await self._call_variants(
+                endpoint, body, candidates, version, arms, tags, t0, tenant,
+                (priority, priority <= config.top_priority()))
         except BaseException:
             self.limiter.release(tenant)
             raise
@@ -424,35 +452,71 @@ class MeshRouter:
 
     async def _call_variants(self, endpoint: str, body: dict[str, Any], candidates: list[str],
                              version: str | None, arms: list[tuple[str, str]],
-                             tags: dict[str, str], t0: float, tenant: Tenant | None) -> Response:
+                             tags: dict[str, str], t0: float, tenant: Tenant | None,
+                             priority: tuple[int, bool]) -> Response:
         """Try ``candidates`` in order until one answers; relay its answer.
 
+        Only variant failures (:class:`serve_app.failures.Failure`) move on to the next
+        candidate; a request error or an internal error is this request's answer.
         ``arms``: the ``(split key, arm)`` pairs the request went through; the route's arm is
-        filled in with the variant that answers."""
+        filled in with the variant that answers. ``priority``: the tenant's priority and
+        whether it is the best configured (admission order, reserved slots)."""
         model = tags["route"]
+        stream_requested = bool(body.get("stream"))
+        queue_timeout_s = self.config.routes[model].admission.queue_timeout_s
+        if all(self.availability.slots(c) == 0 for c in candidates):
+            await self.availability.refresh(max_age_s=0.5)  # one may have just started
         for variant in candidates:
+            admission = self._admission.get(variant) or VariantAdmission(variant)
+            try:
+                slot = await admission.acquire(*priority)
+            except Rejected as r:
+                if r.reason == "unavailable":  # no running replica: the next candidate
+                    continue
+                tags["variant"] = variant
+                raise MeshError(503, r.message, code=r.reason,
+                                headers={"Retry-After": str(r.retry_after_s)}) from None
             tags["variant"] = variant
             here = [(key, arm or variant) for key, arm in arms]
             stream = self._handle(variant).options(stream=True).generate.remote(
-                endpoint, body, version)
+                endpoint, body, version, priority[0])
             try:
-                head: Head = await stream.__anext__()
-            except Exception as e:  # the variant could not take it: nothing sent yet, try next
-                logger.warning("variant %s failed before the first byte (%s: %s); failing over",
-                               variant, type(e).__name__, str(e)[:500])
-                self.metrics.failovers.inc(1, {"route": model, "variant": variant})
-                self._observe(here, error=True, latency_s=time.monotonic() - t0)
+                # A stream's head comes as soon as vLLM has checked the request; waiting
+                # longer means the replica cannot take it (a non-stream's head is its whole
+                # answer, so only the client's timeout applies).
+                head: Head = await (asyncio.wait_for(stream.__anext__(), queue_timeout_s)
+                                    if stream_requested else stream.__anext__())
+            except BaseException as e:
+                admission.release(slot)
+                stream.cancel()
+                if not isinstance(e, Exception):  # the client left (CancelledError)
+                    raise
+                failure = handle_failure(e)
+                if failure is Failure.REQUEST:
+                    raise MeshError.of(nested_too_deeply()) from None
+                if failure is Failure.INTERNAL:
+                    logger.error("variant %s: internal error: %s: %s", variant,
+                                 type(e).__name__, str(e)[:2000])
+                    raise MeshError(500, f"internal error in variant {variant}: "
+                                    f"{type(e).__name__}", code="internal_error") from None
+                self._failed_over(model, variant, here, t0, f"{type(e).__name__}: {str(e)[:500]}")
+                continue
+            if head.failure is Failure.VARIANT:
+                admission.release(slot)
+                self._failed_over(model, variant, here, t0, (head.body or "")[:500])
                 continue
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
-                return RelayResponse(stream, variant, t0,
-                                     self._finisher(dict(tags), here, t0, tenant), headers)
+                return RelayResponse(stream, variant, t0, self._finisher(
+                    dict(tags), here, t0, tenant, admission, slot), headers)
+            admission.release(slot)
             usage = head.usage or Usage()
             latency = time.monotonic() - t0
             self.metrics.record(tags, head.status, latency, prompt_tokens=usage.prompt_tokens,
-                                completion_tokens=usage.completion_tokens)
-            if not 400 <= head.status < 500:  # a client's mistake says nothing of the arm
-                self._observe(here, error=head.status >= 500, latency_s=latency)
+                                completion_tokens=usage.completion_tokens,
+                                error_kind=head.failure.value if head.failure else None)
+            if head.failure is None:  # a request's or our own error says nothing of the arm
+                self._observe(here, error=False, latency_s=latency)
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
         tags["variant"] = ""
@@ -460,17 +524,27 @@ class MeshRouter:
                         f"(tried {', '.join(candidates)})", code="no_healthy_variant",
                         headers=_retry_after())
 
+    def _failed_over(self, route: str, variant: str, arms: list[tuple[str, str]], t0: float,
+                     why: str) -> None:
+        """A variant failed before its first byte: count it, tell the rollout, move on."""
+        logger.warning("variant %s failed before the first byte (%s); failing over", variant,
+                       why)
+        self.metrics.failovers.inc(1, {"route": route, "variant": variant})
+        self._observe(arms, error=True, latency_s=time.monotonic() - t0)
+
     def _finisher(self, tags: dict[str, str], arms: list[tuple[str, str]], t0: float,
-                  tenant: Tenant | None):
-        """What runs when a relayed stream ends: release the tenant's slot, record metrics
-        and the rollout observation."""
-        def finish(ttft_s: float | None, usage: Usage, error_kind: str | None) -> None:
+                  tenant: Tenant | None, admission: VariantAdmission, slot: Slot):
+        """What runs when a relayed stream ends: release the tenant's and the variant's
+        slots, record metrics and the rollout observation."""
+        def finish(ttft_s: float | None, tail: Tail, error_kind: str | None) -> None:
             self.limiter.release(tenant)
+            admission.release(slot)
             latency = time.monotonic() - t0
+            usage = tail.usage
             self.metrics.record(tags, 200, latency, ttft_s=ttft_s,
                                 prompt_tokens=usage.prompt_tokens,
                                 completion_tokens=usage.completion_tokens, error_kind=error_kind)
-            if error_kind != "client_disconnected":
+            if error_kind in (None, "stream_failed"):  # only variant failures count
                 truncated = error_kind == "stream_failed"
                 self._observe(arms, error=truncated, truncated=truncated, ttft_s=ttft_s,
                               latency_s=latency)

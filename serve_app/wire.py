@@ -1,8 +1,8 @@
 """What an ``LLMReplica`` streams back to the router through a Serve ``DeploymentHandle``.
 
 Every call of ``LLMReplica.generate`` is a streaming call whose first item is a
-:class:`Head`; then, only when ``Head.stream`` is true, SSE lines (``"data: {...}\\n\\n"``)
-ending with ``"data: [DONE]\\n\\n"``, then one :class:`Usage` (not sent to the client).
+:class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
+ending with ``"data: [DONE]\\n\\n"``, then one :class:`Tail` (not sent to the client).
 The router decides the HTTP status from the head before
 sending any byte, which is what makes failover before the first byte possible.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SSE_DONE = "data: [DONE]\n\n"
+from serve_app.failures import Failure
+
 #: Response header naming the adapter version that served (``name@vN``).
 ADAPTER_HEADER = "x-mesh-adapter"
 
@@ -35,6 +36,8 @@ class Head:
         stream: SSE lines follow this head.
         headers: extra HTTP headers (e.g. ``Retry-After``).
         usage: token counts of a non-streaming answer.
+        failure: for an error, its kind (:mod:`serve_app.failures`); the router fails over
+            only on ``Failure.VARIANT``.
     """
 
     status: int
@@ -42,3 +45,37 @@ class Head:
     stream: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     usage: Usage | None = None
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of a stream: its token counts and, when vLLM ended it with an in-band error
+    event, the kind of that failure.
+
+    Attributes:
+        usage: token counts of the stream.
+        failure: None for a stream that completed.
+        message: the in-band error's message, for logs.
+    """
+
+    usage: Usage = field(default_factory=Usage)
+    failure: Failure | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica tells the router's availability poll (``LLMReplica.serving_info``).
+
+    Attributes:
+        adapters: adapter versions (``name@vN``) that take new requests.
+        max_num_seqs: requests its engine runs at once (vLLM ``max_num_seqs``): the
+            replica's share of the variant's admission slots.
+        priority_scheduling: the engine schedules by request ``priority``
+            (``scheduling_policy: priority``).
+    """
+
+    adapters: tuple[str, ...] = ()
+    max_num_seqs: int = 0
+    priority_scheduling: bool = False

@@ -7,7 +7,8 @@ import asyncio
 import time
 
 from serve_app.relay import RelayResponse
-from serve_app.wire import Usage
+from serve_app.failures import Failure
+from serve_app.wire import Tail, Usage
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
          "path": "/v1/chat/completions", "headers": []}
@@ -18,7 +19,7 @@ async def replica_stream(fail: bool = False):
     if fail:
         raise RuntimeError("engine died")
     yield "data: [DONE]\n\n"
-    yield Usage(prompt_tokens=5, completion_tokens=1)
+    yield Tail(Usage(prompt_tokens=5, completion_tokens=1))
 
 
 def run(response: RelayResponse, receive) -> list[dict]:
@@ -33,7 +34,7 @@ def run(response: RelayResponse, receive) -> list[dict]:
 
 def finishes():
     calls = []
-    return calls, lambda ttft, usage, kind: calls.append((ttft, usage, kind))
+    return calls, lambda ttft, tail, kind: calls.append((ttft, tail.usage, kind))
 
 
 async def never_disconnects():
@@ -60,7 +61,28 @@ def test_failure_mid_stream_ends_with_an_error_event():
                never_disconnects)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"variant v1 failed mid-stream; retry the request" in body
+    assert body.endswith(b"data: [DONE]\n\n")
     assert [c[2] for c in calls] == ["stream_failed"]
+
+
+async def in_band_error_stream(failure: Failure):
+    """What a replica sends when vLLM ended the stream with an in-band error event."""
+    yield 'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+    yield 'data: {"error": {"message": "EngineCore encountered an issue.", "code": 500}}\n\n'
+    yield "data: [DONE]\n\n"
+    yield Tail(Usage(5, 1), failure=failure, message="EngineCore encountered an issue.")
+
+
+def test_in_band_error_event_is_a_failed_stream_of_its_kind():
+    for failure, kind in ((Failure.VARIANT, "stream_failed"),
+                          (Failure.INTERNAL, "internal_error"),
+                          (Failure.REQUEST, "request_error")):
+        calls, finish = finishes()
+        sent = run(RelayResponse(in_band_error_stream(failure), "v1", time.monotonic(), finish,
+                                 {}), never_disconnects)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
+        assert [c[2] for c in calls] == [kind]
 
 
 def test_client_gone_before_the_body_starts_still_finishes_once():

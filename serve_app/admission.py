@@ -1,0 +1,233 @@
+"""Admission control: bounded, priority-ordered queues in front of each variant.
+
+A vLLM engine runs ``max_num_seqs`` requests at once. The router lets at most that many per
+running replica reach a variant (its *slots*) and holds the rest in its own queue, ordered
+by tenant priority (vLLM's convention: lower value first; FIFO within a priority). Ray
+Serve's handle queue is FIFO, so priority has to be decided here, before the request is
+sent; the engine's own priority scheduling (``scheduling_policy: priority``) then orders
+whatever reaches it.
+
+Rules, per variant (``routes.<route>.admission`` in the router config):
+
+- **Decide at arrival.** A request that can start now takes a slot. Otherwise its wait is
+  estimated as ``(requests ahead of it + 1) * service_s / slots`` (``service_s``: moving
+  average of how long a request holds a slot, s); if that exceeds ``queue_timeout_s``, or
+  ``max_queued`` requests already wait, it is rejected at once (``overloaded``) with a
+  ``Retry-After``: no client is left hanging on a queue that cannot serve it in time.
+- **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
+  rejected (``queue_timeout``), before any byte is sent.
+- **Priority.** A better-priority request goes ahead of every worse one in the queue; the
+  worse ones it pushes past their deadline are rejected at once (``shed``): low-priority
+  work is shed first. ``reserved_slots`` slots are kept for the best priority configured,
+  so its requests start at once even while worse ones fill the variant.
+- A variant with no running replica has no slots: ``unavailable`` (the router fails over).
+
+Limits hold per router replica. Rejections are 503 (the tenant's own limits, in
+:mod:`serve_app.limits`, are 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+#: Slot-holding time assumed before the first request of a variant finished, s.
+PRIOR_SERVICE_S = 2.0
+#: Weight of each new sample in the moving average of service time.
+EWMA_ALPHA = 0.2
+#: Slots assumed while a variant's capacity is not known.
+UNKNOWN_CAPACITY = 1_000_000
+#: Bounds of the Retry-After a rejection suggests, s.
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 10
+
+
+class Rejected(Exception):
+    """A request the variant cannot start in time.
+
+    Attributes:
+        reason: ``overloaded`` (at arrival), ``queue_timeout`` (deadline passed while
+            queued), ``shed`` (pushed past its deadline by better-priority requests) or
+            ``unavailable`` (no running replica).
+        retry_after_s: when a retry may succeed, s (whole seconds).
+    """
+
+    def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    deadline: float = field(compare=False)
+    top: bool = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+@dataclass
+class Slot:
+    """A granted slot; give it back with :meth:`VariantAdmission.release`."""
+
+    granted_at: float
+    released: bool = False
+
+
+class VariantAdmission:
+    """The slots and queue of one variant.
+
+    Args:
+        variant: the variant application (for messages).
+        queue_timeout_s: longest wait for a slot, s.
+        reserved_slots: slots only the best priority may take.
+        max_queued: most requests waiting at once.
+        clock: ``time.monotonic`` (tests pass a fake).
+    """
+
+    def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
+                 max_queued: int = 256, clock=time.monotonic) -> None:
+        self.variant = variant
+        self.queue_timeout_s = queue_timeout_s
+        self.reserved_slots = reserved_slots
+        self.max_queued = max_queued
+        self.capacity: int | None = None  # None: not known yet (treated as available)
+        self.in_flight = 0
+        self.service_s = PRIOR_SERVICE_S
+        self._clock = clock
+        self._queue: list[_Waiter] = []
+        self._seq = itertools.count()
+
+    # -- settings -----------------------------------------------------------------------------
+
+    def configure(self, *, queue_timeout_s: float, reserved_slots: int, max_queued: int) -> None:
+        self.queue_timeout_s = queue_timeout_s
+        self.reserved_slots = reserved_slots
+        self.max_queued = max_queued
+        self._grant()
+
+    def set_capacity(self, slots: int | None) -> None:
+        """Slots of the variant now (``max_num_seqs`` x running replicas); None: unknown."""
+        self.capacity = slots
+        self._grant()
+
+    def slots_for(self, top: bool) -> int:
+        """Slots a request may use: all for the best priority, the rest leave
+        ``reserved_slots`` free (but at least one)."""
+        if self.capacity is None:  # not learned yet: Serve's own bounds apply
+            return UNKNOWN_CAPACITY
+        return self.capacity if top else max(1, self.capacity - self.reserved_slots)
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._queue if not w.future.done())
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def acquire(self, priority: int, top: bool) -> Slot:
+        """Wait for a slot, in priority order.
+
+        Args:
+            priority: the request's priority (lower is served first).
+            top: the request has the best priority configured (may use reserved slots).
+
+        Raises:
+            Rejected: it cannot start in time (see the module docstring).
+        """
+        if self.capacity == 0:
+            raise Rejected("unavailable", f"variant {self.variant} has no running replica",
+                           MIN_RETRY_AFTER_S)
+        now = self._clock()
+        slots = self.slots_for(top)
+        ahead = sum(1 for w in self._queue if not w.future.done() and w.priority <= priority)
+        if ahead == 0 and self.in_flight < slots:
+            self.in_flight += 1
+            return Slot(now)
+        wait_s = self._estimate(ahead + 1, slots)
+        if wait_s > self.queue_timeout_s or self.queued >= self.max_queued:
+            raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
+                           f"requests running, {self.queued} queued; this one would wait about "
+                           f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
+                           "later", self._retry_after(wait_s - self.queue_timeout_s))
+        waiter = _Waiter(priority, next(self._seq), now + self.queue_timeout_s, top,
+                         asyncio.get_running_loop().create_future())
+        heapq.heappush(self._queue, waiter)
+        self._shed_behind(waiter, now)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            if _granted(waiter.future):
+                return waiter.future.result()  # granted as the timer fired
+            waiter.future.cancel()
+            raise Rejected("queue_timeout", f"variant {self.variant} could not start the "
+                           f"request within queue_timeout_s {self.queue_timeout_s:g}; retry "
+                           "later", self._retry_after(self.service_s)) from None
+        except asyncio.CancelledError:  # the client left while queued
+            if _granted(waiter.future):
+                self.release(waiter.future.result())
+            waiter.future.cancel()
+            raise
+        finally:
+            self._prune()
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back (once; later calls do nothing) and learn its service time."""
+        if slot.released:
+            return
+        slot.released = True
+        self.in_flight -= 1
+        held = self._clock() - slot.granted_at
+        self.service_s += EWMA_ALPHA * (held - self.service_s)
+        self._grant()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _estimate(self, position: int, slots: int) -> float:
+        """Seconds until the request at ``position`` (1-based) in the queue starts."""
+        return position * self.service_s / max(1, slots)
+
+    @staticmethod
+    def _retry_after(seconds: float) -> int:
+        return int(min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(seconds))))
+
+    def _grant(self) -> None:
+        """Hand free slots to the best waiters that may use them."""
+        self._prune()
+        while self._queue:
+            best = self._queue[0]
+            if self.in_flight >= self.slots_for(best.top):
+                return
+            heapq.heappop(self._queue)
+            self.in_flight += 1
+            best.future.set_result(Slot(self._clock()))
+            self._prune()
+
+    def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
+        """Reject queued requests of worse priority that ``newcomer`` pushes past their
+        deadline."""
+        behind = sorted(w for w in self._queue if not w.future.done()
+                        and w.priority > newcomer.priority)
+        if not behind:
+            return
+        ahead = sum(1 for w in self._queue if not w.future.done()
+                    and w.priority <= newcomer.priority)
+        for i, w in enumerate(behind):
+            if now + self._estimate(ahead + i + 1, self.slots_for(w.top)) > w.deadline:
+                w.future.set_exception(Rejected(
+                    "shed", f"variant {self.variant} is at capacity and serves higher-priority "
+                    "requests first; retry later", self._retry_after(self.service_s)))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop finished waiters (granted, timed out, shed, cancelled) from the queue top."""
+        while self._queue and self._queue[0].future.done():
+            heapq.heappop(self._queue)
+
+
+def _granted(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
