@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -45,6 +46,8 @@ def vllm_flags(engine_args: dict) -> list[str]:
             flags.append(flag)
         elif value is False:
             flags.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):  # vLLM's config objects take JSON
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags

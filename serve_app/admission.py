@@ -9,13 +9,17 @@ whatever reaches it.
 
 Rules, per variant (``routes.<route>.admission`` in the router config):
 
-- **Decide at arrival.** A request that can start now takes a slot. Otherwise its wait is
-  estimated as ``(requests ahead of it + 1) * service_s / slots`` (``service_s``: moving
-  average of how long a request holds a slot, s); if that exceeds ``queue_timeout_s``, or
-  ``max_queued`` requests already wait, it is rejected at once (``overloaded``) with a
-  ``Retry-After``: no client is left hanging on a queue that cannot serve it in time.
+- **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
+  in a queue of at most ``max_queued_per_slot`` x slots requests, if its estimated wait,
+  ``(requests ahead of it + 1) * service_s / slots`` (``service_s``: moving average of how
+  long a request holds a slot, s), is within ``queue_timeout_s``. Else it is rejected at
+  once (``overloaded``) with a ``Retry-After``: no client is left hanging on a queue that
+  cannot serve it in time. The queue bound holds even before ``service_s`` has been
+  learned under load (an idle variant's requests finish faster than a full one's).
 - **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
-  rejected (``queue_timeout``), before any byte is sent.
+  rejected (``queue_timeout``), before any byte is sent; when a finished request shows that
+  service got slower, queued requests that can no longer start in time are rejected at
+  once (``shed``) rather than at their deadline.
 - **Priority.** A better-priority request goes ahead of every worse one in the queue; the
   worse ones it pushes past their deadline are rejected at once (``shed``): low-priority
   work is shed first. ``reserved_slots`` slots are kept for the best priority configured,
@@ -86,16 +90,16 @@ class VariantAdmission:
         variant: the variant application (for messages).
         queue_timeout_s: longest wait for a slot, s.
         reserved_slots: slots only the best priority may take.
-        max_queued: most requests waiting at once.
+        max_queued_per_slot: most requests waiting at once, per slot.
         clock: ``time.monotonic`` (tests pass a fake).
     """
 
     def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
-                 max_queued: int = 256, clock=time.monotonic) -> None:
+                 max_queued_per_slot: float = 4.0, clock=time.monotonic) -> None:
         self.variant = variant
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
-        self.max_queued = max_queued
+        self.max_queued_per_slot = max_queued_per_slot
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
         self.service_s = PRIOR_SERVICE_S
@@ -105,10 +109,11 @@ class VariantAdmission:
 
     # -- settings -----------------------------------------------------------------------------
 
-    def configure(self, *, queue_timeout_s: float, reserved_slots: int, max_queued: int) -> None:
+    def configure(self, *, queue_timeout_s: float, reserved_slots: int,
+                  max_queued_per_slot: float) -> None:
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
-        self.max_queued = max_queued
+        self.max_queued_per_slot = max_queued_per_slot
         self._grant()
 
     def set_capacity(self, slots: int | None) -> None:
@@ -126,6 +131,10 @@ class VariantAdmission:
     @property
     def queued(self) -> int:
         return sum(1 for w in self._queue if not w.future.done())
+
+    @property
+    def max_queued(self) -> int:
+        return math.ceil(self.max_queued_per_slot * self.slots_for(True))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -184,6 +193,7 @@ class VariantAdmission:
         held = self._clock() - slot.granted_at
         self.service_s += EWMA_ALPHA * (held - self.service_s)
         self._grant()
+        self._shed_late()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -210,17 +220,21 @@ class VariantAdmission:
     def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
         deadline."""
-        behind = sorted(w for w in self._queue if not w.future.done()
-                        and w.priority > newcomer.priority)
-        if not behind:
-            return
-        ahead = sum(1 for w in self._queue if not w.future.done()
-                    and w.priority <= newcomer.priority)
-        for i, w in enumerate(behind):
-            if now + self._estimate(ahead + i + 1, self.slots_for(w.top)) > w.deadline:
+        if any(w.priority > newcomer.priority for w in self._queue if not w.future.done()):
+            self._shed_late(now)
+
+    def _shed_late(self, now: float | None = None) -> None:
+        """Reject the queued requests whose estimated start is past their deadline, worst
+        priority first to go."""
+        now = self._clock() if now is None else now
+        waiting = sorted(w for w in self._queue if not w.future.done())
+        for position, w in enumerate(waiting, start=1):
+            if now + self._estimate(position, self.slots_for(w.top)) > w.deadline:
                 w.future.set_exception(Rejected(
-                    "shed", f"variant {self.variant} is at capacity and serves higher-priority "
-                    "requests first; retry later", self._retry_after(self.service_s)))
+                    "shed", f"variant {self.variant} is at capacity and cannot start this "
+                    f"request within queue_timeout_s {self.queue_timeout_s:g} (requests of "
+                    "its priority or better go first); retry later",
+                    self._retry_after(self.service_s)))
         self._prune()
 
     def _prune(self) -> None:

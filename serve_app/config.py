@@ -251,12 +251,13 @@ class Admission(_Strict):
             already longer.
         reserved_slots: slots of each variant only the best tenant priority may take, so its
             requests start at once while worse ones fill the variant (0: none).
-        max_queued: most requests waiting for one variant at once (503 beyond).
+        max_queued_per_slot: requests that may wait for one variant, per slot (its engines'
+            ``max_num_seqs`` in all); 503 beyond.
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
     reserved_slots: int = Field(default=1, ge=0)
-    max_queued: int = Field(default=256, ge=0)
+    max_queued_per_slot: float = Field(default=4.0, ge=0)
 
 
 class RouteConfig(_Strict):

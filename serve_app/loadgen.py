@@ -10,6 +10,7 @@ variant that served it (``x-mesh-variant``), TTFT and latency.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 import time
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 
 
@@ -134,6 +136,66 @@ def background_load(spec: LoadSpec) -> Iterator[list[RequestResult]]:
     finally:
         stop.set()
         thread.join(timeout=spec.timeout_s + 60)
+
+
+@dataclass
+class Answer:
+    """One request of a flood: its status and, when refused, how fast and with what advice.
+
+    Attributes:
+        status: HTTP status; 0 when the client gave up (timeout) or the connection failed.
+        latency_s: from sending until the status arrived (a refusal) or the answer ended, s.
+        retry_after: the ``Retry-After`` header of a refusal, if any.
+        timed_out: the client's own timeout fired first.
+    """
+
+    status: int
+    latency_s: float
+    retry_after: str | None = None
+    timed_out: bool = False
+
+
+async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int = 16,
+                timeout_s: float = 60, model: str = "smollm") -> list[Answer]:
+    """Send ``requests`` non-streaming chat requests all at once (no retries) and record how
+    each ended. Uses plain ``httpx`` with the bodies prepared up front, so the client's own
+    cost stays small next to the mesh's (a flood must measure the mesh, not the client)."""
+    bodies = [json.dumps({"model": model, "max_tokens": max_tokens, "ignore_eos": True,
+                          "user": f"flood-{i}", "messages": [{"role": "user", "content":
+                          f"Write a line about the number {i}."}]}).encode()
+              for i in range(requests)]
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json"}
+    limits = httpx.Limits(max_connections=requests + 10, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as http:
+
+        async def one(body: bytes) -> Answer:
+            t0 = time.monotonic()
+            try:
+                r = await http.post("/chat/completions", content=body, headers=headers)
+                return Answer(r.status_code, time.monotonic() - t0,
+                              r.headers.get("retry-after"))
+            except httpx.TimeoutException:
+                return Answer(0, time.monotonic() - t0, timed_out=True)
+            except httpx.HTTPError:
+                return Answer(0, time.monotonic() - t0)
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+async def probe(spec: LoadSpec, stop: asyncio.Event, pause_s: float = 0.2
+                ) -> list[RequestResult]:
+    """Send ``spec``'s streamed chats one after another until ``stop`` is set (or
+    ``spec.requests`` were sent); the results carry each request's TTFT."""
+    client = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0,
+                                timeout=spec.timeout_s)
+    results: list[RequestResult] = []
+    try:
+        while not stop.is_set() and len(results) < spec.requests:
+            results.append(await stream_one(client, spec))
+            await asyncio.sleep(pause_s)
+    finally:
+        await client.close()
+    return results
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -47,7 +47,7 @@ RETRY_AFTER_S = 2
     # A full generation must fit: max_tokens at ~30 tokens/s on CPU, with headroom.
     graceful_shutdown_timeout_s=300,
     graceful_shutdown_wait_loop_s=1,
-    health_check_period_s=10,
+    health_check_period_s=2,  # three failures in a row (a dead engine) replace it in ~6 s
     health_check_timeout_s=60,
     # The router admits at most max_num_seqs requests per replica (serve_app.admission);
     # these are Serve's own bounds behind it: requests past them fail over at once

@@ -108,3 +108,16 @@ def local_mesh(mesh: Mesh) -> Mesh:
     """serve_configs/local.yaml deployed with the serve CLI (one vLLM variant, route smollm)."""
     mesh.deploy_shipped("local.yaml")
     return mesh
+
+
+#: Integration modules in the order that restarts the fewest engines: each deploys its own
+#: config onto the shared cluster, and a variant whose `args` stay the same keeps its replica.
+MODULE_ORDER = ["test_serving", "test_base_swap", "test_tenants", "test_overload",
+                "test_canary", "test_rollouts", "test_traffic_safety"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.module.__name__.rpartition(".")[2]
+        return MODULE_ORDER.index(name) + 1 if name in MODULE_ORDER else 0  # unit tests first
+    items.sort(key=rank)  # stable: the order within a module is kept

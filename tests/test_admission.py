@@ -90,7 +90,7 @@ def test_reserved_slots_are_for_the_best_priority_only():
 
 def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=10)
+        q = VariantAdmission("v", queue_timeout_s=10, max_queued_per_slot=100)
         q.set_capacity(2)
         assert q.service_s == PRIOR_SERVICE_S == 2.0
         held = [await q.acquire(0, True) for _ in range(2)]
@@ -111,7 +111,7 @@ def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
 
 def test_max_queued_bounds_the_queue():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=600, max_queued=2)
+        q = VariantAdmission("v", queue_timeout_s=600, max_queued_per_slot=2)
         q.set_capacity(1)
         held = await q.acquire(0, True)
         queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(2)]
@@ -190,4 +190,28 @@ def test_service_time_is_learned():
             clock.t += 0.5
             q.release(slot)
         assert q.service_s == pytest.approx(0.5, abs=0.01)
+    run(main())
+
+
+def test_slower_service_sheds_queued_requests_before_their_deadline():
+    async def main():
+        clock = Clock()
+        q = VariantAdmission("v", queue_timeout_s=40, clock=clock)
+        q.set_capacity(1)
+        q.service_s = 1.0
+        held = await q.acquire(0, True)
+        queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(4)]  # 1..4 s
+        await settle()
+        assert q.queued == 4
+        clock.t += 30  # the running request took 30 s: service_s becomes 0.8 + 6 = 6.8 s
+        q.release(held)
+        await settle()
+        # The first queued request got the slot; the others would start 6.8, 13.6, 20.4 s
+        # from now (t = 36.8, 43.6, 50.4): the two past their deadline (t = 40) are shed.
+        outcomes = [t.exception().reason if t.done() and t.exception() else
+                    ("granted" if t.done() else "waiting") for t in queued]
+        assert outcomes == ["granted", "waiting", "shed", "shed"], outcomes
+        q.release(queued[0].result())
+        q.release(await queued[1])
+        assert q.in_flight == 0
     run(main())

@@ -1,9 +1,11 @@
 """Base-model releases on the real stack, under load: a blue/green swap of route ``smollm``
-from ``smollm2-135m-instruct`` to ``smollm2-135m-acme`` with ``meshctl swap`` (zero drops),
-and, for comparison, an in-place ``args`` change that makes Serve restart the variant's replica.
+from ``smollm2-135m-instruct`` to ``smollm2-135m-acme`` with ``meshctl swap`` (zero drops);
+an in-place ``args`` change, which Serve applies by surge replacement (the new replica starts
+beside the old one); and a bad ``args`` deployed with the plain ``serve deploy`` CLI, which
+fails the deploy while the old replica keeps serving.
 
-Both tests start from ``serve_configs/local.yaml``. The module leaves the last test's config
-deployed (smollm-v1 with max_num_seqs 6); other modules deploy their own configs.
+The tests start from ``serve_configs/local.yaml``. The module leaves the last test's config
+deployed; other modules deploy their own configs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import pytest
 
+from serve_app.deploy import serve_cli, serve_status
 from serve_app.loadgen import LoadSpec, RequestResult, background_load, percentile
 from serve_app.paths import REPO_ROOT
 
@@ -120,10 +123,11 @@ def test_base_swap_with_meshctl_drops_nothing(mesh):
     assert diff.returncode == 0 and "  no changes\n" in diff.stdout, diff.stdout
 
 
-def test_in_place_args_change_restarts_the_replica_under_load(mesh):
+def test_in_place_args_change_replaces_the_replica_by_surge_under_load(mesh):
     """Changing a variant's args in place (max_num_seqs 8 -> 6) makes Serve replace its only
-    replica. `meshctl diff` says so beforehand; under 4 concurrent streams, every request
-    must still complete (queued while no replica runs), and the latency shows the gap."""
+    replica. `meshctl diff` says so beforehand. With `max_surge_percent: 100` the new replica
+    starts beside the old one, which serves until the new one is up: under 4 concurrent
+    streams no request fails and the p95 during the change stays within 2x before."""
     cfg = mesh.deploy_shipped("local.yaml")
     changed = copy.deepcopy(cfg)
     changed["applications"][1]["args"]["engine_args"]["max_num_seqs"] = 6
@@ -143,7 +147,46 @@ def test_in_place_args_change_restarts_the_replica_under_load(mesh):
         time.sleep(AFTER_S)
     after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
 
-    failed = report("restart", results, t_change, t_done,
+    failed = report("surge replacement", results, t_change, t_done,
                     f"replica {sorted(before_ids)} -> {sorted(after_ids)}")
     assert after_ids and after_ids.isdisjoint(before_ids), "Serve did not replace the replica"
     assert not failed, [(r.status, r.error) for r in failed[:5]]
+    before = [r.latency_s for r in window(results, 0, t_change)]
+    during = [r.latency_s for r in window(results, t_change, t_done)]
+    assert percentile(during, 95) <= 2 * percentile(before, 95), (before, during)
+
+
+def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(mesh):
+    """`serve deploy` (the plain CLI, no meshctl) of max_model_len 1,000,000,000 under load:
+    build_app checks the engine args with vLLM's own checks, so the application goes
+    DEPLOY_FAILED with vLLM's message naming the field, no replica is touched, and no
+    request fails. Deploying the good config again brings the application back to RUNNING."""
+    cfg = mesh.deploy_shipped("local.yaml")
+    bad = copy.deepcopy(cfg)
+    bad["applications"][1]["args"]["engine_args"]["max_model_len"] = 1_000_000_000
+    bad_path = mesh.write(bad)
+    before_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
+    spec = LoadSpec(base_url=f"{mesh.base_url}/v1", model="smollm", concurrency=1,
+                    max_tokens=8, duration_s=600, timeout_s=120)
+    with background_load(spec) as results:
+        time.sleep(5)
+        t_deploy = time.monotonic()
+        proc = subprocess.run([serve_cli(), "deploy", "-a", mesh.dashboard, str(bad_path)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        deadline = time.monotonic() + 180
+        while (app := serve_status(mesh.dashboard)["applications"]["smollm-v1"])[
+                "status"] != "DEPLOY_FAILED":
+            assert time.monotonic() < deadline, app["status"]
+            time.sleep(1)
+        t_failed = time.monotonic()
+        time.sleep(10)  # the old replica keeps serving after the failure
+    message = app["message"]
+    print(f"\nDEPLOY_FAILED after {t_failed - t_deploy:.0f} s: {message[-400:]}")
+    failed = [r for r in results if not r.ok]
+    print(f"load through the bad deploy: {len(results)} requests, {len(failed)} failed")
+    assert "max_model_len" in message and "1000000000" in message
+    assert len(results) >= 10 and not failed, [(r.status, r.error) for r in failed[:5]]
+    assert mesh.replica_ids("smollm-v1", "LLMReplica") == before_ids
+    mesh.deploy(cfg)
+    assert serve_status(mesh.dashboard)["applications"]["smollm-v1"]["status"] == "RUNNING"

@@ -121,10 +121,14 @@ def test_canary_with_injected_errors_is_rolled_back_within_one_step(rollouts):
                 "model": "smollm", "user": f"after-{i}", "max_tokens": 2,
                 "messages": [{"role": "user", "content": "Hi"}]})
             assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-v1"
+    # An injected fault is a variant failure: the router failed over to the stable variant,
+    # so no client saw the broken canary.
     failed = [r for r in results if not r.ok]
-    print(f"load during the drill: {len(results)} requests, {len(failed)} failed (injected)")
-    assert failed and all(r.status == 500 and "injected fault" in r.error for r in failed)
-    assert any(r.ok for r in results)
+    served = sorted({r.variant for r in results})
+    print(f"load during the drill: {len(results)} requests, {len(failed)} failed, served by "
+          f"{served}")
+    assert results and not failed, [(r.status, r.error) for r in failed[:3]]
+    assert {r.variant for r in results} == {"smollm-v1"}
 
 
 def kill_replica(mesh, app: str, deployment: str) -> None:
