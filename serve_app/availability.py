@@ -55,10 +55,8 @@ class VariantAvailability:
         except Exception as e:  # keep the last view; the controller may be restarting
             logger.warning("could not read Serve status: %s", e)
             return
-        running = {
-            name: (app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
-                   if REPLICA_DEPLOYMENT in app.deployments and app.status != "DELETING" else 0)
-            for name, app in status.applications.items()}
+        running = {name: self._running_replicas(name, app)
+                   for name, app in status.applications.items()}
         if running != self._running:
             logger.info("variant availability (running replicas): %s", running)
         self._running = running
@@ -76,6 +74,16 @@ class VariantAvailability:
             del self.adapters[app]
         if self.on_refresh is not None:
             self.on_refresh()
+
+    def _running_replicas(self, name: str, app) -> int:
+        """RUNNING ``LLMReplica`` replicas of an application in a ``serve.status()``."""
+        if app.status == "DELETING":
+            return 0
+        if REPLICA_DEPLOYMENT not in app.deployments:
+            # While Serve runs a redeployed application's build task, the status lists no
+            # deployments at all, yet the old replicas keep serving: keep what we knew.
+            return (self._running or {}).get(name, 0) if app.status == "DEPLOYING" else 0
+        return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
 
     async def _poll(self) -> None:
         while True:

@@ -26,16 +26,22 @@ from serve_app.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_
 from serve_app.serve_configs import applications, load_yaml, mesh_parts
 from serve_app.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.tenancy import hash_api_key
-from serve_app.validate import validate_config
+from serve_app.validate import config_warnings, validate_config
 
 
 def _validate(paths: list[str]) -> bool:
     ok = True
     for path in paths:
+        warnings: list[str] = []
         try:
-            problems = validate_config(load_yaml(path))
+            config = load_yaml(path)
+            problems = validate_config(config)
+            if not problems:
+                warnings = config_warnings(config)
         except (OSError, ValueError) as e:
             problems = [str(e)]
+        for w in warnings:
+            print(f"{path}: WARNING {w}", file=sys.stderr)
         if problems:
             ok = False
             print(f"{path}: INVALID", file=sys.stderr)

@@ -30,6 +30,7 @@ from serve_app.engine import EngineHandle, engine_config, start_engine
 from serve_app.errors import MeshError, error_body
 from serve_app.lora import AdapterSet
 from serve_app.paths import resolve_repo_path
+from serve_app.validate import SURGE_PERCENT
 from serve_app.failures import Failure, Verdict, replica_verdict, stream_error_verdict
 from serve_app.wire import ADAPTER_HEADER, Head, ReplicaInfo, Tail, Usage
 
@@ -57,7 +58,7 @@ RETRY_AFTER_S = 2
     # Start a replacement before stopping the old replica, so a changed `args` or a bad
     # deploy never leaves the variant with no replica (a failed replacement leaves the old
     # one serving).
-    max_surge_percent=100,
+    max_surge_percent=SURGE_PERCENT,
     ray_actor_options={"num_cpus": 0.5},
 )
 class LLMReplica:

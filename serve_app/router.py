@@ -514,7 +514,8 @@ class MeshRouter:
             latency = time.monotonic() - t0
             self.metrics.record(tags, head.status, latency, prompt_tokens=usage.prompt_tokens,
                                 completion_tokens=usage.completion_tokens,
-                                error_kind=head.failure.value if head.failure else None)
+                                error_kind="internal_error"
+                                if head.failure is Failure.INTERNAL else None)
             if head.failure is None:  # a request's or our own error says nothing of the arm
                 self._observe(here, error=False, latency_s=latency)
             return Response(head.body, status_code=head.status, media_type="application/json",

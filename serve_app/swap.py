@@ -34,8 +34,8 @@ from typing import Any
 import yaml
 
 from serve_app.deploy import DeployError, deploy
-from serve_app.serve_configs import mesh_parts
-from serve_app.validate import validate_config
+from serve_app.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
+from serve_app.validate import SURGE_PERCENT, validate_config
 
 
 class SwapError(ValueError):
@@ -131,6 +131,12 @@ def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str,
     app = copy.deepcopy(parts.variant_apps[source])
     app["name"] = new_app
     app["args"] = {**(app.get("args") or {}), "model": model}
+    replica = deployment(app, REPLICA_DEPLOYMENT)
+    if replica is None:
+        replica = {"name": REPLICA_DEPLOYMENT}
+        app.setdefault("deployments", []).append(replica)
+    # A later `args` change of the new variant then starts its replacement first, too.
+    replica.setdefault("max_surge_percent", SURGE_PERCENT)
 
     def variant_config(weights: dict[str, int], *, retire: bool = False) -> dict[str, Any]:
         cfg = copy.deepcopy(config)

@@ -38,6 +38,28 @@ from serve_app.serve_configs import (
 from serve_app.paths import resolve_repo_path
 
 
+#: ``max_surge_percent`` the shipped configs give every ``LLMReplica`` (and its default): a
+#: replacement starts before the replica it replaces stops.
+SURGE_PERCENT = 100
+
+
+def config_warnings(config: dict[str, Any]) -> list[str]:
+    """What is valid but risky in a Serve config, one line each (``meshctl validate`` prints
+    these and still exits 0)."""
+    warnings = []
+    parts = mesh_parts(config)
+    for name, app in parts.variant_apps.items():
+        dep = deployment(app, REPLICA_DEPLOYMENT) or {}
+        surge = dep.get("max_surge_percent", SURGE_PERCENT)
+        if not surge:
+            warnings.append(
+                f"applications[{parts.app_index[name]}].deployments[{REPLICA_DEPLOYMENT}]."
+                f"max_surge_percent: variant {name!r} runs without surge replacement: a change "
+                "of its args stops its replica before the new one is up, and a bad one leaves "
+                f"it with none; set max_surge_percent: {SURGE_PERCENT}")
+    return warnings
+
+
 def validate_config(config: dict[str, Any]) -> list[str]:
     """All problems found in a Serve config dict; an empty list means it is valid."""
     from ray.serve.schema import ServeDeploySchema

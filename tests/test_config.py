@@ -14,7 +14,7 @@ from serve_app.paths import REPO_ROOT
 from serve_app.serve_configs import load_yaml
 from serve_app.tenancy import authenticate, hash_api_key
 from serve_app.errors import MeshError
-from serve_app.validate import validate_config
+from serve_app.validate import config_warnings, validate_config
 
 CANARY = load_yaml(REPO_ROOT / "serve_configs" / "canary.yaml")
 ROUTER = "applications[0].deployments[MeshRouter].user_config"
@@ -149,6 +149,32 @@ def test_cli_validate_exit_codes(tmp_path):
     assert res.returncode == 1
     assert "bad.yaml: INVALID" in res.stderr
     assert "variants.0.weight: Input should be greater than or equal to 0" in res.stderr
+
+
+def test_every_shipped_variant_runs_with_surge_and_validate_warns_without():
+    for name in ("local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml"):
+        assert config_warnings(load_yaml(REPO_ROOT / "serve_configs" / name)) == [], name
+    no_surge = copy.deepcopy(CANARY)
+    no_surge["applications"][2]["deployments"][0]["max_surge_percent"] = 0
+    [warning] = config_warnings(no_surge)
+    assert warning.startswith("applications[2].deployments[LLMReplica].max_surge_percent: "
+                              "variant 'smollm-v2' runs without surge replacement")
+    assert warning.endswith("set max_surge_percent: 100")
+    assert validate_config(no_surge) == []  # a warning, not a problem
+
+
+def test_tenant_priority_and_route_admission():
+    cfg = copy.deepcopy(CANARY)
+    router_cfg(cfg)["tenants"][0]["priority"] = -3
+    router_cfg(cfg)["routes"]["smollm"]["admission"] = {"queue_timeout_s": 5,
+                                                        "reserved_slots": 2}
+    assert validate_config(cfg) == []
+    rc = RouterConfig.model_validate(router_cfg(cfg))
+    assert rc.top_priority() == -3
+    assert rc.routes["smollm"].admission.max_queued_per_slot == 4.0
+    router_cfg(cfg)["routes"]["smollm"]["admission"]["queue_timeout_s"] = 0
+    assert validate_config(cfg) == [f"{ROUTER}.routes.smollm.admission.queue_timeout_s: "
+                                    "Input should be greater than 0"]
 
 
 def test_cli_hash_key():

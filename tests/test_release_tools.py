@@ -68,6 +68,15 @@ def test_swap_plan_steps_weights_and_applications():
     assert new_app["route_prefix"] is None
 
 
+def test_swap_new_variant_runs_with_surge():
+    no_surge = copy.deepcopy(LOCAL)
+    del no_surge["applications"][1]["deployments"][0]["max_surge_percent"]
+    for source in (LOCAL, no_surge):
+        plan = plan_swap(source, **SWAP)
+        new = mesh_parts(plan[-1].config).variant_apps["smollm-acme"]
+        assert new["deployments"][0]["max_surge_percent"] == 100
+
+
 def test_swap_default_is_straight_blue_green():
     plan = plan_swap(LOCAL, **SWAP)
     assert [(s.name, s.weights) for s in plan] == [

@@ -1,0 +1,73 @@
+"""Unit tests of the availability view (no Ray cluster: serve.status() and the replicas'
+answers are faked): running replicas, admission slots, adapters, a redeploy's build phase."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import serve_app.availability as availability
+from serve_app.availability import VariantAvailability
+from serve_app.wire import ReplicaInfo
+
+
+def app(status: str, running: int | None):
+    deployments = {} if running is None else {
+        "LLMReplica": SimpleNamespace(replica_states={"RUNNING": running} if running else {})}
+    return SimpleNamespace(status=status, deployments=deployments)
+
+
+class FakeHandle:
+    def __init__(self, info: ReplicaInfo) -> None:
+        self.serving_info = SimpleNamespace(remote=self._remote)
+        self.info = info
+
+    async def _remote(self):
+        return self.info
+
+
+def view(monkeypatch, apps: dict, infos: dict[str, ReplicaInfo]) -> VariantAvailability:
+    monkeypatch.setattr(availability.serve, "status",
+                        lambda: SimpleNamespace(applications=apps))
+    calls = []
+    v = VariantAvailability(lambda name: FakeHandle(infos[name]),
+                            on_refresh=lambda: calls.append(1))
+    v.refreshes = calls
+    return v
+
+
+def test_slots_adapters_and_unknowns(monkeypatch):
+    infos = {"v1": ReplicaInfo(("acme@v1",), max_num_seqs=8, priority_scheduling=True),
+             "v2": ReplicaInfo((), max_num_seqs=4)}
+    apps = {"v1": app("RUNNING", 2), "v2": app("RUNNING", 1), "v3": app("DEPLOY_FAILED", 0)}
+    v = view(monkeypatch, apps, infos)
+    assert v.slots("v1") is None  # nothing polled yet: unknown, not zero
+    assert v.is_available("v1")
+    asyncio.run(v.refresh())
+    assert v.refreshes == [1]
+    assert (v.slots("v1"), v.slots("v2"), v.slots("v3"), v.slots("absent")) == (16, 4, 0, 0)
+    assert v.serves("v1", "acme") and v.serves("v1", "acme@v1") and not v.serves("v2", "acme")
+    assert v.prefer_available(["v3", "v1", "v2"]) == ["v1", "v2", "v3"]
+
+
+def test_a_redeploys_build_phase_keeps_the_old_replicas(monkeypatch):
+    infos = {"v1": ReplicaInfo((), max_num_seqs=8)}
+    apps = {"v1": app("RUNNING", 1)}
+    v = view(monkeypatch, apps, infos)
+    asyncio.run(v.refresh())
+    assert v.slots("v1") == 8
+    apps["v1"] = app("DEPLOYING", None)  # Serve lists no deployments while it builds
+    asyncio.run(v.refresh())
+    assert v.slots("v1") == 8 and v.is_available("v1")
+    apps["v1"] = app("DELETING", 1)
+    asyncio.run(v.refresh())
+    assert v.slots("v1") == 0
+
+
+def test_refresh_max_age_saves_status_calls(monkeypatch):
+    v = view(monkeypatch, {"v1": app("RUNNING", 1)}, {"v1": ReplicaInfo((), 8)})
+    asyncio.run(v.refresh(max_age_s=10))
+    asyncio.run(v.refresh(max_age_s=10))
+    assert v.refreshes == [1]
+    asyncio.run(v.refresh())
+    assert v.refreshes == [1, 1]
