@@ -80,9 +80,10 @@ class VariantAvailability:
         if app.status == "DELETING":
             return 0
         if REPLICA_DEPLOYMENT not in app.deployments:
-            # While Serve runs a redeployed application's build task, the status lists no
-            # deployments at all, yet the old replicas keep serving: keep what we knew.
-            return (self._running or {}).get(name, 0) if app.status == "DEPLOYING" else 0
+            # While Serve runs a redeployed application's build task, and after that task
+            # failed (DEPLOY_FAILED), the status lists no deployments at all, yet the old
+            # replicas keep serving: keep what we knew.
+            return (self._running or {}).get(name, 0)
         return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
 
     async def _poll(self) -> None:

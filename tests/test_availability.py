@@ -59,6 +59,9 @@ def test_a_redeploys_build_phase_keeps_the_old_replicas(monkeypatch):
     apps["v1"] = app("DEPLOYING", None)  # Serve lists no deployments while it builds
     asyncio.run(v.refresh())
     assert v.slots("v1") == 8 and v.is_available("v1")
+    apps["v1"] = app("DEPLOY_FAILED", None)  # the build task failed: the old replica serves
+    asyncio.run(v.refresh())
+    assert v.slots("v1") == 8
     apps["v1"] = app("DELETING", 1)
     asyncio.run(v.refresh())
     assert v.slots("v1") == 0
