@@ -26,10 +26,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.config import VariantArgs  # noqa: E402
-from serve_app.loadgen import LoadSpec, run_load, summarize  # noqa: E402
-from serve_app.paths import resolve_model_path  # noqa: E402
-from serve_app.serve_configs import load_yaml, mesh_parts  # noqa: E402
+from serve_app.common.config import VariantArgs  # noqa: E402
+from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
+from serve_app.common.paths import resolve_model_path  # noqa: E402
+from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
 
 
 def free_port() -> int:

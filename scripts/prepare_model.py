@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.adapters import AdapterError, load_manifest, resolve_uri, sha256_file  # noqa: E402
-from serve_app.paths import DEFAULT_MODEL_NAME, models_dir, resolve_model_path  # noqa: E402
+from serve_app.common.adapters import AdapterError, load_manifest, resolve_uri, sha256_file  # noqa: E402
+from serve_app.common.paths import DEFAULT_MODEL_NAME, models_dir, resolve_model_path  # noqa: E402
 from train_adapter import PREFIXES, UNSEEN  # noqa: E402  (scripts/ is on sys.path)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

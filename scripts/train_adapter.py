@@ -31,9 +31,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.adapters import (MANIFEST_PATH, WEIGHTS_FILE, AdapterSpec,  # noqa: E402
+from serve_app.common.adapters import (MANIFEST_PATH, WEIGHTS_FILE, AdapterSpec,  # noqa: E402
                                 sha256_file, verify_adapter)
-from serve_app.paths import DEFAULT_MODEL_NAME, REPO_ROOT, resolve_model_path  # noqa: E402
+from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, resolve_model_path  # noqa: E402
 
 RANK, ALPHA = 8, 16
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -88,7 +88,7 @@ MANIFEST_HEADER = """\
 # To add an adapter: python scripts/train_adapter.py --name NAME --version N --behaviour B
 # (it trains, checks, and writes the entry here), or save your own peft LoRA with
 # save_pretrained(out, safe_serialization=True) and add an entry by hand with
-# sha256 = `sha256sum adapter_model.safetensors`. serve_app.adapters loads and verifies it.
+# sha256 = `sha256sum adapter_model.safetensors`. serve_app.common.adapters loads and verifies it.
 """
 
 

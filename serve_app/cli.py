@@ -8,7 +8,7 @@
     meshctl deploy CONFIG [-a URL]    validate, `serve deploy`, wait until RUNNING
     meshctl wait CONFIG [-a URL]      wait until the applications of CONFIG are RUNNING
     meshctl swap CONFIG --route R --new-app APP --model M [--steps 50,100] [--emit DIR]
-                                      blue/green base-model swap of a route (serve_app.swap)
+                                      blue/green base-model swap of a route (serve_app.release.swap)
     meshctl hash-key [KEY]            SHA-256 of an API key for tenants[].api_keys_sha256
                                       (reads the key from stdin when not given)
 """
@@ -21,12 +21,12 @@ import sys
 
 import httpx
 
-from serve_app.config_diff import diff_configs, format_report, load_config, restarts
-from serve_app.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_running
-from serve_app.serve_configs import applications, load_yaml, mesh_parts
-from serve_app.swap import apply_plan, parse_steps, plan_swap, write_plan
-from serve_app.tenancy import hash_api_key
-from serve_app.validate import config_warnings, validate_config
+from serve_app.release.config_diff import diff_configs, format_report, load_config, restarts
+from serve_app.release.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_running
+from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
+from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
+from serve_app.ingress.tenancy import hash_api_key
+from serve_app.release.validate import config_warnings, validate_config
 
 
 def _validate(paths: list[str]) -> bool:

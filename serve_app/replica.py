@@ -23,16 +23,16 @@ from pydantic import ValidationError
 from ray import serve
 from ray.util.metrics import Counter
 
-from serve_app.adapters import AdapterError
-from serve_app.config import (ReplicaConfig, VariantArgs, format_validation_error,
+from serve_app.common.adapters import AdapterError
+from serve_app.common.config import (ReplicaConfig, VariantArgs, format_validation_error,
                               reject_user_config)
-from serve_app.engine import EngineHandle, engine_config, start_engine
-from serve_app.errors import MeshError, error_body
-from serve_app.lora import AdapterSet
-from serve_app.paths import resolve_repo_path
-from serve_app.validate import SURGE_PERCENT
-from serve_app.failures import Failure, Verdict, replica_verdict, stream_error_verdict
-from serve_app.wire import ADAPTER_HEADER, Head, ReplicaInfo, Tail, Usage
+from serve_app.server.engine import EngineHandle, engine_config, start_engine
+from serve_app.common.errors import MeshError, error_body
+from serve_app.server.lora import AdapterSet
+from serve_app.common.paths import resolve_repo_path
+from serve_app.release.validate import SURGE_PERCENT
+from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
+from serve_app.common.wire import ADAPTER_HEADER, Head, ReplicaInfo, Tail, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,7 +50,7 @@ RETRY_AFTER_S = 2
     graceful_shutdown_wait_loop_s=1,
     health_check_period_s=2,  # three failures in a row (a dead engine) replace it in ~6 s
     health_check_timeout_s=60,
-    # The router admits at most max_num_seqs requests per replica (serve_app.admission);
+    # The router admits at most max_num_seqs requests per replica (serve_app.ingress.admission);
     # these are Serve's own bounds behind it: requests past them fail over at once
     # (BackPressureError) instead of queueing without end.
     max_ongoing_requests=64,

@@ -4,7 +4,7 @@ Per request: authenticate the tenant, parse and check the body, resolve the ``mo
 to a route, pick a variant by weight (sticky per caller, see :mod:`serve_app.split`), call
 that variant's ``LLMReplica`` through a ``DeploymentHandle``, and relay its answer. When a
 variant fails before its first byte, the next one in
-:func:`serve_app.split.failover_order` is tried (variants with a running replica first, see
+:func:`serve_app.ingress.split.failover_order` is tried (variants with a running replica first, see
 :mod:`serve_app.availability`); when none can serve, 503 with ``Retry-After``.
 
 Routes and weights come from the deployment's ``user_config`` (:class:`RouterConfig`) and are
@@ -24,21 +24,21 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
-from serve_app.adapters import adapter_name
-from serve_app.admission import Rejected, Slot, VariantAdmission
-from serve_app.availability import VariantAvailability
-from serve_app.config import (RouterConfig, Split, Tenant, format_validation_error,
+from serve_app.common.adapters import adapter_name
+from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
+from serve_app.ingress.availability import VariantAvailability
+from serve_app.common.config import (RouterConfig, Split, Tenant, format_validation_error,
                               reject_user_config)
-from serve_app.errors import MeshError, error_body
-from serve_app.failures import Failure, handle_failure, nested_too_deeply
-from serve_app.metrics import MeshMetrics
-from serve_app.split import failover_order, pick_variant
-from serve_app.limits import TenantLimiter
-from serve_app.relay import RelayResponse
-from serve_app.rollout import Observation
-from serve_app.rollout_controller import REPORT_PERIOD_S, RolloutController
-from serve_app.tenancy import authenticate
-from serve_app.wire import Head, Tail, Usage
+from serve_app.common.errors import MeshError, error_body
+from serve_app.common.failures import Failure, handle_failure, nested_too_deeply
+from serve_app.observability.metrics import MeshMetrics
+from serve_app.ingress.split import failover_order, pick_variant
+from serve_app.ingress.limits import TenantLimiter
+from serve_app.ingress.relay import RelayResponse
+from serve_app.release.rollout import Observation
+from serve_app.release.rollout_controller import REPORT_PERIOD_S, RolloutController
+from serve_app.ingress.tenancy import authenticate
+from serve_app.common.wire import Head, Tail, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -456,7 +456,7 @@ class MeshRouter:
                              priority: tuple[int, bool]) -> Response:
         """Try ``candidates`` in order until one answers; relay its answer.
 
-        Only variant failures (:class:`serve_app.failures.Failure`) move on to the next
+        Only variant failures (:class:`serve_app.common.failures.Failure`) move on to the next
         candidate; a request error or an internal error is this request's answer.
         ``arms``: the ``(split key, arm)`` pairs the request went through; the route's arm is
         filled in with the variant that answers. ``priority``: the tenant's priority and

@@ -18,9 +18,9 @@ import openai
 import pytest
 import yaml
 
-from serve_app.deploy import deploy, replica_ids, serve_status
-from serve_app.paths import REPO_ROOT
-from serve_app.serve_configs import load_yaml
+from serve_app.release.deploy import deploy, replica_ids, serve_status
+from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_configs import load_yaml
 
 CONFIGS = REPO_ROOT / "serve_configs"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.adapters import (AdapterError, AdapterSpec, load_manifest, resolve_uri,
+from serve_app.common.adapters import (AdapterError, AdapterSpec, load_manifest, resolve_uri,
                                 sha256_file, verify_adapter)
-from serve_app.paths import REPO_ROOT
+from serve_app.common.paths import REPO_ROOT
 
 BASE = "smollm2-135m-instruct"
 SHIPPED = {"acme-support@v1", "acme-support@v2", "globex-report@v1"}

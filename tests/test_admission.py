@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.admission import PRIOR_SERVICE_S, Rejected, VariantAdmission
+from serve_app.ingress.admission import PRIOR_SERVICE_S, Rejected, VariantAdmission
 
 
 class Clock:

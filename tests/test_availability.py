@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import serve_app.availability as availability
-from serve_app.availability import VariantAvailability
-from serve_app.wire import ReplicaInfo
+import serve_app.ingress.availability as availability
+from serve_app.ingress.availability import VariantAvailability
+from serve_app.common.wire import ReplicaInfo
 
 
 def app(status: str, running: int | None):

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from serve_app.deploy import serve_cli, serve_status
-from serve_app.loadgen import LoadSpec, RequestResult, background_load, percentile
-from serve_app.paths import REPO_ROOT
+from serve_app.release.deploy import serve_cli, serve_status
+from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load, percentile
+from serve_app.common.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

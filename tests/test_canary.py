@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_app.loadgen import LoadSpec, background_load
-from serve_app.split import pick_variant
+from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ def test_split_90_10_header_matches_body_and_sticks(canary):
 
 def test_pinning_is_admin_only(canary):
     cfg = copy.deepcopy(canary.canary_cfg)
-    from serve_app.tenancy import hash_api_key
+    from serve_app.ingress.tenancy import hash_api_key
     cfg["applications"][0]["deployments"][0]["user_config"]["tenants"].append(
         {"id": "dev", "api_keys_sha256": [hash_api_key("sk-dev")]})
     canary.deploy(cfg)

@@ -9,12 +9,12 @@ import sys
 import pytest
 import yaml
 
-from serve_app.config import RouterConfig
-from serve_app.paths import REPO_ROOT
-from serve_app.serve_configs import load_yaml
-from serve_app.tenancy import authenticate, hash_api_key
-from serve_app.errors import MeshError
-from serve_app.validate import config_warnings, validate_config
+from serve_app.common.config import RouterConfig
+from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_configs import load_yaml
+from serve_app.ingress.tenancy import authenticate, hash_api_key
+from serve_app.common.errors import MeshError
+from serve_app.release.validate import config_warnings, validate_config
 
 CANARY = load_yaml(REPO_ROOT / "serve_configs" / "canary.yaml")
 ROUTER = "applications[0].deployments[MeshRouter].user_config"

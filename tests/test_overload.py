@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from serve_app.drills import format_figures, overload_drill, without_priorities
+from serve_app.tools.drills import format_figures, overload_drill, without_priorities
 
 pytestmark = pytest.mark.integration
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from serve_app.relay import RelayResponse
-from serve_app.failures import Failure
-from serve_app.wire import Tail, Usage
+from serve_app.ingress.relay import RelayResponse
+from serve_app.common.failures import Failure
+from serve_app.common.wire import Tail, Usage
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
          "path": "/v1/chat/completions", "headers": []}

@@ -10,12 +10,12 @@ import sys
 import pytest
 import yaml
 
-from serve_app.config_diff import (ADDED, IN_PLACE, REMOVED, RESTART, UNSET, Change,
+from serve_app.release.config_diff import (ADDED, IN_PLACE, REMOVED, RESTART, UNSET, Change,
                                    diff_configs, format_report, live_config, restarts)
-from serve_app.paths import REPO_ROOT
-from serve_app.serve_configs import load_yaml, mesh_parts
-from serve_app.swap import SwapError, parse_steps, plan_swap, write_plan
-from serve_app.validate import validate_config
+from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_configs import load_yaml, mesh_parts
+from serve_app.release.swap import SwapError, parse_steps, plan_swap, write_plan
+from serve_app.release.validate import validate_config
 
 CONFIGS = REPO_ROOT / "serve_configs"
 LOCAL = load_yaml(CONFIGS / "local.yaml")
@@ -279,9 +279,9 @@ def test_live_config_from_the_dashboard(monkeypatch):
         "mesh": {"deployed_app_config": LOCAL["applications"][0]},
         "smollm-v1": {"deployed_app_config": LOCAL["applications"][1]},
         "made-in-python": {"deployed_app_config": None}}}
-    monkeypatch.setattr("serve_app.config_diff.serve_status", lambda dashboard: status)
+    monkeypatch.setattr("serve_app.release.config_diff.serve_status", lambda dashboard: status)
     assert live_config("http://dash") == {"applications": LOCAL["applications"]}
-    monkeypatch.setattr("serve_app.config_diff.serve_status", lambda dashboard: {
+    monkeypatch.setattr("serve_app.release.config_diff.serve_status", lambda dashboard: {
         "applications": {}})
     with pytest.raises(ValueError, match="no application at http://dash was deployed"):
         live_config("http://dash")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import RolloutGates, RolloutPolicy, RouterConfig
-from serve_app.rollout import Observation, Rollout, failed_gates, figures
+from serve_app.common.config import RolloutGates, RolloutPolicy, RouterConfig
+from serve_app.release.rollout import Observation, Rollout, failed_gates, figures
 
 POLICY = RolloutPolicy(steps=[10, 50, 100], min_requests=5, min_step_s=30,
                        gates=RolloutGates(max_error_rate_increase=0.1, max_latency_p95_ratio=1.5,

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.loadgen import LoadSpec, background_load
+from serve_app.tools.loadgen import LoadSpec, background_load
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.adapters import load_manifest
-from serve_app.loadgen import LoadSpec, background_load
-from serve_app.paths import REPO_ROOT
-from serve_app.split import pick_variant
+from serve_app.common.adapters import load_manifest
+from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.common.paths import REPO_ROOT
+from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration
 

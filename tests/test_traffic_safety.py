@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from request_catalog import CASES
-from serve_app.loadgen import LoadSpec, background_load
-from serve_app.split import pick_variant
+from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from serve_app.adapters import AdapterError, adapter_key, load_manifest
-from serve_app.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
-from serve_app.serve_configs import (
+from serve_app.common.adapters import AdapterError, adapter_key, load_manifest
+from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
+from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
     ROUTER_DEPLOYMENT,
     ROUTER_IMPORT_PATH,
@@ -35,7 +35,7 @@ from serve_app.serve_configs import (
     deployment,
     mesh_parts,
 )
-from serve_app.paths import resolve_repo_path
+from serve_app.common.paths import resolve_repo_path
 
 
 #: ``max_surge_percent`` the shipped configs give every ``LLMReplica`` (and its default): a

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
+from serve_app.common.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
                                 load_manifest, verify_adapter)
-from serve_app.errors import MeshError
+from serve_app.common.errors import MeshError
 
 logger = logging.getLogger("ray.serve")
 

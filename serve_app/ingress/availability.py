@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 from ray import serve
 
-from serve_app.adapters import adapter_name
-from serve_app.serve_configs import REPLICA_DEPLOYMENT
-from serve_app.wire import ReplicaInfo
+from serve_app.common.adapters import adapter_name
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
+from serve_app.common.wire import ReplicaInfo
 
 logger = logging.getLogger("ray.serve")
 

@@ -5,7 +5,7 @@ A Serve deployment of application ``mesh`` with one replica, beside the router. 
 
 - sends it the rollout policies of its ``user_config`` (:meth:`RolloutController.sync`)
   when a config is applied, and
-- every :data:`REPORT_PERIOD_S` sends the :class:`~serve_app.rollout.Observation`s of its
+- every :data:`REPORT_PERIOD_S` sends the :class:`~serve_app.release.rollout.Observation`s of its
   requests and reads back the weights the rollouts set (:meth:`RolloutController.report`).
 
 So every router replica splits by the same weights, and a router replica that restarts
@@ -32,8 +32,8 @@ from ray import serve
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
-from serve_app.config import RolloutPolicy
-from serve_app.rollout import Observation, Rollout
+from serve_app.common.config import RolloutPolicy
+from serve_app.release.rollout import Observation, Rollout
 
 logger = logging.getLogger("ray.serve")
 

@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.config import VariantArgs
-from serve_app.paths import resolve_model_path
+from serve_app.common.config import VariantArgs
+from serve_app.common.paths import resolve_model_path
 
 logger = logging.getLogger("ray.serve")
 

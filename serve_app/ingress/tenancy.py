@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
-from serve_app.config import Tenant
-from serve_app.errors import MeshError
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
 
 
 def hash_api_key(key: str) -> str:

@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.config import RolloutGates, RolloutPolicy
-from serve_app.loadgen import percentile
+from serve_app.common.config import RolloutGates, RolloutPolicy
+from serve_app.tools.loadgen import percentile
 
 #: Stable-arm requests kept as the baseline, most recent first out.
 STABLE_WINDOW = 2000

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.serve_configs import applications, load_yaml
+from serve_app.common.serve_configs import applications, load_yaml
 
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 

@@ -15,7 +15,7 @@ the route's traffic moves to it by weight:
 
 The new variant copies the old variant's application (``args``, engine args,
 ``runtime_env``, deployments and their ``user_config``) with another ``args.model``. Every
-config of the plan must pass :func:`serve_app.validate.validate_config` before any is applied;
+config of the plan must pass :func:`serve_app.release.validate.validate_config` before any is applied;
 adapters declared on the old variant that were trained for the old base fail there.
 
 The last config of the plan is the new desired state, to commit in place of the old file.
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from serve_app.deploy import DeployError, deploy
-from serve_app.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
-from serve_app.validate import SURGE_PERCENT, validate_config
+from serve_app.release.deploy import DeployError, deploy
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
+from serve_app.release.validate import SURGE_PERCENT, validate_config
 
 
 class SwapError(ValueError):
@@ -189,14 +189,14 @@ def apply_plan(plan: list[SwapStep], dashboard: str, *, pause_s: float = 10,
                out_dir: str | Path | None = None, timeout_s: float = 900,
                log: Callable[[str], None] = print) -> Path:
     """Write the plan (into ``out_dir`` or a new temporary directory) and apply it step by
-    step with :func:`serve_app.deploy.deploy` (``serve deploy`` + wait until every application
+    step with :func:`serve_app.release.deploy.deploy` (``serve deploy`` + wait until every application
     is RUNNING and removed ones are gone), pausing ``pause_s`` seconds after each weight step.
 
     Returns:
         The path of the last config (the new desired state).
 
     Raises:
-        serve_app.deploy.DeployError: a step failed; the steps before it stay applied (the
+        serve_app.release.deploy.DeployError: a step failed; the steps before it stay applied (the
             message says which step to resume from).
     """
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="meshctl-swap-"))

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.deploy import serve_status
-from serve_app.serve_configs import applications, load_yaml
+from serve_app.release.deploy import serve_status
+from serve_app.common.serve_configs import applications, load_yaml
 
 RESTART, IN_PLACE, ADDED, REMOVED = "restart", "in_place", "added", "removed"
 
@@ -165,7 +165,7 @@ def load_config(source: str, dashboard: str) -> dict[str, Any]:
     """A Serve config from a YAML file, or the deployed one when ``source`` is ``live``.
 
     Raises:
-        ValueError, OSError: see :func:`serve_app.serve_configs.load_yaml`.
+        ValueError, OSError: see :func:`serve_app.common.serve_configs.load_yaml`.
         httpx.HTTPError, ValueError: see :func:`live_config`.
     """
     return live_config(dashboard) if source == "live" else load_yaml(Path(source))

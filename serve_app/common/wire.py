@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve_app.failures import Failure
+from serve_app.common.failures import Failure
 
 #: Response header naming the adapter version that served (``name@vN``).
 ADAPTER_HEADER = "x-mesh-adapter"

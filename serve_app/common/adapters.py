@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.paths import REPO_ROOT, resolve_repo_path
+from serve_app.common.paths import REPO_ROOT, resolve_repo_path
 
 #: Default registry location.
 MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"

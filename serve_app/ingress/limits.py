@@ -13,8 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from serve_app.config import Tenant
-from serve_app.errors import MeshError
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
 
 
 @dataclass

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from serve_app.loadgen import Answer, LoadSpec, RequestResult, flood, percentile, probe
+from serve_app.tools.loadgen import Answer, LoadSpec, RequestResult, flood, percentile, probe
 
 
 def _ttft_ms(results: list[RequestResult]) -> list[float]:
@@ -107,7 +107,7 @@ def without_priorities(config: dict[str, Any]) -> dict[str, Any]:
     "priority off" run (FIFO admission, no reserved slots in use, FCFS order in vLLM)."""
     import copy
 
-    from serve_app.serve_configs import mesh_parts
+    from serve_app.common.serve_configs import mesh_parts
 
     out = copy.deepcopy(config)
     for tenant in (mesh_parts(out).router_user_config or {}).get("tenants", []):

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serve_app.adapters import adapter_key
-from serve_app.paths import DEFAULT_MODEL_NAME
+from serve_app.common.adapters import adapter_key
+from serve_app.common.paths import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("ray.serve")
 

@@ -45,7 +45,7 @@ class MeshError(Exception):
 
     @classmethod
     def of(cls, verdict, headers: dict[str, str] | None = None) -> MeshError:
-        """The error for a :class:`serve_app.failures.Verdict`."""
+        """The error for a :class:`serve_app.common.failures.Verdict`."""
         return cls(verdict.status, verdict.message, param=verdict.param, code=verdict.code,
                    headers=headers)
 

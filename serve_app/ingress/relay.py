@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from serve_app.errors import error_body
-from serve_app.failures import Failure
-from serve_app.wire import Tail
+from serve_app.common.errors import error_body
+from serve_app.common.failures import Failure
+from serve_app.common.wire import Tail
 
 logger = logging.getLogger("ray.serve")
 

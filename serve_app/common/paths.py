@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 #: The repository root (the package is installed in editable mode from it).
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Default embedded model, built by ``scripts/prepare_model.py``.
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
