@@ -21,8 +21,9 @@ import sys
 
 import httpx
 
-from serve_app.release.config_diff import diff_configs, format_report, load_config, restarts
-from serve_app.release.deploy import DEFAULT_DASHBOARD, DeployError, deploy, wait_until_running
+from serve_app.release.config_diff import diff_configs, format_report, restarts
+from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, load_config,
+                                      wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
 from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.ingress.tenancy import hash_api_key

@@ -106,10 +106,6 @@ class LLMReplica:
         except ValidationError as e:
             return reject_user_config(self.config, f"variant {self.variant}: invalid LLMReplica "
                                       f"user_config:\n{format_validation_error(e, 'user_config')}")
-        if new.adapters and not self.handle.max_lora_rank:
-            return reject_user_config(self.config, f"variant {self.variant} declares adapters "
-                                      "but its engine has LoRA off; set engine_args.enable_lora: "
-                                      "true (a restart: do it blue/green)")
         manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
         try:
             await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)

@@ -80,7 +80,7 @@ def test_pickle_weights_refused(acme_copy):
 def test_wrong_base_model_refused(acme):
     with pytest.raises(AdapterError) as e:
         verify_adapter(acme, base_model="other-model", max_lora_rank=8)
-    assert f"trained for {BASE}, this variant serves other-model" in str(e.value)
+    assert f"trained for {BASE!r}, but this variant serves 'other-model'" in str(e.value)
 
 
 def test_rank_over_max_refused(acme):

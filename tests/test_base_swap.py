@@ -19,7 +19,8 @@ import time
 import pytest
 
 from serve_app.release.deploy import serve_cli, serve_status
-from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load, percentile
+from serve_app.observability.stats import percentile
+from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load
 from serve_app.common.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration

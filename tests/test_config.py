@@ -192,9 +192,9 @@ def test_adapter_for_another_base_model_refused():
     cfg = copy.deepcopy(TENANTS)
     cfg["applications"][1]["args"] = {**cfg["applications"][1]["args"], "model": "other-base"}
     problems = validate_config(cfg)
-    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 was trained for 'smollm2-135m-instruct' "
-            "but this variant serves 'other-base'; declare it on a variant of "
-            "'smollm2-135m-instruct'") in problems
+    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: trained for "
+            "'smollm2-135m-instruct', but this variant serves 'other-base'; declare it on a "
+            "variant of 'smollm2-135m-instruct'") in problems
 
 
 def test_adapter_checks_against_engine_args():
@@ -202,11 +202,13 @@ def test_adapter_checks_against_engine_args():
     app = cfg["applications"][1]
     app["args"] = {**app["args"], "engine_args": {**app["args"]["engine_args"],
                                                   "max_lora_rank": 4}}
-    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 has rank 8 > max_lora_rank 4"
-            in validate_config(cfg))
+    assert (f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: rank 8 is over this "
+            "variant's max_lora_rank=4; raise max_lora_rank in the variant's engine args or "
+            "retrain with r<=4" in validate_config(cfg))
     app["args"]["engine_args"]["enable_lora"] = False
-    assert validate_config(cfg) == [f"{REPLICA_UC}.adapters: the variant declares adapters but "
-                                    "engine_args.enable_lora is not true"]
+    assert validate_config(cfg)[0] == (
+        f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: the variant's engine has "
+        "LoRA off; set engine_args.enable_lora: true (an args change: do it blue/green)")
     app["deployments"][0]["user_config"]["adapters"].append({"name": "nope", "version": 3})
     app["args"]["engine_args"]["enable_lora"] = True
     app["args"]["engine_args"]["max_lora_rank"] = 8
@@ -234,9 +236,9 @@ def test_adapter_of_the_instruct_base_refused_on_the_acme_base():
     app["args"] = {**app["args"], "model": "smollm2-135m-acme"}
     app["deployments"][0]["user_config"]["adapters"] = [{"name": "acme-support", "version": 1}]
     assert validate_config(cfg) == [
-        f"{REPLICA_UC}.adapters[0]: acme-support@v1 was trained for 'smollm2-135m-instruct' but "
-        "this variant serves 'smollm2-135m-acme'; declare it on a variant of "
-        "'smollm2-135m-instruct'"]
+        f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: trained for "
+        "'smollm2-135m-instruct', but this variant serves 'smollm2-135m-acme'; declare it on a "
+        "variant of 'smollm2-135m-instruct'"]
 
 
 def test_adapter_split_version_must_be_served_by_a_variant():

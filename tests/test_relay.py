@@ -4,8 +4,8 @@ however the stream ends, including a client gone before the body starts."""
 from __future__ import annotations
 
 import asyncio
-import time
 
+from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.relay import RelayResponse
 from serve_app.common.failures import Failure
 from serve_app.common.wire import Tail, Usage
@@ -32,9 +32,24 @@ def run(response: RelayResponse, receive) -> list[dict]:
     return sent
 
 
+class Metrics:
+    """Records what a RequestAccount records, as (ttft_s, usage, error_kind)."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def record(self, tags, status, latency_s, *, ttft_s=None, prompt_tokens=0,
+               completion_tokens=0, error_kind=None) -> None:
+        assert status == 200
+        self.calls.append((ttft_s, Usage(prompt_tokens, completion_tokens), error_kind))
+
+
 def finishes():
-    calls = []
-    return calls, lambda ttft, tail, kind: calls.append((ttft, tail.usage, kind))
+    """A real RequestAccount over fake metrics: the calls it records, and the account."""
+    metrics = Metrics()
+    account = RequestAccount(metrics, lambda *a, **k: None,
+                             {"route": "r", "variant": "v1", "tenant": "", "adapter": ""})
+    return metrics.calls, account
 
 
 async def never_disconnects():
@@ -47,7 +62,7 @@ async def disconnected():
 
 def test_full_stream_finishes_once_with_usage():
     calls, finish = finishes()
-    sent = run(RelayResponse(replica_stream(), "v1", time.monotonic(), finish, {}),
+    sent = run(RelayResponse(replica_stream(), "v1", finish, {}),
                never_disconnects)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert body.endswith(b"data: [DONE]\n\n") and b"Usage" not in body
@@ -57,7 +72,7 @@ def test_full_stream_finishes_once_with_usage():
 
 def test_failure_mid_stream_ends_with_an_error_event():
     calls, finish = finishes()
-    sent = run(RelayResponse(replica_stream(fail=True), "v1", time.monotonic(), finish, {}),
+    sent = run(RelayResponse(replica_stream(fail=True), "v1", finish, {}),
                never_disconnects)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"variant v1 failed mid-stream; retry the request" in body
@@ -78,8 +93,8 @@ def test_in_band_error_event_is_a_failed_stream_of_its_kind():
                           (Failure.INTERNAL, "internal_error"),
                           (Failure.REQUEST, "request_error")):
         calls, finish = finishes()
-        sent = run(RelayResponse(in_band_error_stream(failure), "v1", time.monotonic(), finish,
-                                 {}), never_disconnects)
+        sent = run(RelayResponse(in_band_error_stream(failure), "v1", finish, {}),
+                   never_disconnects)
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
         assert [c[2] for c in calls] == [kind]
@@ -90,7 +105,7 @@ def test_client_gone_before_the_body_starts_still_finishes_once():
     # before the body's generator was ever entered.
     calls, finish = finishes()
     old_spec = {**SCOPE, "asgi": {"version": "3.0", "spec_version": "2.3"}}
-    response = RelayResponse(replica_stream(), "v1", time.monotonic(), finish, {})
+    response = RelayResponse(replica_stream(), "v1", finish, {})
 
     async def stalled_send(message):
         await asyncio.sleep(3600)
@@ -100,7 +115,7 @@ def test_client_gone_before_the_body_starts_still_finishes_once():
 
     # ASGI >= 2.4: sending the response start fails because the client is gone.
     calls, finish = finishes()
-    response = RelayResponse(replica_stream(), "v1", time.monotonic(), finish, {})
+    response = RelayResponse(replica_stream(), "v1", finish, {})
 
     async def broken_send(message):
         raise OSError("connection reset")

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from serve_app.release.config_diff import (ADDED, IN_PLACE, REMOVED, RESTART, UNSET, Change,
-                                   diff_configs, format_report, live_config, restarts)
+                                   diff_configs, format_report, restarts)
 from serve_app.common.paths import REPO_ROOT
+from serve_app.release.deploy import live_config
 from serve_app.common.serve_configs import load_yaml, mesh_parts
 from serve_app.release.swap import SwapError, parse_steps, plan_swap, write_plan
 from serve_app.release.validate import validate_config
@@ -103,7 +104,7 @@ def test_swap_refuses_adapters_trained_for_the_old_base():
                               "'smollm2-135m-acme') gives invalid configs; nothing was applied. "
                               "01-add.yaml:\n")
     assert ("  applications[2].deployments[LLMReplica].user_config.adapters[0]: acme-support@v1 "
-            "was trained for 'smollm2-135m-instruct' but this variant serves "
+            "cannot be served: trained for 'smollm2-135m-instruct', but this variant serves "
             "'smollm2-135m-acme'; declare it on a variant of 'smollm2-135m-instruct'\n"
             in message)
     assert "also invalid: 02-weight-100.yaml (2 problems), 03-retire.yaml (2 problems)" in message
@@ -180,7 +181,7 @@ def test_cli_swap_emit_and_refusal(tmp_path):
                                 "smollm-acme", "--model", "smollm2-135m-acme", "--emit",
                                 str(tmp_path / "no")], capture_output=True, text=True)
     assert res.returncode == 1
-    assert "acme-support@v1 was trained for 'smollm2-135m-instruct'" in res.stderr
+    assert "acme-support@v1 cannot be served: trained for 'smollm2-135m-instruct'" in res.stderr
     assert not (tmp_path / "no").exists()
 
 
@@ -279,9 +280,9 @@ def test_live_config_from_the_dashboard(monkeypatch):
         "mesh": {"deployed_app_config": LOCAL["applications"][0]},
         "smollm-v1": {"deployed_app_config": LOCAL["applications"][1]},
         "made-in-python": {"deployed_app_config": None}}}
-    monkeypatch.setattr("serve_app.release.config_diff.serve_status", lambda dashboard: status)
+    monkeypatch.setattr("serve_app.release.deploy.serve_status", lambda dashboard: status)
     assert live_config("http://dash") == {"applications": LOCAL["applications"]}
-    monkeypatch.setattr("serve_app.release.config_diff.serve_status", lambda dashboard: {
+    monkeypatch.setattr("serve_app.release.deploy.serve_status", lambda dashboard: {
         "applications": {}})
     with pytest.raises(ValueError, match="no application at http://dash was deployed"):
         live_config("http://dash")

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.common.config import RolloutGates, RolloutPolicy, RouterConfig
+from serve_app.ingress.split import splits_of
 from serve_app.release.rollout import Observation, Rollout, failed_gates, figures
 
 POLICY = RolloutPolicy(steps=[10, 50, 100], min_requests=5, min_step_s=30,
@@ -100,7 +101,7 @@ def test_rollout_config_rules():
         "adapters": {"ad": {"versions": [{"version": 1, "weight": 90}, {"version": 2,
                                                                          "weight": 10}],
                             "rollout": {"steps": [50, 100]}}}}}})
-    split = cfg.splits()["r:ad"]
+    split = splits_of(cfg)["r:ad"]
     assert split.weighted == [("ad@v1", 90), ("ad@v2", 10)] and split.salt == "r:ad"
     assert split.rollout.steps == [50, 100]
 

@@ -141,6 +141,28 @@ def resolve_uri(uri: str) -> Path:
                        "fsspec")
 
 
+def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> str | None:
+    """Why a variant's engine cannot serve ``spec``, or None when it fits. The one check of
+    adapter against engine, used by ``meshctl validate`` (from the config), by
+    :func:`verify_adapter` and by the replica (from the running engine).
+
+    Args:
+        base_model: the variant's ``args.model``.
+        max_lora_rank: the engine's ``max_lora_rank``; 0 when LoRA is off.
+    """
+    if not max_lora_rank:
+        return ("the variant's engine has LoRA off; set engine_args.enable_lora: true (an "
+                "args change: do it blue/green)")
+    if spec.base_model != base_model:
+        return (f"trained for {spec.base_model!r}, but this variant serves {base_model!r}; "
+                f"declare it on a variant of {spec.base_model!r}")
+    if spec.rank > max_lora_rank:
+        return (f"rank {spec.rank} is over this variant's max_lora_rank={max_lora_rank}; raise "
+                f"max_lora_rank in the variant's engine args or retrain with "
+                f"r<={max_lora_rank}")
+    return None
+
+
 def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
                    supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> Path:
     """Check that an adapter can be served by a variant; return its local directory.
@@ -200,17 +222,12 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
                    f"{actual[:12]}...; the weights changed after registration: restore them, or "
                    "register the new weights as a new version")
 
-    if spec.base_model != base_model:
-        raise fail(f"trained for {spec.base_model}, this variant serves {base_model}; attach it "
-                   f"to a variant that serves {spec.base_model}")
-
+    if problem := fit_problem(spec, base_model=base_model, max_lora_rank=max_lora_rank):
+        raise fail(problem)
     rank = config.get("r")
     if rank != spec.rank:
         raise fail(f"{CONFIG_FILE} has r={rank} but the manifest says rank={spec.rank}; "
                    "fix 'rank' in adapters/manifest.yaml")
-    if rank > max_lora_rank:
-        raise fail(f"rank {rank} is over this variant's max_lora_rank={max_lora_rank}; raise "
-                   f"max_lora_rank in the variant's engine args or retrain with r<={max_lora_rank}")
 
     modules = config.get("target_modules")
     if not isinstance(modules, list):

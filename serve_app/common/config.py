@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -380,34 +379,6 @@ class RouterConfig(_Strict):
     def applications(self) -> set[str]:
         """Every variant application any route names."""
         return {w.application for r in self.routes.values() for w in r.variants}
-
-    def splits(self) -> dict[str, Split]:
-        """Every weighted split, by key: ``route`` (its variants) and ``route:adapter`` (the
-        versions of an adapter, arms named ``adapter@vN``)."""
-        out = {}
-        for route, rc in self.routes.items():
-            out[route] = Split([(w.application, w.weight) for w in rc.variants],
-                               rc.salt or route, rc.rollout)
-            for name, ac in rc.adapters.items():
-                key = f"{route}:{name}"
-                out[key] = Split([(adapter_key(name, v.version), v.weight) for v in ac.versions],
-                                 key, ac.rollout)
-        return out
-
-
-@dataclass(frozen=True)
-class Split:
-    """A weighted split as the router uses it.
-
-    Attributes:
-        weighted: ``(arm, weight)`` in config order, stable first.
-        salt: hash salt of the sticky assignment.
-        rollout: the progressive rollout that owns the weights, if any.
-    """
-
-    weighted: list[tuple[str, int]]
-    salt: str
-    rollout: RolloutPolicy | None = None
 
 
 def reject_user_config(last_good: object | None, message: str) -> None:

@@ -21,7 +21,7 @@ from serve_app.common.errors import MeshError
 class _TenantState:
     in_flight: int = 0
     tokens: float = 0.0
-    refilled_at: float = field(default_factory=time.monotonic)
+    refilled_at: float = field(default_factory=lambda: time.monotonic())
 
 
 class TenantLimiter:

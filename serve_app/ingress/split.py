@@ -11,6 +11,9 @@ caller gets the variant whose interval holds u. Consequences:
 - a weight-0 variant has an empty interval and is never chosen.
 
 Requests without an identity draw u uniformly at random.
+
+A *split* is one such weighted choice: a route's variants (key ``route``), or the versions of
+an adapter (key ``route:adapter``, arms ``name@vN``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,39 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serve_app.common.adapters import adapter_key
+from serve_app.common.config import RolloutPolicy, RouterConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    """A weighted split as the router uses it.
+
+    Attributes:
+        weighted: ``(arm, weight)`` in config order, stable first.
+        salt: hash salt of the sticky assignment.
+        rollout: the progressive rollout that owns the weights, if any.
+    """
+
+    weighted: list[tuple[str, int]]
+    salt: str
+    rollout: RolloutPolicy | None = None
+
+
+def splits_of(config: RouterConfig) -> dict[str, Split]:
+    """Every weighted split of a router config, by key: ``route`` (its variants) and
+    ``route:adapter`` (the versions of an adapter, arms named ``adapter@vN``)."""
+    out = {}
+    for route, rc in config.routes.items():
+        out[route] = Split([(w.application, w.weight) for w in rc.variants],
+                           rc.salt or route, rc.rollout)
+        for name, ac in rc.adapters.items():
+            key = f"{route}:{name}"
+            out[key] = Split([(adapter_key(name, v.version), v.weight) for v in ac.versions],
+                             key, ac.rollout)
+    return out
 
 
 def caller_point(salt: str, identity: str) -> float:

@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from serve_app.release.deploy import serve_status
-from serve_app.common.serve_configs import applications, load_yaml
+from serve_app.common.serve_configs import applications
 
 RESTART, IN_PLACE, ADDED, REMOVED = "restart", "in_place", "added", "removed"
 
@@ -143,32 +141,6 @@ def restarts(report: dict[str, list[Change]]) -> list[Change]:
 def format_report(report: dict[str, list[Change]]) -> list[str]:
     """One line per change (see :meth:`Change.__str__`); ``["no changes"]`` for none."""
     return [str(c) for changes in report.values() for c in changes] or ["no changes"]
-
-
-def live_config(dashboard: str) -> dict[str, Any]:
-    """The Serve config deployed now, as ``{"applications": [...]}``, from the dashboard's
-    ``GET /api/serve/applications/`` (each application's ``deployed_app_config``).
-
-    Raises:
-        httpx.HTTPError: the dashboard cannot be reached.
-        ValueError: nothing was deployed with a config (``serve deploy``).
-    """
-    apps = serve_status(dashboard).get("applications") or {}
-    configs = [a["deployed_app_config"] for a in apps.values() if a.get("deployed_app_config")]
-    if not configs:
-        raise ValueError(f"no application at {dashboard} was deployed from a config file "
-                         "(serve deploy); there is no live config to compare with")
-    return {"applications": configs}
-
-
-def load_config(source: str, dashboard: str) -> dict[str, Any]:
-    """A Serve config from a YAML file, or the deployed one when ``source`` is ``live``.
-
-    Raises:
-        ValueError, OSError: see :func:`serve_app.common.serve_configs.load_yaml`.
-        httpx.HTTPError, ValueError: see :func:`live_config`.
-    """
-    return live_config(dashboard) if source == "live" else load_yaml(Path(source))
 
 
 def _app_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[Change]:

@@ -107,3 +107,29 @@ def _deployed_times(dashboard: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     return {n: a.get("last_deployed_time_s", 0) for n, a in apps.items()}
+
+
+def live_config(dashboard: str) -> dict[str, Any]:
+    """The Serve config deployed now, as ``{"applications": [...]}``, from the dashboard's
+    ``GET /api/serve/applications/`` (each application's ``deployed_app_config``).
+
+    Raises:
+        httpx.HTTPError: the dashboard cannot be reached.
+        ValueError: nothing was deployed with a config (``serve deploy``).
+    """
+    apps = serve_status(dashboard).get("applications") or {}
+    configs = [a["deployed_app_config"] for a in apps.values() if a.get("deployed_app_config")]
+    if not configs:
+        raise ValueError(f"no application at {dashboard} was deployed from a config file "
+                         "(serve deploy); there is no live config to compare with")
+    return {"applications": configs}
+
+
+def load_config(source: str, dashboard: str) -> dict[str, Any]:
+    """A Serve config from a YAML file, or the deployed one when ``source`` is ``live``.
+
+    Raises:
+        ValueError, OSError: see :func:`serve_app.common.serve_configs.load_yaml`.
+        httpx.HTTPError, ValueError: see :func:`live_config`.
+    """
+    return live_config(dashboard) if source == "live" else load_yaml(Path(source))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.common.config import RolloutGates, RolloutPolicy
-from serve_app.tools.loadgen import percentile
+from serve_app.observability.stats import percentile
 
 #: Stable-arm requests kept as the baseline, most recent first out.
 STABLE_WINDOW = 2000
@@ -54,6 +54,33 @@ class Observation:
     truncated: bool
     ttft_s: float | None
     latency_s: float
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """A rollout as a router's config declares it (router -> ``RolloutController.sync``).
+
+    Attributes:
+        split: the split's key (``route`` or ``route:adapter``).
+        stable: its first arm; canary: its last arm.
+        policy: steps, minimums and gates.
+    """
+
+    split: str
+    stable: str
+    canary: str
+    policy: RolloutPolicy
+
+
+@dataclass(frozen=True)
+class RolloutWeights:
+    """The weights every rollout sets now (``RolloutController`` -> routers).
+
+    Attributes:
+        by_split: split key -> arm -> weight (percent).
+    """
+
+    by_split: dict[str, dict[str, int]]
 
 
 def figures(observations) -> dict[str, Any]:

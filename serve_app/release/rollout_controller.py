@@ -32,8 +32,7 @@ from ray import serve
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
-from serve_app.common.config import RolloutPolicy
-from serve_app.release.rollout import Observation, Rollout
+from serve_app.release.rollout import Observation, Rollout, RolloutSpec, RolloutWeights
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,9 +42,6 @@ REPORT_PERIOD_S = 0.5
 
 #: Where the state is saved in the GCS key-value store.
 KV_NAMESPACE, KV_KEY = "model-mesh", "rollouts"
-
-#: What a router sends per rollout: ``{"stable": arm, "canary": arm, "policy": {...}}``.
-RolloutSpec = dict[str, Any]
 
 
 @serve.deployment(name="RolloutController", num_replicas=1, max_ongoing_requests=1000,
@@ -66,7 +62,7 @@ class RolloutController:
                         self.rollouts[key].state, self.rollouts[key].step)
         self._task = asyncio.get_running_loop().create_task(self._evaluate_forever())
 
-    async def sync(self, specs: dict[str, RolloutSpec]) -> dict[str, dict[str, int]]:
+    async def sync(self, specs: list[RolloutSpec]) -> RolloutWeights:
         """Make the rollouts match a router's config; returns :meth:`weights`.
 
         A split with the same arms and ``policy.id`` keeps its state and takes the new
@@ -74,24 +70,24 @@ class RolloutController:
         Rollouts no longer in ``specs`` are dropped.
         """
         now = time.time()
-        for key in [k for k in self.rollouts if k not in specs]:
+        wanted = {spec.split: spec for spec in specs}
+        for key in [k for k in self.rollouts if k not in wanted]:
             logger.info("rollout %s: removed from the config, its weights are the config's", key)
             del self.rollouts[key]
-        for key, spec in specs.items():
-            policy = RolloutPolicy.model_validate(spec["policy"])
+        for key, spec in wanted.items():
             current = self.rollouts.get(key)
-            if current and current.identity == (spec["stable"], spec["canary"], policy.id):
+            if current and current.identity == (spec.stable, spec.canary, spec.policy.id):
                 before = len(current.history)
-                current.apply_policy(policy, now)
+                current.apply_policy(spec.policy, now)
                 self._log_new(current, before)
                 continue
-            rollout = Rollout(key, spec["stable"], spec["canary"], policy, now)
+            rollout = Rollout(key, spec.stable, spec.canary, spec.policy, now)
             self.rollouts[key] = rollout
             self._log_new(rollout, 0)
         self._save()
         return self.weights()
 
-    async def report(self, observations: list[Observation]) -> dict[str, dict[str, int]]:
+    async def report(self, observations: list[Observation]) -> RolloutWeights:
         """Take a router's observations; returns :meth:`weights`."""
         for o in observations:
             rollout = self.rollouts.get(o.split)
@@ -99,9 +95,9 @@ class RolloutController:
                 rollout.observe(o)
         return self.weights()
 
-    def weights(self) -> dict[str, dict[str, int]]:
-        """Split key -> arm -> weight (percent), for every rollout."""
-        return {key: r.weights() for key, r in self.rollouts.items()}
+    def weights(self) -> RolloutWeights:
+        """The weights of every rollout."""
+        return RolloutWeights({key: r.weights() for key, r in self.rollouts.items()})
 
     async def snapshot(self) -> dict[str, Any]:
         """Every rollout's state and decision history (``Rollout.to_dict``), by split key."""

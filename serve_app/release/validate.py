@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from serve_app.common.adapters import AdapterError, adapter_key, load_manifest
+from serve_app.common.adapters import AdapterError, adapter_key, fit_problem, load_manifest
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -137,9 +137,6 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
     if not replica.adapters:
         return []
     engine = args.engine_args
-    if not engine.get("enable_lora"):
-        return [f"{at}.adapters: the variant declares adapters but engine_args.enable_lora is "
-                "not true"]
     try:
         manifest = resolve_repo_path(replica.adapters_manifest) if replica.adapters_manifest \
             else None
@@ -147,19 +144,14 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
     except AdapterError as e:
         return [f"{at}.adapters_manifest: {e}"]
     problems = []
-    max_rank = engine.get("max_lora_rank", 16)  # vLLM's default max_lora_rank
+    # vLLM's default max_lora_rank is 16; 0 stands for LoRA off.
+    max_rank = engine.get("max_lora_rank", 16) if engine.get("enable_lora") else 0
     for i, ref in enumerate(replica.adapters):
         spec = registry.get(ref.key)
-        where = f"{at}.adapters[{i}]"
         if spec is None:
-            problems.append(f"{where}: {ref.key} is not in the adapter registry")
-        elif spec.base_model != args.model:
-            problems.append(f"{where}: {spec.key} was trained for {spec.base_model!r} but this "
-                            f"variant serves {args.model!r}; declare it on a variant of "
-                            f"{spec.base_model!r}")
-        elif spec.rank > max_rank:
-            problems.append(f"{where}: {spec.key} has rank {spec.rank} > max_lora_rank "
-                            f"{max_rank}")
+            problems.append(f"{at}.adapters[{i}]: {ref.key} is not in the adapter registry")
+        elif problem := fit_problem(spec, base_model=args.model, max_lora_rank=max_rank):
+            problems.append(f"{at}.adapters[{i}]: {spec.key} cannot be served: {problem}")
     return problems
 
 

@@ -20,7 +20,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from serve_app.tools.loadgen import Answer, LoadSpec, RequestResult, flood, percentile, probe
+from serve_app.observability.stats import percentile
+from serve_app.tools.loadgen import Answer, LoadSpec, RequestResult, flood, probe
 
 
 def _ttft_ms(results: list[RequestResult]) -> list[float]:

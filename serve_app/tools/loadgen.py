@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from typing import Any
 
 import httpx
 import openai
+
+from serve_app.observability.stats import percentile
 
 
 @dataclass
@@ -196,16 +197,6 @@ async def probe(spec: LoadSpec, stop: asyncio.Event, pause_s: float = 0.2
     finally:
         await client.close()
     return results
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100] (``statistics.quantiles``, inclusive)."""
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if 0 < q < 100 \
-        else (min(values) if q <= 0 else max(values))
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:

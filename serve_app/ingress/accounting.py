@@ -1,0 +1,110 @@
+"""``RequestAccount``: the one owner of a request's accounting.
+
+A request holds up to two slots while it runs (its tenant's, :mod:`serve_app.ingress.limits`,
+and its variant's, :mod:`serve_app.ingress.admission`) and ends in one metrics record and,
+when it went through a rollout, one observation. The account holds all of them and
+:meth:`RequestAccount.finish` releases and records everything exactly once, whoever calls
+it first: the router for an error or a non-streaming answer, the relay
+(:class:`~serve_app.ingress.relay.RelayResponse`) when a stream ends, fails or its client
+leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from serve_app.common.config import Tenant
+from serve_app.common.wire import Usage
+from serve_app.ingress.admission import Slot, VariantAdmission
+from serve_app.ingress.limits import TenantLimiter
+from serve_app.observability.metrics import MeshMetrics
+
+logger = logging.getLogger("ray.serve")
+
+#: Error kinds that say nothing of the arm that served (the request's own fault, our code's,
+#: the client leaving); only completed requests and variant failures are observations.
+NOT_THE_ARMS_FAULT = ("client_disconnected", "internal_error", "request_error")
+
+#: ``observe(arms, error=, truncated=, ttft_s=, latency_s=)``, see
+#: :meth:`serve_app.ingress.rollouts.RolloutClient.observe`.
+Observe = Callable[..., None]
+
+
+class RequestAccount:
+    """Slots, metrics and rollout observation of one request.
+
+    Args:
+        metrics: the router's metrics.
+        observe: where rollout observations go.
+        tags: metric labels (route, variant, tenant, adapter), from the config only.
+    """
+
+    def __init__(self, metrics: MeshMetrics, observe: Observe, tags: dict[str, str]) -> None:
+        self.t0 = time.monotonic()
+        self.metrics = metrics
+        self.observe = observe
+        self.tags = dict(tags)
+        self.arms: tuple[tuple[str, str], ...] = ()
+        self._tenant: tuple[TenantLimiter, Tenant | None] | None = None
+        self._slot: tuple[VariantAdmission, Slot] | None = None
+        self.finished = False
+
+    def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None) -> None:
+        """Take the tenant's slot (raises MeshError 429 at its limit); released by finish."""
+        limiter.acquire(tenant)
+        self._tenant = (limiter, tenant)
+
+    def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str) -> None:
+        """The variant's admission slot this request runs in; released by finish."""
+        self._slot = (admission, slot)
+        self.tags["variant"] = variant
+
+    def give_back_variant_slot(self) -> None:
+        """The variant failed before its first byte: free its slot for the next candidate."""
+        if self._slot is not None:
+            admission, slot = self._slot
+            admission.release(slot)
+            self._slot = None
+        self.tags["variant"] = ""
+
+    def failed_over(self, route: str, variant: str, why: str) -> None:
+        """A variant failed before its first byte: count it, tell the rollout."""
+        logger.warning("variant %s failed before the first byte (%s); failing over", variant,
+                       why)
+        self.metrics.failovers.inc(1, {"route": route, "variant": variant})
+        self.observe(self._arms_of(variant), error=True, latency_s=time.monotonic() - self.t0)
+        self.give_back_variant_slot()
+
+    def _arms_of(self, variant: str) -> tuple[tuple[str, str], ...]:
+        return tuple((key, arm or variant) for key, arm in self.arms)
+
+    def finish(self, status: int, *, ttft_s: float | None = None, usage: Usage = Usage(),
+               error_kind: str | None = None) -> None:
+        """The request ended (once; later calls do nothing): release both slots, record the
+        metrics, and observe the arm unless the outcome says nothing of it.
+
+        Args:
+            status: the HTTP status sent (200 for a stream, however it ended).
+            ttft_s: time to the first streamed chunk, s; None if none was sent.
+            usage: token counts.
+            error_kind: None for success; see :data:`serve_app.ingress.relay.Finish`.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        latency = time.monotonic() - self.t0
+        if self._tenant is not None:
+            limiter, tenant = self._tenant
+            limiter.release(tenant)
+        if self._slot is not None:
+            admission, slot = self._slot
+            admission.release(slot)
+        self.metrics.record(self.tags, status, latency, ttft_s=ttft_s,
+                            prompt_tokens=usage.prompt_tokens,
+                            completion_tokens=usage.completion_tokens, error_kind=error_kind)
+        if self.tags["variant"] and status < 400 and error_kind not in NOT_THE_ARMS_FAULT:
+            truncated = error_kind == "stream_failed"
+            self.observe(self._arms_of(self.tags["variant"]), error=truncated,
+                         truncated=truncated, ttft_s=ttft_s, latency_s=latency)

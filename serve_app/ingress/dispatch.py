@@ -1,0 +1,114 @@
+"""Send a planned request to its variants, in order, until one answers.
+
+For each candidate of the :class:`~serve_app.ingress.planner.RequestPlan`: take a slot of
+the variant's admission queue (:mod:`serve_app.ingress.admission`), call its ``LLMReplica``
+through a ``DeploymentHandle``, and read the first item, the :class:`Head`, before any
+byte goes to the client. Only a variant failure (:mod:`serve_app.common.failures`) moves on
+to the next candidate; a request error or an internal error is this request's answer; a
+full variant is a 503 now. When every candidate failed: 503 ``no_healthy_variant``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from fastapi.responses import Response
+
+from serve_app.common.errors import MeshError
+from serve_app.common.failures import Failure, handle_failure, nested_too_deeply
+from serve_app.common.wire import Head, Usage
+from serve_app.ingress.accounting import RequestAccount
+from serve_app.ingress.admission import Rejected, VariantAdmission
+from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
+from serve_app.ingress.relay import RelayResponse
+
+logger = logging.getLogger("ray.serve")
+
+#: Seconds a client should wait before retrying when no variant could take its request.
+RETRY_AFTER_S = 5
+
+
+class Dispatcher:
+    """Calls variants for planned requests.
+
+    Args:
+        handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
+        admission_for: application name -> its admission queue.
+        availability: the availability view (refreshed when no candidate has a slot).
+    """
+
+    def __init__(self, handle_for: Callable, admission_for: Callable[[str], VariantAdmission],
+                 availability) -> None:
+        self.handle_for = handle_for
+        self.admission_for = admission_for
+        self.availability = availability
+
+    async def dispatch(self, plan: RequestPlan, account: RequestAccount) -> Response:
+        """Serve ``plan``: a streaming response (the relay finishes ``account``) or a whole
+        one (finished here).
+
+        Raises:
+            MeshError: 503 (variant full, or none could take it) with ``Retry-After``; 500 an
+                internal error; 400 a body that cannot be sent.
+        """
+        if all(self.availability.slots(c) == 0 for c in plan.candidates):
+            await self.availability.refresh(max_age_s=0.5)  # one may have just started
+        for variant in plan.candidates:
+            head_and_stream = await self._try(variant, plan, account)
+            if head_and_stream is None:
+                continue
+            head, stream = head_and_stream
+            headers = {VARIANT_HEADER: variant, **head.headers}
+            if head.stream:
+                return RelayResponse(stream, variant, account, headers)
+            usage = head.usage or Usage()
+            account.finish(head.status, usage=usage, error_kind="internal_error"
+                           if head.failure is Failure.INTERNAL else None)
+            return Response(head.body, status_code=head.status, media_type="application/json",
+                            headers=headers)
+        raise MeshError(503, f"no variant of route {plan.route!r} can take the request now "
+                        f"(tried {', '.join(plan.candidates)})", code="no_healthy_variant",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _try(self, variant: str, plan: RequestPlan, account: RequestAccount
+                   ) -> tuple[Head, object] | None:
+        """The head and stream of ``variant``'s answer; None when it is unavailable or had a
+        variant failure (the caller moves on)."""
+        admission = self.admission_for(variant)
+        try:
+            slot = await admission.acquire(plan.priority, plan.top_priority)
+        except Rejected as r:
+            if r.reason == "unavailable":  # no running replica: the next candidate
+                return None
+            account.tags["variant"] = variant
+            raise MeshError(503, r.message, code=r.reason,
+                            headers={"Retry-After": str(r.retry_after_s)}) from None
+        account.hold_variant_slot(admission, slot, variant)
+        stream = self.handle_for(variant).options(stream=True).generate.remote(
+            plan.endpoint, plan.body, plan.version, plan.priority)
+        try:
+            # A stream's head comes as soon as vLLM has checked the request; waiting longer
+            # means the replica cannot take it (a non-stream's head is its whole answer, so
+            # only the client's timeout applies).
+            head: Head = await (asyncio.wait_for(stream.__anext__(), plan.queue_timeout_s)
+                                if plan.stream else stream.__anext__())
+        except BaseException as e:
+            stream.cancel()
+            if not isinstance(e, Exception):  # the client left (CancelledError)
+                raise
+            failure = handle_failure(e)
+            if failure is Failure.REQUEST:
+                raise MeshError.of(nested_too_deeply()) from None
+            if failure is Failure.INTERNAL:
+                logger.error("variant %s: internal error: %s: %s", variant, type(e).__name__,
+                             str(e)[:2000])
+                raise MeshError(500, f"internal error in variant {variant}: "
+                                f"{type(e).__name__}", code="internal_error") from None
+            account.failed_over(plan.route, variant, f"{type(e).__name__}: {str(e)[:500]}")
+            return None
+        if head.failure is Failure.VARIANT:
+            account.failed_over(plan.route, variant, (head.body or "")[:500])
+            return None
+        return head, stream

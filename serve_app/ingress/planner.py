@@ -1,0 +1,259 @@
+"""``RequestPlanner``: what to do with one request, decided before anything is sent.
+
+It turns (tenant, body, headers, router config, variant availability, weights in force)
+into a frozen :class:`RequestPlan`: the route, the adapter and its version, the variants to
+try in order, the rollout arms the request goes through, the tenant's priority and the
+metric labels. It knows nothing of Serve or HTTP (the router passes headers as strings), so
+it is unit-tested without Ray (``tests/test_planner.py``).
+
+Rules, in order:
+
+1. ``model`` names a route (``smollm``) or ``route:adapter`` (``smollm:acme-support``);
+   anything else is 400 (not a string) or 404 ``model_not_found``.
+2. A tenant calls only its routes (403) and its own adapters (403 for another tenant's);
+   an adapter no variant of the route serves is 404.
+3. An adapter with a version split (``routes.<route>.adapters``) gets the caller's sticky
+   version; the variants are those of the route that serve it.
+4. ``x-mesh-variant`` pins a variant (admin only, 403 otherwise); else the caller's sticky
+   variant comes first, then :func:`~serve_app.ingress.split.failover_order`, the variants
+   with a running replica before the others.
+5. ``priority`` in the body is the tenant's to set, through the config: 400 otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serve_app.common.adapters import adapter_name
+from serve_app.common.config import RouterConfig, Tenant
+from serve_app.common.errors import MeshError
+from serve_app.ingress.split import Split, failover_order, pick_variant
+
+VARIANT_HEADER = "x-mesh-variant"
+SESSION_HEADER = "x-session-id"
+#: Metric label value for a name that is not in the config (labels never come from clients).
+UNKNOWN = "unknown"
+
+
+class Availability(Protocol):
+    """What the planner asks of the availability view (:mod:`serve_app.ingress.availability`)."""
+
+    adapters: dict[str, set[str]]
+
+    def serves(self, application: str, adapter: str) -> bool: ...
+
+    def prefer_available(self, candidates: list[str]) -> list[str]: ...
+
+    async def refresh(self, max_age_s: float = 0.0) -> None: ...
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Everything the router needs to serve one request.
+
+    Attributes:
+        endpoint: ``"chat"`` or ``"completion"``.
+        body: the OpenAI request body, as the replica gets it.
+        route: the route (``model`` before the ``:``).
+        adapter: the adapter name after the ``:``; "" for the base model.
+        version: the adapter version an adapter split chose (``name@vN``), else None (the
+            variant uses its default version).
+        candidates: variant applications to try, in order.
+        arms: ``(split key, arm)`` pairs the request goes through, for rollouts; an empty
+            arm stands for the variant that will serve.
+        tenant: the caller (None in open mode).
+        priority: the tenant's priority (lower is served first).
+        top_priority: it is the best priority configured (may use reserved slots).
+        stream: the client asked for SSE.
+        queue_timeout_s: the route's admission timeout, s.
+    """
+
+    endpoint: str
+    body: dict[str, Any]
+    route: str
+    adapter: str
+    version: str | None
+    candidates: tuple[str, ...]
+    arms: tuple[tuple[str, str], ...]
+    tenant: Tenant | None
+    priority: int
+    top_priority: bool
+    stream: bool
+    queue_timeout_s: float
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """Metric labels (route, tenant, adapter; the variant is added when one answers)."""
+        return {"route": self.route, "variant": "", "tenant": self.tenant.id if self.tenant
+                else "", "adapter": self.adapter}
+
+
+def caller_identity(session_id: str | None, body: dict[str, Any], tenant: Tenant | None
+                    ) -> str | None:
+    """The identity that keeps a caller on one variant, most specific first:
+    ``x-session-id`` header, then the OpenAI ``user`` field, then the tenant id."""
+    user = body.get("user")
+    return (session_id or (user if isinstance(user, str) and user else None)
+            or (tenant.id if tenant else None))
+
+
+class RequestPlanner:
+    """Plans requests for one router config.
+
+    Args:
+        config: the router's ``user_config``.
+        splits: its splits (:func:`serve_app.ingress.split.splits_of`).
+        weighted: split key -> ``(arm, weight)`` in force (a rollout may own the weights).
+        availability: which variants run, and which adapters they serve.
+    """
+
+    def __init__(self, config: RouterConfig, splits: dict[str, Split],
+                 weighted: Callable[[str], list[tuple[str, int]]],
+                 availability: Availability) -> None:
+        self.config = config
+        self.splits = splits
+        self.weighted = weighted
+        self.availability = availability
+        self.top_priority = config.top_priority()
+        self.owned_adapters = {a for t in config.tenants for a in t.adapters}
+
+    def model_ids(self, tenant: Tenant | None) -> list[str]:
+        """The ``model`` names the caller may use (``GET /v1/models``): its routes, and
+        ``route:adapter`` for its adapters that a variant of the route serves now."""
+        ids = []
+        for route, rc in self.config.routes.items():
+            if tenant is not None and not tenant.may_call(route):
+                continue
+            ids.append(route)
+            served = {adapter_name(key) for v in rc.variants
+                      for key in self.availability.adapters.get(v.application, ())}
+            ids += [f"{route}:{a}" for a in sorted(served)
+                    if tenant is None or a in tenant.adapters]
+        return ids
+
+    def labels(self, tenant: Tenant | None, body: Any) -> dict[str, str]:
+        """Metric labels for a request refused before it was planned: every value comes from
+        the config, anything else folds into :data:`UNKNOWN` (clients cannot grow series)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        route, _, adapter = model.partition(":") if isinstance(model, str) else ("", "", "")
+        if route and route not in self.config.routes:
+            route, adapter = UNKNOWN, ""
+        if adapter and not self._known_adapter(adapter):
+            adapter = UNKNOWN
+        return {"route": route, "variant": "", "tenant": tenant.id if tenant else "",
+                "adapter": adapter}
+
+    def _known_adapter(self, adapter: str) -> bool:
+        return adapter in self.owned_adapters or any(
+            self.availability.serves(v, adapter) for v in self.availability.adapters)
+
+    async def plan(self, endpoint: str, body: dict[str, Any], tenant: Tenant | None, *,
+                   session_id: str | None = None, pinned: str | None = None) -> RequestPlan:
+        """Plan one request.
+
+        Args:
+            endpoint: ``"chat"`` or ``"completion"``.
+            body: the parsed JSON body.
+            tenant: the authenticated caller (None in open mode).
+            session_id: the ``x-session-id`` header, if any.
+            pinned: the ``x-mesh-variant`` header, if any.
+
+        Raises:
+            MeshError: 400, 403 or 404, with the field at fault and how to fix it.
+        """
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise MeshError(400, "you must provide a model parameter (a route name, e.g. "
+                            f"{next(iter(self.config.routes))!r}, or route:adapter; see "
+                            "GET /v1/models)", param="model")
+        route, _, adapter = model.partition(":")
+        if route not in self.config.routes or "@" in adapter:
+            raise MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for "
+                            "the models you can use.", param="model", code="model_not_found")
+        if tenant and not tenant.may_call(route):
+            raise MeshError(403, f"tenant {tenant.id!r} may not call model {route!r}",
+                            param="model", code="model_not_allowed")
+        priority = tenant.priority if tenant else 0
+        if "priority" in body and body["priority"] != priority:
+            raise MeshError(400, "the request field `priority` is set by the mesh from your "
+                            f"tenant's config (yours is {priority}); remove it from the "
+                            "request", param="priority", code="priority_not_allowed")
+        identity = caller_identity(session_id, body, tenant)
+
+        weighted = self.weighted(route)
+        version = None
+        if adapter:
+            self._check_owner(adapter, tenant)
+            version = await self._pick_version(route, adapter, identity)
+            weighted = await self._serving(weighted, model, version or adapter)
+        if pinned:
+            if tenant is None or not tenant.admin:
+                raise MeshError(403, f"the {VARIANT_HEADER} request header (pinning a variant) "
+                                "is for admin callers only", code="pinning_not_allowed")
+            if pinned not in dict(weighted):
+                raise MeshError(400, f"variant {pinned!r} is not a variant of route {model!r} "
+                                f"(variants: {', '.join(dict(weighted))})",
+                                code="unknown_variant")
+            candidates = [pinned]
+        else:
+            first = pick_variant(weighted, self.splits[route].salt, identity)
+            candidates = self.availability.prefer_available(failover_order(weighted, first))
+        # Rollouts judge only traffic the split chose (not pinned requests).
+        arms = [] if pinned else [(route, "")]
+        if version:
+            arms.append((f"{route}:{adapter}", version))
+        return RequestPlan(
+            endpoint=endpoint, body=body, route=route, adapter=adapter, version=version,
+            candidates=tuple(candidates), arms=tuple(arms), tenant=tenant, priority=priority,
+            top_priority=priority <= self.top_priority, stream=bool(body.get("stream")),
+            queue_timeout_s=self.config.routes[route].admission.queue_timeout_s)
+
+    def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
+        """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and
+        the caller does not own it)."""
+        if tenant is not None and adapter not in tenant.adapters and self._known_adapter(adapter):
+            raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
+                            param="model", code="adapter_not_allowed")
+
+    async def _pick_version(self, route: str, adapter: str, identity: str | None) -> str | None:
+        """The version ``name@vN`` an adapter split gives this caller (sticky); if no variant
+        of the route serves that version (yet), the next one that is served, in failover
+        order. None when the adapter has no split or no version is served (the variant then
+        uses its default version)."""
+        key = f"{route}:{adapter}"
+        if key not in self.splits:
+            return None
+        variants = [a for a, _ in self.splits[route].weighted]
+
+        def served(version: str) -> bool:
+            return any(self.availability.serves(a, version) for a in variants)
+
+        weighted = self.weighted(key)
+        chosen = pick_variant(weighted, self.splits[key].salt, identity)
+        if not served(chosen):  # a deploy may have just added it: look again first
+            await self.availability.refresh()
+        return next((v for v in failover_order(weighted, chosen) if served(v)), None)
+
+    async def _serving(self, weighted: list[tuple[str, int]], model: str, adapter: str
+                       ) -> list[tuple[str, int]]:
+        """The route's variants that serve ``adapter`` (a name, or a version ``name@vN``).
+
+        Raises:
+            MeshError: 404 no variant serves it.
+        """
+        def serving() -> list[tuple[str, int]]:
+            return [(v, w) for v, w in weighted if self.availability.serves(v, adapter)]
+
+        found = serving()
+        if not found:  # a deploy may have just added it: look again before saying 404
+            await self.availability.refresh()
+            found = serving()
+        if not found:
+            raise MeshError(404, f"The model {model!r} does not exist: no variant of the route "
+                            f"serves adapter {adapter!r}. See GET /v1/models.", param="model",
+                            code="model_not_found")
+        if sum(w for _, w in found) == 0:  # only weight-0 variants have it: split evenly
+            found = [(v, 1) for v, _ in found]
+        return found

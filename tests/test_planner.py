@@ -1,0 +1,155 @@
+"""Unit tests of the request planner (no Ray, no HTTP): model names, tenancy, adapter versions,
+pinning, sticky candidates and failover order, priority, metric labels from config only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.common.config import RouterConfig
+from serve_app.common.errors import MeshError
+from serve_app.ingress.planner import UNKNOWN, RequestPlanner
+from serve_app.ingress.split import pick_variant, splits_of
+
+
+
+def tenant(id_, n, **kw):
+    return {"id": id_, "api_keys_sha256": [f"{n:064x}"], **kw}
+
+
+CONFIG = RouterConfig.model_validate({
+    "routes": {
+        "smollm": {
+            "variants": [{"application": "v1", "weight": 90}, {"application": "v2",
+                                                                "weight": 10}],
+            "adapters": {"acme": {"versions": [{"version": 1, "weight": 50},
+                                               {"version": 2, "weight": 50}]}},
+            "admission": {"queue_timeout_s": 7},
+        },
+        "other": {"variants": [{"application": "o1", "weight": 1}]},
+    },
+    "tenants": [tenant("ops", 1, admin=True), tenant("acme", 2, adapters=["acme"]),
+                tenant("globex", 3, adapters=["globex"], routes=["smollm"]),
+                tenant("batch", 4, priority=10)],
+})
+TENANTS = {t.id: t for t in CONFIG.tenants}
+
+
+class FakeAvailability:
+    def __init__(self, adapters: dict[str, set[str]], down: set[str] = frozenset()) -> None:
+        self.adapters = adapters
+        self.down = down
+        self.refreshes = 0
+
+    def serves(self, application, adapter):
+        versions = self.adapters.get(application, ())
+        return adapter in versions if "@" in adapter else any(
+            v.partition("@")[0] == adapter for v in versions)
+
+    def prefer_available(self, candidates):
+        return [c for c in candidates if c not in self.down] + [c for c in candidates
+                                                                 if c in self.down]
+
+    async def refresh(self, max_age_s=0.0):
+        self.refreshes += 1
+
+
+def planner(adapters=None, down=frozenset()):
+    splits = splits_of(CONFIG)
+    return RequestPlanner(CONFIG, splits, lambda key: splits[key].weighted,
+                          FakeAvailability(adapters if adapters is not None else {
+                              "v1": {"acme@v1", "acme@v2", "globex@v1"},
+                              "v2": {"acme@v1"}}, down))
+
+
+def plan(body, tenant_id="ops", p=None, **kw):
+    return asyncio.run((p or planner()).plan("chat", body, TENANTS.get(tenant_id), **kw))
+
+
+def refused(body, tenant_id="ops", **kw) -> MeshError:
+    with pytest.raises(MeshError) as e:
+        plan(body, tenant_id, **kw)
+    return e.value
+
+
+def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
+    p = plan({"model": "smollm", "stream": True}, session_id="user-7")
+    first = pick_variant([("v1", 90), ("v2", 10)], "smollm", "user-7")
+    assert p.candidates == (first, "v2" if first == "v1" else "v1")
+    assert (p.route, p.adapter, p.version, p.stream) == ("smollm", "", None, True)
+    assert p.arms == (("smollm", ""),)
+    assert p.queue_timeout_s == 7 and p.priority == 0 and p.top_priority
+    assert p.tags == {"route": "smollm", "variant": "", "tenant": "ops", "adapter": ""}
+    # The `user` field is the identity when there is no session header.
+    assert plan({"model": "smollm", "user": "user-7"}).candidates == p.candidates
+
+
+def test_unavailable_variants_go_last():
+    p = plan({"model": "smollm"}, p=planner(down={"v1"}), session_id="x")
+    assert p.candidates[-1] == "v1"
+
+
+def test_model_names():
+    assert refused({"model": 7}).status == 400
+    assert refused({}).param == "model"
+    for model in ("gpt-9", "smollm:acme@v1"):
+        e = refused({"model": model})
+        assert (e.status, e.code) == (404, "model_not_found")
+
+
+def test_tenancy_routes_adapters_and_pinning():
+    assert refused({"model": "other"}, "globex").code == "model_not_allowed"
+    assert refused({"model": "smollm:globex"}, "acme").code == "adapter_not_allowed"
+    assert refused({"model": "smollm:nope"}, "acme").status == 404
+    assert refused({"model": "smollm"}, "acme", pinned="v2").code == "pinning_not_allowed"
+    assert refused({"model": "smollm"}, "ops", pinned="o1").code == "unknown_variant"
+    pinned = plan({"model": "smollm"}, "ops", pinned="v2")
+    assert pinned.candidates == ("v2",) and pinned.arms == ()  # not judged by a rollout
+
+
+def test_adapter_versions_and_the_variants_that_serve_them():
+    p = plan({"model": "smollm:acme"}, "acme", session_id="s1")
+    expected = pick_variant([("acme@v1", 50), ("acme@v2", 50)], "smollm:acme", "s1")
+    assert p.version == expected
+    assert p.arms == (("smollm", ""), ("smollm:acme", expected))
+    # acme@v2 is only on v1; acme@v1 is on both.
+    assert set(p.candidates) == ({"v1"} if expected == "acme@v2" else {"v1", "v2"})
+    # A version no variant serves falls back to one that is served, after a refresh.
+    p2 = planner({"v1": {"acme@v1"}})
+    assert plan({"model": "smollm:acme"}, "acme", p=p2, session_id="s1").version == "acme@v1"
+
+
+def test_unknown_adapter_is_refreshed_once_before_404():
+    p = planner({"v1": set()})
+    with pytest.raises(MeshError):
+        plan({"model": "smollm:globex"}, "globex", p=p)
+    assert p.availability.refreshes == 1
+
+
+def test_priority_is_the_tenants():
+    batch = plan({"model": "smollm"}, "batch")
+    assert batch.priority == 10 and not batch.top_priority
+    assert plan({"model": "smollm", "priority": 10}, "batch").priority == 10
+    e = refused({"model": "smollm", "priority": 0}, "batch")
+    assert (e.status, e.param) == (400, "priority")
+
+
+def test_labels_come_from_the_config_only():
+    p = planner()
+    acme = TENANTS["acme"]
+    assert p.labels(acme, {"model": "smollm:acme"})["adapter"] == "acme"
+    for i in range(20):  # made-up names fold into one value each
+        labels = p.labels(acme, {"model": f"smollm:junk-{i}"})
+        assert labels == {"route": "smollm", "variant": "", "tenant": "acme",
+                          "adapter": UNKNOWN}
+        assert p.labels(None, {"model": f"nope-{i}:x"})["route"] == UNKNOWN
+    assert p.labels(None, "not a dict") == {"route": "", "variant": "", "tenant": "",
+                                            "adapter": ""}
+
+
+def test_model_ids_per_tenant():
+    p = planner()
+    assert p.model_ids(TENANTS["acme"]) == ["smollm", "smollm:acme", "other"]
+    assert p.model_ids(TENANTS["globex"]) == ["smollm", "smollm:globex"]
+    assert p.model_ids(None) == ["smollm", "smollm:acme", "smollm:globex", "other"]
