@@ -1,14 +1,24 @@
 #!/usr/bin/env python
 """Benchmark the mesh against vLLM's own OpenAI server on the same model, side by side.
 
-Runs the same streaming chat load (``serve_app.loadgen``) against
-  (a) the mesh (must be running: ./scripts/demo.sh), and
-  (b) ``python -m vllm.entrypoints.openai.api_server`` started here with the same model and
-      engine args as the variant in the Serve config (read from --config),
-one after the other for each concurrency, and prints tokens/s, TTFT p50/p95, latency p50/p95,
-errors, and the mesh/direct ratios. The mesh's engine idles while the direct one runs.
+Runs the same streaming chat load (``serve_app.tools.loadgen``) against
+  (a) the mesh (must be running: ./scripts/demo.sh [CONFIG]), and
+  (b) ``python -m vllm.entrypoints.openai.api_server`` started here with the same model,
+      engine args and LoRA adapters as the variant in the Serve config (--config),
+one after the other for each workload and concurrency, and prints tokens/s, TTFT p50/p95,
+latency p50/p95, errors, and the mesh/direct ratios. The mesh's engine idles while the
+direct one runs.
 
-Usage: python scripts/bench.py [--concurrency 1 8] [--requests 32] [--max-tokens 64]
+Workloads:
+  base  every request asks for the base model (the route).
+  mix   (--mix) a multi-tenant adapter mix: requests cycle over the tenants' adapters and the
+        base model, each with its tenant's key (`route:adapter` on the mesh; the adapter's name
+        on vLLM's server, loaded there with --lora-modules). Needs a config whose variant
+        declares adapters, e.g. serve_configs/tenants.yaml.
+
+Usage:
+  python scripts/bench.py [--config serve_configs/local.yaml] [--concurrency 1 8 32]
+                          [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -26,10 +37,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.common.config import VariantArgs  # noqa: E402
+from serve_app.common.adapters import load_manifest, resolve_uri  # noqa: E402
+from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
+from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
-from serve_app.common.paths import resolve_model_path  # noqa: E402
-from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
+
+#: Demo keys of serve_configs/tenants.yaml: the adapter each tenant owns ("" = base model).
+DEMO_MIX = "acme-support=sk-acme-demo,globex-report=sk-globex-demo,=sk-mesh-ops-demo"
 
 
 def free_port() -> int:
@@ -53,17 +68,36 @@ def vllm_flags(engine_args: dict) -> list[str]:
     return flags
 
 
-def start_direct(config_path: str, variant: str | None) -> tuple[subprocess.Popen, str, str]:
+def variant_adapters(app: dict) -> dict[str, Path]:
+    """The adapters the variant declares (first version of each name): name -> directory."""
+    dep = deployment(app, REPLICA_DEPLOYMENT) or {}
+    replica = ReplicaConfig.model_validate(dep.get("user_config") or {})
+    if not replica.adapters:
+        return {}
+    registry = load_manifest(resolve_repo_path(replica.adapters_manifest)
+                             if replica.adapters_manifest else None)
+    out: dict[str, Path] = {}
+    for ref in replica.adapters:
+        out.setdefault(ref.name, resolve_uri(registry[ref.key].uri))
+    return out
+
+
+def start_direct(config_path: str, variant: str | None):
+    """Start vLLM's own server like the variant; returns (process, base url, served name,
+    adapters served)."""
     parts = mesh_parts(load_yaml(config_path))
     name = variant or next(iter(parts.variant_apps))
     app = parts.variant_apps[name]
     args = VariantArgs.model_validate(app.get("args") or {})
+    adapters = variant_adapters(app)
     env = {**os.environ, **(app.get("runtime_env", {}).get("env_vars") or {})}
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", resolve_model_path(args.model), "--served-model-name",
            args.served_model_name, "--host", "127.0.0.1", "--port", str(port),
            *vllm_flags(args.engine_args)]
+    if adapters:
+        cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     print(f"[bench] starting vLLM's own server (same args as {name}): {' '.join(cmd[2:])}",
           flush=True)
     log = open("/tmp/bench-vllm-direct.log", "w")
@@ -82,20 +116,36 @@ def start_direct(config_path: str, variant: str | None) -> tuple[subprocess.Pope
             proc.kill()
             sys.exit("[bench] vLLM server did not become healthy in 300 s")
         time.sleep(2)
-    return proc, f"{url}/v1", args.served_model_name
+    return proc, f"{url}/v1", args.served_model_name, set(adapters)
 
 
-def measure(label: str, base_url: str, model: str, concurrency: int, a) -> dict:
-    spec = LoadSpec(base_url=base_url, model=model, requests=a.requests,
-                    concurrency=concurrency, max_tokens=a.max_tokens)
-    asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": concurrency})))  # warm-up
+def measure(label: str, spec: LoadSpec) -> dict:
+    asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": spec.concurrency})))  # warm
     t0 = time.monotonic()
     results = asyncio.run(run_load(spec))
     s = summarize(results, time.monotonic() - t0)
-    print(f"[bench] {label:6s} c={concurrency}: {s['tokens_per_s']:.1f} tok/s, "
+    print(f"[bench] {label:12s} c={spec.concurrency}: {s['tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, latency p50 {s['latency_p50_ms']:.0f} ms, "
           f"errors {s['errors']}", flush=True)
     return s
+
+
+def parse_mix(text: str, route: str, served: set[str]) -> list[tuple[str, str, str]]:
+    """``adapter=key,...`` -> (mesh model, direct model, key) per entry ("" = base)."""
+    out = []
+    for item in text.split(","):
+        adapter, _, key = item.partition("=")
+        if adapter and adapter not in served:
+            sys.exit(f"[bench] --mix names {adapter!r}, which the variant does not declare "
+                     f"(it declares: {', '.join(sorted(served)) or 'none'})")
+        out.append((f"{route}:{adapter}" if adapter else route, adapter or route, key))
+    return out
+
+
+def ratios(mesh: dict, direct: dict) -> dict:
+    return {k: mesh[k] / direct[k] if direct[k] else float("nan")
+            for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "latency_p50_ms",
+                      "latency_p95_ms")}
 
 
 def main() -> None:
@@ -103,42 +153,73 @@ def main() -> None:
     parser.add_argument("--mesh-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--config", default="serve_configs/local.yaml")
     parser.add_argument("--variant", help="variant application to mirror (default: first)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--api-key", default="sk-mesh-ops-demo",
+                        help="key for the base workload (ignored by a mesh in open mode)")
+    parser.add_argument("--mix", nargs="?", const=DEMO_MIX, metavar="ADAPTER=KEY,...",
+                        help=f"also run the adapter mix (default: {DEMO_MIX})")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     a = parser.parse_args()
 
     try:
-        httpx.get(a.mesh_url + "/models", timeout=5).raise_for_status()
+        httpx.get(a.mesh_url + "/models", timeout=5,
+                  headers={"authorization": f"Bearer {a.api_key}"}).raise_for_status()
     except httpx.HTTPError as e:
         sys.exit(f"[bench] the mesh is not answering at {a.mesh_url} ({e}); "
                  "start it with ./scripts/demo.sh")
 
-    proc, direct_url, model = start_direct(a.config, a.variant)
+    proc, direct_url, route, served = start_direct(a.config, a.variant)
+    workloads = {"base": [(route, route, a.api_key)]}
+    if a.mix:
+        workloads["mix"] = parse_mix(a.mix, route, served)
     rows = []
     try:
-        for c in a.concurrency:
-            direct = measure("direct", direct_url, model, c, a)
-            mesh = measure("mesh", a.mesh_url, model, c, a)
-            rows.append((c, mesh, direct))
+        for workload, entries in workloads.items():
+            for c in a.concurrency:
+                common = dict(requests=a.requests, concurrency=c, max_tokens=a.max_tokens)
+                direct = measure(f"direct {workload}", LoadSpec(
+                    base_url=direct_url, model=route, mix=tuple((d, "none") for _, d, _ in
+                                                               entries), **common))
+                mesh = measure(f"mesh {workload}", LoadSpec(
+                    base_url=a.mesh_url, model=route, mix=tuple((m, k) for m, _, k in entries),
+                    **common))
+                rows.append({"workload": workload, "concurrency": c, "mesh": mesh,
+                             "direct": direct, "ratio": ratios(mesh, direct)})
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
-    print(f"\nstreaming chat, {a.requests} requests, max_tokens {a.max_tokens} (ignore_eos)")
-    head = (f"{'conc':>4} {'target':>6} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} "
-            f"{'lat p50':>8} {'lat p95':>8} {'errors':>6}")
-    print(head)
-    for c, mesh, direct in rows:
-        for label, s in (("mesh", mesh), ("direct", direct)):
-            print(f"{c:>4} {label:>6} {s['tokens_per_s']:>7.1f} {s['ttft_p50_ms']:>7.0f}ms "
+    print(f"\nstreaming chat, {a.requests} requests per row, max_tokens {a.max_tokens} "
+          f"(ignore_eos), config {a.config}")
+    print(f"{'workload':>8} {'conc':>4} {'target':>6} {'tok/s':>7} {'TTFT p50':>9} "
+          f"{'TTFT p95':>9} {'lat p50':>8} {'lat p95':>8} {'errors':>6}")
+    for r in rows:
+        for label in ("mesh", "direct"):
+            s = r[label]
+            print(f"{r['workload']:>8} {r['concurrency']:>4} {label:>6} "
+                  f"{s['tokens_per_s']:>7.1f} {s['ttft_p50_ms']:>7.0f}ms "
                   f"{s['ttft_p95_ms']:>7.0f}ms {s['latency_p50_ms']:>6.0f}ms "
                   f"{s['latency_p95_ms']:>6.0f}ms {s['errors']:>6}")
-        print(f"{c:>4} {'ratio':>6} {mesh['tokens_per_s'] / direct['tokens_per_s']:>7.2f} "
-              f"{mesh['ttft_p50_ms'] / direct['ttft_p50_ms']:>9.2f} "
-              f"{mesh['ttft_p95_ms'] / direct['ttft_p95_ms']:>9.2f} "
-              f"{mesh['latency_p50_ms'] / direct['latency_p50_ms']:>8.2f} "
-              f"{mesh['latency_p95_ms'] / direct['latency_p95_ms']:>8.2f}")
+        q = r["ratio"]
+        print(f"{r['workload']:>8} {r['concurrency']:>4} {'ratio':>6} {q['tokens_per_s']:>7.2f} "
+              f"{q['ttft_p50_ms']:>9.2f} {q['ttft_p95_ms']:>9.2f} {q['latency_p50_ms']:>8.2f} "
+              f"{q['latency_p95_ms']:>8.2f}   TTFT p50 overhead "
+              f"{r['mesh']['ttft_p50_ms'] - r['direct']['ttft_p50_ms']:+.0f} ms")
+    if "mix" in workloads:
+        base = {r["concurrency"]: r for r in rows if r["workload"] == "base"}
+        for r in (r for r in rows if r["workload"] == "mix"):
+            b = base[r["concurrency"]]
+            print(f"mix/base tok/s at c={r['concurrency']}: mesh "
+                  f"{r['mesh']['tokens_per_s'] / b['mesh']['tokens_per_s']:.2f}, direct "
+                  f"{r['direct']['tokens_per_s'] / b['direct']['tokens_per_s']:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "host": f"{platform.node()} "
+            f"({os.cpu_count()} CPUs)", "config": a.config, "requests": a.requests,
+            "max_tokens": a.max_tokens, "rows": rows}, indent=2))
+        print(f"[bench] figures written to {a.json}")
 
 
 if __name__ == "__main__":

@@ -56,17 +56,21 @@ class LoadSpec:
     # new caller for the sticky split (without it, callers of one tenant share a variant).
     user_prefix: str | None = None
     timeout_s: float = 180  # per request
+    # If set: request i asks for mix[i % len(mix)] = (model, api_key) instead of model and
+    # api_key: a multi-tenant mix (e.g. two tenants' adapters and the base model).
+    mix: tuple[tuple[str, str], ...] = ()
 
 
-async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | None = None
-                     ) -> RequestResult:
-    """Send one streaming chat request and account for it; never raises."""
+async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | None = None,
+                     model: str | None = None) -> RequestResult:
+    """Send one streaming chat request (``model``, default ``spec.model``) and account for
+    it; never raises."""
     t0 = time.monotonic()
     res = RequestResult(ok=False, status=0, started_at=t0)
     pieces: list[str] = []
     try:
         raw = await client.chat.completions.with_raw_response.create(
-            model=spec.model, messages=[{"role": "user", "content": spec.prompt}],
+            model=model or spec.model, messages=[{"role": "user", "content": spec.prompt}],
             max_tokens=spec.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             extra_headers=spec.headers, **({"user": user} if user else {}))
@@ -98,8 +102,9 @@ async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
     Stops starting new requests after ``spec.requests`` (or ``spec.duration_s``), or once
     ``stop`` is set; requests in flight always finish. ``results``, if given, is filled in
     place (so another thread can watch progress)."""
-    client = openai.AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0,
-                                timeout=spec.timeout_s)
+    mix = spec.mix or ((spec.model, spec.api_key),)
+    clients = {key: openai.AsyncOpenAI(base_url=spec.base_url, api_key=key, max_retries=0,
+                                       timeout=spec.timeout_s) for _, key in mix}
     results = [] if results is None else results
     deadline = time.monotonic() + spec.duration_s if spec.duration_s else None
     counter = iter(range(10**9))
@@ -114,12 +119,14 @@ async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
             if stop is not None and stop.is_set():
                 return
             user = f"{spec.user_prefix}{i}" if spec.user_prefix is not None else None
-            results.append(await stream_one(client, spec, user=user))
+            model, key = mix[i % len(mix)]
+            results.append(await stream_one(clients[key], spec, user=user, model=model))
 
     try:
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
     finally:
-        await client.close()
+        for client in clients.values():
+            await client.close()
     return results
 
 
