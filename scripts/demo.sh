@@ -13,6 +13,8 @@ CONFIG=${1:-serve_configs/local.yaml}
 source .venv/bin/activate
 # A loopback-only local cluster; clusters reachable from a network keep Ray's token auth.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# Ray Serve's throughput settings (serve_app/common/serve_env.py), read by `ray start`.
+eval "$(python -m serve_app.common.serve_env)"
 
 if ray status >/dev/null 2>&1; then
   say "Ray is already running"

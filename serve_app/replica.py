@@ -28,6 +28,7 @@ from serve_app.common.config import (ReplicaConfig, VariantArgs, format_validati
                               reject_user_config)
 from serve_app.server.engine import EngineHandle, engine_config, start_engine
 from serve_app.common.errors import MeshError, error_body
+from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import AdapterSet
 from serve_app.common.paths import resolve_repo_path
 from serve_app.release.validate import SURGE_PERCENT
@@ -208,10 +209,16 @@ class LLMReplica:
 
         structured = wants_structured_output(body)
 
-        def classify(exc: BaseException) -> Verdict:
-            return replica_verdict(exc, variant=self.variant,
-                                   engine_is_dead=self.handle.engine.errored,
-                                   structured_output=structured)
+        def classify(exc: BaseException | None, code: int = 500, message: str = "") -> Verdict:
+            """An exception's verdict; with ``exc`` None, an error vLLM reported with
+            ``code`` and ``message`` (an ``ErrorResponse`` or an in-band event)."""
+            facts = dict(variant=self.variant, engine_is_dead=self.handle.engine.errored,
+                         structured_output=structured)
+            if exc is not None:
+                return replica_verdict(exc, **facts)
+            if 400 <= code < 500:
+                return Verdict(Failure.REQUEST, code, message)
+            return stream_error_verdict(code, message, **facts)
 
         protocol = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         if endpoint == "chat":
@@ -231,43 +238,48 @@ class LLMReplica:
             return
         if isinstance(result, ErrorResponse):  # vLLM's own verdict (4xx, or a 5xx)
             err = result.error
-            verdict = (Verdict(Failure.REQUEST, err.code, err.message, param=err.param)
-                       if 400 <= err.code < 500 else
-                       stream_error_verdict(err.code, err.message, variant=self.variant,
-                                            engine_is_dead=self.handle.engine.errored,
-                                            structured_output=structured))
-            yield self._verdict_head(verdict)
+            verdict = classify(None, code=err.code, message=err.message)
+            yield self._verdict_head(replace(verdict, param=err.param)
+                                     if verdict.failure is Failure.REQUEST else verdict)
         elif hasattr(result, "model_dump_json"):
             u = result.usage
             yield Head(200, result.model_dump_json(),
                        usage=Usage(u.prompt_tokens, u.completion_tokens or 0) if u else None)
         else:
             yield Head(200, stream=True)
-            tail = Tail()
-            try:
-                async for line in result:
-                    if line.startswith(IN_BAND_ERROR):
-                        error = json.loads(line[len("data: "):])["error"]
-                        verdict = stream_error_verdict(
-                            int(error.get("code") or 500), str(error.get("message")),
-                            variant=self.variant, engine_is_dead=self.handle.engine.errored,
-                            structured_output=structured)
-                        tail = replace(tail, failure=verdict.failure, message=verdict.message)
-                    elif _is_usage_chunk(line):
-                        u = json.loads(line[len("data: "):])["usage"]
-                        tail = replace(tail, usage=Usage(u["prompt_tokens"],
-                                                         u.get("completion_tokens") or 0))
-                        if not client_wants_usage:
-                            continue
-                    yield line
-            except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
-                verdict = classify(e)
-                tail = replace(tail, failure=verdict.failure, message=verdict.message)
-                yield f"data: {_json(verdict.body())}\n\n{SSE_DONE}"
-            if tail.failure is not None and tail.failure is not Failure.REQUEST:
-                logger.warning("variant %s: stream ended with an in-band error (%s): %s",
-                               self.variant, tail.failure.value, tail.message[:500])
-            yield tail
+            interval_s = (self.config.stream_batching_interval_ms if self.config else 0) / 1000
+            async for item in coalesce(self._stream(result, client_wants_usage, classify),
+                                       interval_s):
+                yield item
+
+    async def _stream(self, lines: AsyncIterator[str], client_wants_usage: bool, classify
+                      ) -> AsyncIterator[str | Tail]:
+        """vLLM's SSE lines as the client gets them, then the :class:`Tail`: usage taken
+        from vLLM's usage chunk (passed on only if the client asked for it), and the kind of
+        an in-band error event vLLM ended the stream with."""
+        tail = Tail()
+        try:
+            async for line in lines:
+                if line.startswith(IN_BAND_ERROR):
+                    error = json.loads(line[len("data: "):])["error"]
+                    verdict = classify(None, code=int(error.get("code") or 500),
+                                       message=str(error.get("message")))
+                    tail = replace(tail, failure=verdict.failure, message=verdict.message)
+                elif _is_usage_chunk(line):
+                    u = json.loads(line[len("data: "):])["usage"]
+                    tail = replace(tail, usage=Usage(u["prompt_tokens"],
+                                                     u.get("completion_tokens") or 0))
+                    if not client_wants_usage:
+                        continue
+                yield line
+        except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
+            verdict = classify(e)
+            tail = replace(tail, failure=verdict.failure, message=verdict.message)
+            yield f"data: {_json(verdict.body())}\n\n{SSE_DONE}"
+        if tail.failure is not None and tail.failure is not Failure.REQUEST:
+            logger.warning("variant %s: stream ended with an in-band error (%s): %s",
+                           self.variant, tail.failure.value, tail.message[:500])
+        yield tail
 
     def _with_system_prompt(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = body.get("messages")

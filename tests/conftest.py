@@ -20,6 +20,7 @@ import yaml
 
 from serve_app.release.deploy import deploy, replica_ids, serve_status
 from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_env import SERVE_ENV
 from serve_app.common.serve_configs import load_yaml
 
 CONFIGS = REPO_ROOT / "serve_configs"
@@ -92,6 +93,7 @@ def mesh(tmp_path_factory) -> Mesh:
     # Loopback-only test cluster: no token auth, so the serve CLI and the REST status calls
     # need no token (production clusters keep Ray's token auth; see README).
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(SERVE_ENV)  # the cluster runs with the mesh's Serve settings
     dash_port, http_port, metrics_port = free_port(), free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=dash_port, configure_logging=False, log_to_driver=False,

@@ -30,7 +30,7 @@ async def settle() -> None:
 
 def test_unknown_capacity_admits_and_zero_capacity_is_unavailable():
     async def main():
-        q = VariantAdmission("v")
+        q = VariantAdmission("v", headroom=0)
         slots = [await q.acquire(0, True) for _ in range(50)]  # not learned yet: no bound
         assert q.in_flight == 50
         for s in slots:
@@ -44,7 +44,7 @@ def test_unknown_capacity_admits_and_zero_capacity_is_unavailable():
 
 def test_queued_requests_start_in_priority_order_then_fifo():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=30)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=30)
         q.set_capacity(1)
         running = await q.acquire(5, False)
         order = []
@@ -66,7 +66,7 @@ def test_queued_requests_start_in_priority_order_then_fifo():
 
 def test_reserved_slots_are_for_the_best_priority_only():
     async def main():
-        q = VariantAdmission("v", reserved_slots=1)
+        q = VariantAdmission("v", headroom=0, reserved_slots=1)
         q.set_capacity(3)
         low = [await q.acquire(5, False), await q.acquire(5, False)]
         # A third low-priority request must wait: the last slot is reserved...
@@ -90,7 +90,7 @@ def test_reserved_slots_are_for_the_best_priority_only():
 
 def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=10, max_queued_per_slot=100)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=10, max_queued_per_slot=100)
         q.set_capacity(2)
         assert q.service_s == PRIOR_SERVICE_S == 2.0
         held = [await q.acquire(0, True) for _ in range(2)]
@@ -111,7 +111,7 @@ def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
 
 def test_max_queued_bounds_the_queue():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=600, max_queued_per_slot=2)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=600, max_queued_per_slot=2)
         q.set_capacity(1)
         held = await q.acquire(0, True)
         queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(2)]
@@ -127,7 +127,7 @@ def test_max_queued_bounds_the_queue():
 
 def test_queue_deadline_rejects_before_anything_is_sent():
     async def main():
-        q = VariantAdmission("v", queue_timeout_s=0.05)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=0.05)
         q.set_capacity(1)
         q.service_s = 0.001  # the estimate says it fits; the deadline still holds
         held = await q.acquire(0, True)
@@ -142,7 +142,7 @@ def test_queue_deadline_rejects_before_anything_is_sent():
 def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", queue_timeout_s=3, clock=clock)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=3, clock=clock)
         q.set_capacity(1)
         q.service_s = 1.0
         held = await q.acquire(0, True)
@@ -165,7 +165,7 @@ def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
 
 def test_client_leaving_while_queued_frees_its_place():
     async def main():
-        q = VariantAdmission("v")
+        q = VariantAdmission("v", headroom=0)
         q.set_capacity(1)
         held = await q.acquire(0, True)
         waiting = asyncio.create_task(q.acquire(0, True))
@@ -183,7 +183,7 @@ def test_client_leaving_while_queued_frees_its_place():
 def test_service_time_is_learned():
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", clock=clock)
+        q = VariantAdmission("v", headroom=0, clock=clock)
         q.set_capacity(4)
         for _ in range(30):
             slot = await q.acquire(0, True)
@@ -196,7 +196,7 @@ def test_service_time_is_learned():
 def test_slower_service_sheds_queued_requests_before_their_deadline():
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", queue_timeout_s=40, clock=clock)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=40, clock=clock)
         q.set_capacity(1)
         q.service_s = 1.0
         held = await q.acquire(0, True)
@@ -214,4 +214,16 @@ def test_slower_service_sheds_queued_requests_before_their_deadline():
         q.release(queued[0].result())
         q.release(await queued[1])
         assert q.in_flight == 0
+    run(main())
+
+
+def test_the_best_priority_gets_headroom_beyond_the_engines_capacity():
+    async def main():
+        q = VariantAdmission("v", reserved_slots=1)  # default headroom: 25 %
+        q.set_capacity(8)
+        assert (q.slots_for(True), q.slots_for(False)) == (10, 7)
+        slots = [await q.acquire(0, True) for _ in range(10)]  # 8 run, 2 wait inside vLLM
+        assert q.in_flight == 10
+        for s in slots:
+            q.release(s)
     run(main())

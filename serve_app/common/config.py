@@ -114,9 +114,14 @@ class ReplicaConfig(_Strict):
         adapters_manifest: the adapter registry file (repo-relative or absolute); default
             ``adapters/manifest.yaml``.
         fault_injection: testing only, see :class:`FaultInjection`.
+        stream_batching_interval_ms: a stream sends its first chunk at once, then at most one
+            message per this many ms with everything that arrived meanwhile (fewer messages
+            across the replica -> router -> proxy hops; 0: one message per chunk), as Ray
+            Serve LLM's ``stream_batching_interval_ms``.
     """
 
     system_prompt: str | None = None
+    stream_batching_interval_ms: int = Field(default=100, ge=0, le=1000)
     adapters: list[AdapterRef] = Field(default_factory=list)
     adapters_manifest: str | None = None
     fault_injection: FaultInjection | None = None

@@ -43,6 +43,10 @@ from dataclasses import dataclass, field
 PRIOR_SERVICE_S = 2.0
 #: Weight of each new sample in the moving average of service time.
 EWMA_ALPHA = 0.2
+#: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
+#: requests wait inside vLLM, so the engine never idles between a request's end and the
+#: router's next dispatch.
+HEADROOM = 0.25
 #: Slots assumed while a variant's capacity is not known.
 UNKNOWN_CAPACITY = 1_000_000
 #: Bounds of the Retry-After a rejection suggests, s.
@@ -91,12 +95,15 @@ class VariantAdmission:
         queue_timeout_s: longest wait for a slot, s.
         reserved_slots: slots only the best priority may take.
         max_queued_per_slot: most requests waiting at once, per slot.
+        headroom: see :data:`HEADROOM`.
         clock: ``time.monotonic`` (tests pass a fake).
     """
 
     def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
-                 max_queued_per_slot: float = 4.0, clock=time.monotonic) -> None:
+                 max_queued_per_slot: float = 4.0, headroom: float = HEADROOM,
+                 clock=time.monotonic) -> None:
         self.variant = variant
+        self.headroom = headroom
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
@@ -122,11 +129,15 @@ class VariantAdmission:
         self._grant()
 
     def slots_for(self, top: bool) -> int:
-        """Slots a request may use: all for the best priority, the rest leave
-        ``reserved_slots`` free (but at least one)."""
+        """Slots a request may use. The best priority may use the engines' capacity plus
+        :data:`HEADROOM` (so a finished request's engine slot is taken at once by one that
+        already waits inside vLLM, in vLLM's priority order); the others leave
+        ``reserved_slots`` of the capacity free (but get at least one)."""
         if self.capacity is None:  # not learned yet: Serve's own bounds apply
             return UNKNOWN_CAPACITY
-        return self.capacity if top else max(1, self.capacity - self.reserved_slots)
+        if top:
+            return self.capacity + math.ceil(self.capacity * self.headroom)
+        return max(1, self.capacity - self.reserved_slots)
 
     @property
     def queued(self) -> int:

@@ -2,17 +2,18 @@
 
 A ``DeploymentHandle`` to a deployment with no running replica does not fail: it queues the
 request until a replica appears (a minute for a vLLM engine). So the router asks the
-controller (``serve.status()``, every ``period_s``) which variants have a RUNNING
-``LLMReplica`` and tries those first; the others stay as last resorts. It also asks each
-running variant (``LLMReplica.serving_info``) which adapter versions (``name@vN``) it serves,
-so ``route:adapter`` requests go only to variants that have the adapter, and how many
-requests its engine runs at once, which sets the variant's admission slots
-(:mod:`serve_app.admission`).
+controller (``serve.status()``, every :data:`STATUS_EVERY` x ``period_s``) which variants
+have a RUNNING ``LLMReplica`` and tries those first; the others stay as last resorts. It
+also asks each running variant (``LLMReplica.serving_info``, every ``period_s``) which
+adapter versions it serves, so ``route:adapter`` requests go only to variants that have the
+adapter, and how many requests its engine runs at once, which sets the variant's admission
+slots (:mod:`serve_app.ingress.admission`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -24,6 +25,12 @@ from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.wire import ReplicaInfo
 
 logger = logging.getLogger("ray.serve")
+
+#: The poll asks the Serve controller for replica counts every this many periods; in between
+#: it only asks the running variants what they serve. A variant that dies in between is
+#: caught by its failures (failover) and by the refresh the router makes when no candidate
+#: has a slot.
+STATUS_EVERY = 5
 
 
 class VariantAvailability:
@@ -44,23 +51,31 @@ class VariantAvailability:
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
-    async def refresh(self, max_age_s: float = 0.0) -> None:
+    async def refresh(self, max_age_s: float = 0.0, *, status: bool = True) -> None:
         """Take a new view now, unless the last one is younger than ``max_age_s`` (request
-        paths pass one, so many requests to a missing variant cost one status call)."""
+        paths pass one, so many requests to a missing variant cost one status call).
+
+        Args:
+            status: also ask the Serve controller for the replica counts; without it only
+                the running variants are asked what they serve (cheap: ``serve.status()``
+                costs the router ~50 ms of CPU, so the poll asks for it every
+                :data:`STATUS_EVERY` periods).
+        """
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
-        self._refreshed_at = time.monotonic()
-        try:
-            status = await asyncio.to_thread(serve.status)
-        except Exception as e:  # keep the last view; the controller may be restarting
-            logger.warning("could not read Serve status: %s", e)
-            return
-        running = {name: self._running_replicas(name, app)
-                   for name, app in status.applications.items()}
-        if running != self._running:
-            logger.info("variant availability (running replicas): %s", running)
-        self._running = running
-        up = [app for app, n in running.items() if n > 0]
+        if status or self._running is None:
+            self._refreshed_at = time.monotonic()
+            try:
+                serve_status = await asyncio.to_thread(serve.status)
+            except Exception as e:  # keep the last view; the controller may be restarting
+                logger.warning("could not read Serve status: %s", e)
+                return
+            running = {name: self._running_replicas(name, app)
+                       for name, app in serve_status.applications.items()}
+            if running != self._running:
+                logger.info("variant availability (running replicas): %s", running)
+            self._running = running
+        up = [app for app, n in self._running.items() if n > 0]
         # A call to a replica that just died queues until its replacement starts: time-box it
         # so one dead variant never freezes this view.
         answers = await asyncio.gather(
@@ -87,9 +102,9 @@ class VariantAvailability:
         return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
 
     async def _poll(self) -> None:
-        while True:
+        for tick in itertools.count(1):
             await asyncio.sleep(self.period_s)
-            await self.refresh()
+            await self.refresh(status=tick % STATUS_EVERY == 0)
 
     def slots(self, application: str) -> int | None:
         """Admission slots of the application: ``max_num_seqs`` x RUNNING replicas; None

@@ -1,0 +1,66 @@
+"""Coalesce a stream's SSE text into fewer messages, without delaying its first token.
+
+Every item a replica yields crosses two Ray hops (replica -> router -> Serve proxy), each with
+a fixed cost per message. So, as Ray Serve LLM does with ``stream_batching_interval_ms``, a
+stream sends its first chunk at once and then at most one message per interval: everything
+that arrived in the meantime, joined. A chunk waits at most one interval; no text is changed,
+only how it is cut into messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_END = object()
+
+
+async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIterator[str | T]:
+    """``items`` with consecutive strings joined, at most one batch per ``interval_s``.
+
+    Non-string items (the stream's :class:`~serve_app.common.wire.Tail`) are passed on as
+    they are, after the text before them. ``interval_s`` <= 0 passes every item on at once.
+    An exception of ``items`` is raised here, after the text before it. Closing this
+    generator (the client left) cancels the reading of ``items``.
+    """
+    if interval_s <= 0:
+        async for item in items:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                queue.put_nowait(item)
+        except Exception as e:  # noqa: BLE001 -- re-raised on the consumer side
+            queue.put_nowait(e)
+        queue.put_nowait(_END)
+
+    reader = asyncio.get_running_loop().create_task(pump())
+    sent_at = float("-inf")
+    try:
+        while True:
+            batch = [await queue.get()]
+            wait = sent_at + interval_s - time.monotonic()
+            if wait > 0 and isinstance(batch[0], str):
+                await asyncio.sleep(wait)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            text = [x for x in batch if isinstance(x, str)]
+            if text:
+                yield "".join(text)
+                sent_at = time.monotonic()
+            for x in batch:
+                if x is _END:
+                    return
+                if isinstance(x, Exception):
+                    raise x
+                if not isinstance(x, str):
+                    yield x
+    finally:
+        reader.cancel()
