@@ -33,6 +33,7 @@ def test_first_chunk_at_once_then_batches_per_interval():
     text = [x for _, x in out if isinstance(x, str)]
     assert "".join(text) == "".join(f"data: {i}\n\n" for i in range(20))
     assert text[0] == "data: 0\n\n" and out[0][0] < 0.04  # not held back
+    assert text[1] == "data: 1\n\n" and out[1][0] < 0.04  # nor the first token after it
     assert 3 <= len(text) <= 8  # ~0.2 s of tokens in 50 ms batches, not 20 messages
     assert out[-1][1] == Tail(Usage(3, 20))
 

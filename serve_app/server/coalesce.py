@@ -2,8 +2,9 @@
 
 Every item a replica yields crosses two Ray hops (replica -> router -> Serve proxy), each with
 a fixed cost per message. So, as Ray Serve LLM does with ``stream_batching_interval_ms``, a
-stream sends its first chunk at once and then at most one message per interval: everything
-that arrived in the meantime, joined. A chunk waits at most one interval; no text is changed,
+stream sends its first two messages at once (vLLM's first chunk carries only the role; the
+first token follows) and then at most one message per interval: everything that arrived in
+the meantime, joined. A chunk waits at most one interval; no text is changed,
 only how it is cut into messages.
 """
 
@@ -17,6 +18,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _END = object()
+#: Messages sent before batching starts: the role chunk and the first token.
+UNBATCHED = 2
 
 
 async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIterator[str | T]:
@@ -42,19 +45,19 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
         queue.put_nowait(_END)
 
     reader = asyncio.get_running_loop().create_task(pump())
-    sent_at = float("-inf")
+    sent_at, sent = float("-inf"), 0
     try:
         while True:
             batch = [await queue.get()]
             wait = sent_at + interval_s - time.monotonic()
-            if wait > 0 and isinstance(batch[0], str):
+            if wait > 0 and sent >= UNBATCHED and isinstance(batch[0], str):
                 await asyncio.sleep(wait)
             while not queue.empty():
                 batch.append(queue.get_nowait())
             text = [x for x in batch if isinstance(x, str)]
             if text:
                 yield "".join(text)
-                sent_at = time.monotonic()
+                sent_at, sent = time.monotonic(), sent + 1
             for x in batch:
                 if x is _END:
                     return
