@@ -24,10 +24,10 @@ from ray import serve
 from ray.util.metrics import Counter
 
 from serve_app.common.adapters import AdapterError
-from serve_app.common.config import (ReplicaConfig, VariantArgs, format_validation_error,
-                              reject_user_config)
+from serve_app.common.config import ReplicaConfig, VariantArgs
 from serve_app.server.engine import EngineHandle, engine_config, start_engine
-from serve_app.common.errors import MeshError, error_body
+from serve_app.common.errors import (MeshError, error_body, format_validation_error,
+                                     reject_user_config)
 from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import AdapterSet
 from serve_app.common.paths import resolve_repo_path

@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
-from serve_app.common.config import RouterConfig, format_validation_error, reject_user_config
-from serve_app.common.errors import MeshError, error_body
+from serve_app.common.config import RouterConfig
+from serve_app.common.errors import (MeshError, error_body, format_validation_error,
+                                     reject_user_config)
 from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability

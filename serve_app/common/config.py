@@ -13,16 +13,13 @@ Validation errors name the path of the bad field (pydantic's ``loc``); see
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.common.adapters import adapter_key
 from serve_app.common.paths import DEFAULT_MODEL_NAME
-
-logger = logging.getLogger("ray.serve")
 
 # Route and application names end up in URLs, metric labels and `route:adapter` model ids.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -384,28 +381,3 @@ class RouterConfig(_Strict):
     def applications(self) -> set[str]:
         """Every variant application any route names."""
         return {w.application for r in self.routes.values() for w in r.variants}
-
-
-def reject_user_config(last_good: object | None, message: str) -> None:
-    """Refuse a new ``user_config`` in ``reconfigure()``.
-
-    With no last good config (a replica's first one) this raises, so a bad first deploy fails
-    visibly; otherwise it logs ``message`` and returns, and the caller keeps the last good
-    config (raising there would make Serve replace a healthy replica).
-
-    Raises:
-        ValueError: ``last_good`` is None.
-    """
-    if last_good is None:
-        raise ValueError(message)
-    logger.error("%s\nkeeping the last good user_config", message)
-
-
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``<path.to.field>: <message>``."""
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])
-        where = f"{prefix}.{path}" if prefix and path else (prefix or path or "<root>")
-        lines.append(f"{where}: {e['msg']}")
-    return "\n".join(lines)

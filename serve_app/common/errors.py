@@ -1,4 +1,5 @@
-"""OpenAI-style errors: one exception type and one body format for every failure.
+"""OpenAI-style errors: one exception type and one body format for every failure, and how a
+refused config or field is reported.
 
 Body format (OpenAI API reference, "Error codes"):
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
@@ -6,8 +7,13 @@ Body format (OpenAI API reference, "Error codes"):
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import Any
+
+from pydantic import ValidationError
+
+logger = logging.getLogger("ray.serve")
 
 # OpenAI's `type` for each status the mesh returns.
 _TYPE_BY_STATUS = {
@@ -61,3 +67,28 @@ def error_body(status: int, message: str, *, param: str | None = None,
     fallback = "server_error" if status >= 500 else "invalid_request_error"
     error_type = _TYPE_BY_STATUS.get(status, fallback)
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``<path.to.field>: <message>``."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        where = f"{prefix}.{path}" if prefix and path else (prefix or path or "<root>")
+        lines.append(f"{where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def reject_user_config(last_good: object | None, message: str) -> None:
+    """Refuse a new ``user_config`` in ``reconfigure()``.
+
+    With no last good config (a replica's first one) this raises, so a bad first deploy fails
+    visibly; otherwise it logs ``message`` and returns, and the caller keeps the last good
+    config (raising there would make Serve replace a healthy replica).
+
+    Raises:
+        ValueError: ``last_good`` is None.
+    """
+    if last_good is None:
+        raise ValueError(message)
+    logger.error("%s\nkeeping the last good user_config", message)

@@ -34,7 +34,7 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
-from serve_app.common.errors import error_body
+from serve_app.common.errors import error_body, format_validation_error
 
 
 class Failure(str, enum.Enum):
@@ -97,7 +97,6 @@ def replica_verdict(exc: BaseException, *, variant: str, engine_is_dead: bool,
     if engine_is_dead or isinstance(exc, EngineDeadError):
         return engine_dead(variant)
     if isinstance(exc, ValidationError):
-        from serve_app.common.config import format_validation_error
         return Verdict(Failure.REQUEST, 400, format_validation_error(exc),
                        param=_pydantic_param(exc))
     if isinstance(exc, RecursionError):

@@ -26,7 +26,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from serve_app.common.adapters import AdapterError, adapter_key, fit_problem, load_manifest
-from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs, format_validation_error
+from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
+from serve_app.common.errors import format_validation_error
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
     ROUTER_DEPLOYMENT,
