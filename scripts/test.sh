@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+./scripts/install_prometheus.sh   # tests/test_observability.py runs a real Prometheus
 exec .venv/bin/python -m pytest -v --durations=15 "$@"

@@ -11,6 +11,8 @@
                                       blue/green base-model swap of a route (serve_app.release.swap)
     meshctl hash-key [KEY]            SHA-256 of an API key for tenants[].api_keys_sha256
                                       (reads the key from stdin when not given)
+    meshctl rollout-report [--split S] [--out DIR] [--router-url URL] [--prometheus URL]
+                                      PNG + Markdown of a rollout (admin key: $MESH_ADMIN_KEY)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -25,6 +28,7 @@ from serve_app.release.config_diff import diff_configs, format_report, restarts
 from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, load_config,
                                       wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
+from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.ingress.tenancy import hash_api_key
 from serve_app.release.validate import config_warnings, validate_config
@@ -103,6 +107,25 @@ def _swap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_report(args: argparse.Namespace) -> int:
+    try:
+        rollouts = fetch_rollouts(args.router_url, args.admin_key)
+    except httpx.HTTPError as e:
+        print(f"meshctl rollout-report: cannot read {args.router_url}/admin/rollouts ({e}); "
+              "pass the router's address with --router-url and an admin key with --admin-key",
+              file=sys.stderr)
+        return 1
+    chosen = {k: r for k, r in rollouts.items() if args.split in (None, k)}
+    if not chosen:
+        print(f"meshctl rollout-report: no rollout {args.split or ''} (rollouts: "
+              f"{', '.join(rollouts) or 'none'})", file=sys.stderr)
+        return 1
+    for rollout in chosen.values():
+        report = write_report(rollout, Path(args.out), args.prometheus or None)
+        print(f"{rollout['key']}: {rollout['state']}: wrote {report.png} and {report.markdown}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="only write the numbered configs to DIR (for CI), apply nothing")
     _add_address(p)
     p.add_argument("--timeout-s", type=float, default=900, help="per step")
+    p = sub.add_parser("rollout-report", help="PNG and Markdown report of a rollout")
+    p.add_argument("--split", help="the rollout's split key (a route, or route:adapter); "
+                                   "default: every rollout")
+    p.add_argument("--out", default="rollout-report", help="output folder (default %(default)s)")
+    p.add_argument("--router-url", default="http://127.0.0.1:8000")
+    p.add_argument("--admin-key", default=os.environ.get("MESH_ADMIN_KEY", ""),
+                   help="an admin tenant's API key (default: $MESH_ADMIN_KEY)")
+    p.add_argument("--prometheus", default="http://127.0.0.1:9090",
+                   help="Prometheus for the figures over time; '' to go without")
     p = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key")
     p.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     args = parser.parse_args(argv)
@@ -148,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         print(hash_api_key(args.key if args.key is not None else sys.stdin.readline().strip()))
         return 0
+    if args.command == "rollout-report":
+        return _rollout_report(args)
     try:
         if args.command == "validate":
             if args.allow_restart and not args.against:

@@ -140,14 +140,15 @@ class LLMReplica:
                            priority_scheduling=self.handle.priority_scheduling)
 
     async def generate(self, endpoint: str, body: dict[str, Any],
-                       adapter_version: str | None = None, priority: int = 0
-                       ) -> AsyncIterator[Head | str | Tail]:
+                       adapter_version: str | None = None, priority: int = 0,
+                       request_id: str | None = None) -> AsyncIterator[Head | str | Tail]:
         """Run one OpenAI request (``endpoint``: ``"chat"`` or ``"completion"``).
 
         ``body["model"]`` is ``route`` or ``route:adapter``; ``adapter_version`` (``name@vN``)
         is the version an adapter split chose, else the adapter's default version serves.
         ``priority`` is the tenant's (vLLM convention: lower is served first); it reaches
-        vLLM when the engine runs ``scheduling_policy: priority``.
+        vLLM when the engine runs ``scheduling_policy: priority``. ``request_id`` (the
+        router's ``x-request-id``) becomes vLLM's request id (``chatcmpl-<id>``).
 
         Yields a :class:`Head` (with ``x-mesh-adapter: name@vN`` for adapter requests), then
         SSE text and a :class:`Tail` if it is a stream. Nothing raises to the caller: every
@@ -171,6 +172,8 @@ class LLMReplica:
                 body = {**body, "model": live.lora_name}
             if self.handle.priority_scheduling:
                 body = {**body, "priority": priority}
+            if request_id:
+                body = {**body, "request_id": request_id}
             async for item in self._generate(endpoint, body):
                 yield _for_client(item, live, requested) if live else item
         finally:

@@ -29,7 +29,7 @@ from ray import serve
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
-from serve_app.ingress.accounting import RequestAccount
+from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.ingress.dispatch import RETRY_AFTER_S, Dispatcher
@@ -169,7 +169,9 @@ class MeshRouter:
     async def _serve(self, endpoint: str, request: Request) -> Response:
         self._require_config()
         planner = self.planner
-        account = RequestAccount(self.metrics, self.rollouts.observe, planner.labels(None, None))
+        request_id = request_id_for(request.headers.get(REQUEST_ID_HEADER))
+        account = RequestAccount(self.metrics, self.rollouts.observe, planner.labels(None, None),
+                                 request_id)
         try:
             tenant = authenticate(self._tenants, request.headers.get("authorization"))
             account.tags = planner.labels(tenant, None)
@@ -184,7 +186,10 @@ class MeshRouter:
         except MeshError as e:
             # The router's own refusals (overloaded, queue_timeout, shed, no_healthy_variant,
             # internal_error) are counted by their code; the rest by status.
+            if e.status != 500:
+                account.refused(e.status, e.code or f"http_{e.status}")
             account.finish(e.status, error_kind=e.code if e.status >= 500 and e.code else None)
+            e.headers[REQUEST_ID_HEADER] = request_id
             raise
         except asyncio.CancelledError:  # the client left (while queued, or waiting for a head)
             account.finish(499, error_kind="client_disconnected")

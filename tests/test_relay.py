@@ -48,7 +48,7 @@ def finishes():
     """A real RequestAccount over fake metrics: the calls it records, and the account."""
     metrics = Metrics()
     account = RequestAccount(metrics, lambda *a, **k: None,
-                             {"route": "r", "variant": "v1", "tenant": "", "adapter": ""})
+                             {"route": "r", "variant": "v1", "tenant": "", "adapter": ""}, "id-1")
     return metrics.calls, account
 
 

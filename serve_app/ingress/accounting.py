@@ -1,18 +1,26 @@
 """``RequestAccount``: the one owner of a request's accounting.
 
 A request holds up to two slots while it runs (its tenant's, :mod:`serve_app.ingress.limits`,
-and its variant's, :mod:`serve_app.ingress.admission`) and ends in one metrics record and,
-when it went through a rollout, one observation. The account holds all of them and
-:meth:`RequestAccount.finish` releases and records everything exactly once, whoever calls
-it first: the router for an error or a non-streaming answer, the relay
+and its variant's, :mod:`serve_app.ingress.admission`) and ends in one metrics record, one
+access log line and, when it went through a rollout, one observation. The account holds all
+of them and :meth:`RequestAccount.finish` releases and records everything exactly once,
+whoever calls it first: the router for an error or a non-streaming answer, the relay
 (:class:`~serve_app.ingress.relay.RelayResponse`) when a stream ends, fails or its client
 leaves.
+
+The access log line (``access {...}`` in the router replica's Serve log) is one JSON object
+per request: ``request_id``, ``tenant``, ``route``, ``variant``, ``adapter``,
+``status``, ``ttft_ms``, ``latency_ms``, ``queue_ms``, ``prompt_tokens``,
+``completion_tokens``, ``error``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
+import uuid
 from collections.abc import Callable
 
 from serve_app.common.config import Tenant
@@ -22,6 +30,15 @@ from serve_app.ingress.limits import TenantLimiter
 from serve_app.observability.metrics import MeshMetrics
 
 logger = logging.getLogger("ray.serve")
+
+#: Request ids a client may choose (``x-request-id``); anything else gets a new one.
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def request_id_for(client_id: str | None) -> str:
+    """The client's ``x-request-id`` when it is a plain id, else a new UUID (hex)."""
+    return client_id if client_id and REQUEST_ID_PATTERN.match(client_id) else uuid.uuid4().hex
 
 #: Error kinds that say nothing of the arm that served (the request's own fault, our code's,
 #: the client leaving); only completed requests and variant failures are observations.
@@ -39,10 +56,14 @@ class RequestAccount:
         metrics: the router's metrics.
         observe: where rollout observations go.
         tags: metric labels (route, variant, tenant, adapter), from the config only.
+        request_id: the request's id (response header, vLLM's request id, logs).
     """
 
-    def __init__(self, metrics: MeshMetrics, observe: Observe, tags: dict[str, str]) -> None:
+    def __init__(self, metrics: MeshMetrics, observe: Observe, tags: dict[str, str],
+                 request_id: str) -> None:
         self.t0 = time.monotonic()
+        self.request_id = request_id
+        self.queue_s = 0.0
         self.metrics = metrics
         self.observe = observe
         self.tags = dict(tags)
@@ -56,10 +77,14 @@ class RequestAccount:
         limiter.acquire(tenant)
         self._tenant = (limiter, tenant)
 
-    def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str) -> None:
-        """The variant's admission slot this request runs in; released by finish."""
+    def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
+                          waited_s: float) -> None:
+        """The variant's admission slot this request runs in, after ``waited_s`` s in its
+        queue; released by finish."""
         self._slot = (admission, slot)
         self.tags["variant"] = variant
+        self.queue_s += waited_s
+        self.metrics.queue_time.observe(waited_s, self.tags)
 
     def give_back_variant_slot(self) -> None:
         """The variant failed before its first byte: free its slot for the next candidate."""
@@ -79,6 +104,10 @@ class RequestAccount:
 
     def _arms_of(self, variant: str) -> tuple[tuple[str, str], ...]:
         return tuple((key, arm or variant) for key, arm in self.arms)
+
+    def refused(self, status: int, reason: str) -> None:
+        """The mesh refused the request before running it (``reason``: the error code)."""
+        self.metrics.rejected.inc(1, {**self.tags, "reason": reason})
 
     def finish(self, status: int, *, ttft_s: float | None = None, usage: Usage = Usage(),
                error_kind: str | None = None) -> None:
@@ -104,6 +133,13 @@ class RequestAccount:
         self.metrics.record(self.tags, status, latency, ttft_s=ttft_s,
                             prompt_tokens=usage.prompt_tokens,
                             completion_tokens=usage.completion_tokens, error_kind=error_kind)
+        logger.info("access %s", json.dumps({
+            "request_id": self.request_id, **{k: self.tags[k] for k in
+                                              ("tenant", "route", "variant", "adapter")},
+            "status": status, "ttft_ms": round(ttft_s * 1000, 1) if ttft_s is not None else None,
+            "latency_ms": round(latency * 1000, 1), "queue_ms": round(self.queue_s * 1000, 1),
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "error": error_kind if error_kind or status < 400 else f"http_{status}"}))
         if self.tags["variant"] and status < 400 and error_kind not in NOT_THE_ARMS_FAULT:
             truncated = error_kind == "stream_failed"
             self.observe(self._arms_of(self.tags["variant"]), error=truncated,

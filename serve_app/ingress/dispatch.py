@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from fastapi.responses import Response
@@ -19,7 +20,7 @@ from fastapi.responses import Response
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import Failure, handle_failure, nested_too_deeply
 from serve_app.common.wire import Head, Usage
-from serve_app.ingress.accounting import RequestAccount
+from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse
@@ -60,7 +61,8 @@ class Dispatcher:
             if head_and_stream is None:
                 continue
             head, stream = head_and_stream
-            headers = {VARIANT_HEADER: variant, **head.headers}
+            headers = {VARIANT_HEADER: variant, REQUEST_ID_HEADER: account.request_id,
+                       **head.headers}
             if head.stream:
                 return RelayResponse(stream, variant, account, headers)
             usage = head.usage or Usage()
@@ -77,6 +79,7 @@ class Dispatcher:
         """The head and stream of ``variant``'s answer; None when it is unavailable or had a
         variant failure (the caller moves on)."""
         admission = self.admission_for(variant)
+        asked_at = time.monotonic()
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority)
         except Rejected as r:
@@ -85,9 +88,9 @@ class Dispatcher:
             account.tags["variant"] = variant
             raise MeshError(503, r.message, code=r.reason,
                             headers={"Retry-After": str(r.retry_after_s)}) from None
-        account.hold_variant_slot(admission, slot, variant)
+        account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
         stream = self.handle_for(variant).options(stream=True).generate.remote(
-            plan.endpoint, plan.body, plan.version, plan.priority)
+            plan.endpoint, plan.body, plan.version, plan.priority, account.request_id)
         try:
             # A stream's head comes as soon as vLLM has checked the request; waiting longer
             # means the replica cannot take it (a non-stream's head is its whole answer, so

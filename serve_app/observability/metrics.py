@@ -7,8 +7,12 @@ metrics"). Names get Ray's ``ray_`` prefix, e.g. ``ray_mesh_requests_total``.
 
 Labels: ``route``, ``variant`` (the application that served; empty when the router refused
 the request itself), ``tenant`` (empty in open mode), ``adapter`` (empty for the base model),
-``status`` (HTTP status) on requests. The replicas add ``mesh_adapter_events`` (``variant``,
-``adapter`` as ``name@vN``, ``event``: loaded, unloaded, refused).
+``status`` (HTTP status) on requests. Every label value comes from the config (routes,
+variants, tenants, adapters a tenant owns or a variant serves); a name a client made up is
+counted as ``unknown`` (:meth:`serve_app.ingress.planner.RequestPlanner.labels`), so clients
+cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``variant``,
+``adapter`` as ``name@vN``, ``event``: loaded, unloaded, refused) and vLLM's own engine series
+(:mod:`serve_app.observability.engine_metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ray.util.metrics import Counter, Histogram
 
 TAGS = ("route", "variant", "tenant", "adapter")
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
+_ITL_SECONDS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2]
 
 
 class MeshMetrics:
@@ -34,6 +39,16 @@ class MeshMetrics:
         self.prompt_tokens = Counter("mesh_prompt_tokens", "Prompt tokens.", tag_keys=TAGS)
         self.completion_tokens = Counter("mesh_completion_tokens", "Completion tokens.",
                                          tag_keys=TAGS)
+        self.itl = Histogram("mesh_inter_token_latency_seconds", "Mean time between tokens of "
+                             "a stream, as the client saw it, s.", boundaries=_ITL_SECONDS,
+                             tag_keys=TAGS)
+        self.queue_time = Histogram("mesh_queue_time_seconds", "Time a request waited for a "
+                                    "slot of its variant (admission), s.",
+                                    boundaries=_SECONDS, tag_keys=TAGS)
+        self.rejected = Counter("mesh_rejected", "Requests the mesh refused before running "
+                                "them, by reason (the error code: overloaded, queue_timeout, "
+                                "shed, no_healthy_variant, invalid_api_key, "
+                                "concurrency_limit_exceeded, ...).", tag_keys=TAGS + ("reason",))
         self.failovers = Counter("mesh_failovers", "Variants that failed before the first byte "
                                  "and were skipped.", tag_keys=("route", "variant"))
         self.config_rejected = Counter("mesh_config_rejected", "Invalid router user_configs "
@@ -42,11 +57,14 @@ class MeshMetrics:
     def record(self, tags: dict[str, str], status: int, latency_s: float, *,
                ttft_s: float | None = None, prompt_tokens: int = 0, completion_tokens: int = 0,
                error_kind: str | None = None) -> None:
-        """Account for one finished request (``tags``: route, variant, tenant)."""
+        """Account for one finished request (``tags``: route, variant, tenant, adapter).
+        The inter-token latency of a stream is ``(latency - ttft) / (completion_tokens - 1)``."""
         self.requests.inc(1, {**tags, "status": str(status)})
         self.latency.observe(latency_s, tags)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, tags)
+            if completion_tokens > 1 and error_kind is None:
+                self.itl.observe((latency_s - ttft_s) / (completion_tokens - 1), tags)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, tags)
         if completion_tokens:

@@ -94,12 +94,15 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from serve_app.observability.engine_metrics import VariantStatLogger
+
     ns, engine_args, vllm_config = engine_config(args)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats,
+        stat_loggers=[VariantStatLogger],  # vllm:* series on Ray's metrics, per variant
     )
     try:
         state = State()

@@ -1,0 +1,130 @@
+"""Run a real Prometheus server against the mesh's Ray cluster (``scripts/observability.sh``,
+``tests/test_observability.py``), and query it.
+
+The server is Debian's ``prometheus`` package (2.42). Its config is the repo's
+``deploy/prometheus/prometheus.yml``, with the scrape interval and Ray's service-discovery
+file (``<ray temp dir>/prom_metrics_service_discovery.json``, which lists every node's metrics
+export port) filled in. It listens on 127.0.0.1 only.
+
+    python -m serve_app.tools.prometheus [--port 9090] [--data-dir /tmp/mesh-prometheus]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from serve_app.common.paths import REPO_ROOT
+
+CONFIG_TEMPLATE = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
+RAY_SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus is not installed, did not start, or refused a query."""
+
+
+def write_config(path: Path, *, sd_file: Path = RAY_SD_FILE, scrape_interval_s: int = 5) -> Path:
+    """The repo's config with ``sd_file`` and ``scrape_interval_s`` filled in, at ``path``."""
+    config = yaml.safe_load(CONFIG_TEMPLATE.read_text())
+    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = \
+        f"{scrape_interval_s}s"
+    for job in config["scrape_configs"]:
+        for sd in job.get("file_sd_configs", []):
+            sd["files"] = [str(sd_file)]
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start(port: int = 9090, *, data_dir: Path | None = None, sd_file: Path = RAY_SD_FILE,
+          scrape_interval_s: int = 5, log=print) -> tuple[subprocess.Popen, str]:
+    """Start Prometheus on 127.0.0.1:``port``; wait until it is ready.
+
+    Returns:
+        The process and its base URL.
+
+    Raises:
+        PrometheusError: the ``prometheus`` binary is missing (install Debian's package:
+            ``apt-get install prometheus``), or it did not become ready in 60 s.
+    """
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise PrometheusError("the prometheus binary is not installed: run "
+                              "scripts/observability.sh, or apt-get install prometheus")
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mesh-prometheus-"))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = write_config(data_dir / "prometheus.yml", sd_file=sd_file,
+                          scrape_interval_s=scrape_interval_s)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+         f"--storage.tsdb.path={data_dir / 'data'}", "--web.enable-lifecycle"],
+        stdout=open(data_dir / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise PrometheusError(f"prometheus exited; see {data_dir / 'prometheus.log'}")
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise PrometheusError("prometheus did not become ready in 60 s")
+        time.sleep(0.5)
+    log(f"[prometheus] ready at {url} (config {config}, scraping the targets in {sd_file})")
+    return proc, url
+
+
+def query(url: str, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+    """An instant query through Prometheus's HTTP API (``/api/v1/query``): its result list.
+
+    Raises:
+        PrometheusError: the query was refused (bad PromQL), with Prometheus's message.
+    """
+    params = {"query": promql, **({"time": at} if at else {})}
+    body = httpx.get(f"{url}/api/v1/query", params=params, timeout=30).json()
+    if body.get("status") != "success":
+        raise PrometheusError(f"{promql}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def query_range(url: str, promql: str, start: float, end: float, step_s: float
+                ) -> list[dict[str, Any]]:
+    """A range query (``/api/v1/query_range``): one ``{"metric", "values"}`` per series.
+
+    Raises:
+        PrometheusError: the query was refused.
+    """
+    body = httpx.get(f"{url}/api/v1/query_range", timeout=30, params={
+        "query": promql, "start": start, "end": end, "step": step_s}).json()
+    if body.get("status") != "success":
+        raise PrometheusError(f"{promql}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Run Prometheus against the mesh's Ray cluster.")
+    p.add_argument("--port", type=int, default=9090)
+    p.add_argument("--data-dir", type=Path, default=Path("/tmp/mesh-prometheus"))
+    p.add_argument("--sd-file", type=Path, default=RAY_SD_FILE)
+    a = p.parse_args()
+    try:
+        proc, url = start(a.port, data_dir=a.data_dir, sd_file=a.sd_file)
+    except PrometheusError as e:
+        sys.exit(f"[prometheus] {e}")
+    print(f"[prometheus] pid {proc.pid}; stop it with: kill {proc.pid}")
+
+
+if __name__ == "__main__":
+    main()
