@@ -37,6 +37,7 @@ from serve_app.ingress.limits import TenantLimiter
 from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
 from serve_app.ingress.request_body import read_json_body
 from serve_app.ingress.rollouts import RolloutClient
+from serve_app.ingress.shadow import ShadowMirror, effective_shadow
 from serve_app.ingress.split import splits_of
 from serve_app.ingress.tenancy import authenticate
 from serve_app.observability.metrics import MeshMetrics
@@ -83,6 +84,8 @@ class MeshRouter:
         self.controller = controller
         self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
         self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability)
+        self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
+                                    self.rollouts.observe_shadow)
         await self.availability.start()
         self.rollouts.start()
 
@@ -182,6 +185,9 @@ class MeshRouter:
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
             account.hold_tenant_slot(self.limiter, tenant)
+            account.capture = self.shadows.maybe_mirror(plan, effective_shadow(
+                self.config.routes[plan.route].shadow, self.rollouts.shadow_phase(plan.route)),
+                plan.identity, request_id)
             return await self.dispatcher.dispatch(plan, account)
         except MeshError as e:
             # The router's own refusals (overloaded, queue_timeout, shed, no_healthy_variant,
@@ -227,6 +233,21 @@ class MeshRouter:
                                      return_exceptions=True)
         return {a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
                 for a, s in zip(apps, stats)}
+
+    @app.get("/admin/shadows")
+    async def shadow_status(self, request: Request) -> dict[str, Any]:
+        """Admin: per route and shadow variant, the comparisons of mirrored requests (all
+        router replicas), this replica's mirrors in flight, and the disagreeing pairs it kept
+        (``keep_samples``)."""
+        self._require_admin(request)
+        try:
+            book = await asyncio.wait_for(self.controller.shadow_snapshot.remote(),
+                                          CONTROLLER_TIMEOUT_S)
+        except Exception as e:
+            raise MeshError(503, f"the rollout controller did not answer ({type(e).__name__}); "
+                            "retry", code="controller_unavailable",
+                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return self.shadows.status(book)
 
     @app.get("/admin/rollouts")
     async def rollout_status(self, request: Request) -> dict[str, Any]:

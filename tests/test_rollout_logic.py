@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve_app.common.config import RolloutGates, RolloutPolicy, RouterConfig
+from serve_app.common.config import RouterConfig
+from serve_app.common.policies import RolloutGates, RolloutPolicy
 from serve_app.ingress.split import splits_of
 from serve_app.release.rollout import Observation, Rollout, failed_gates, figures
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from serve_app.common.adapters import adapter_key
+from serve_app.common.policies import (Admission, RolloutPolicy, ShadowConfig,
+                                       Strict)
 from serve_app.common.paths import DEFAULT_MODEL_NAME
 
 # Route and application names end up in URLs, metric labels and `route:adapter` model ids.
@@ -39,15 +41,11 @@ def _single_owner(pairs, describe) -> None:
             raise ValueError(describe(item, owner[item], who))
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Variant application: args (restart on change) and LLMReplica user_config (in place)
 # ---------------------------------------------------------------------------------------------
 
-class VariantArgs(_Strict):
+class VariantArgs(Strict):
     """``args`` of a variant application (``import_path: serve_app.replica:build_app``).
 
     Attributes:
@@ -72,7 +70,7 @@ class VariantArgs(_Strict):
         return v
 
 
-class AdapterRef(_Strict):
+class AdapterRef(Strict):
     """An adapter version a variant serves, looked up in the adapter registry."""
 
     name: str = Field(pattern=NAME_PATTERN)
@@ -84,7 +82,7 @@ class AdapterRef(_Strict):
         return adapter_key(self.name, self.version)
 
 
-class FaultInjection(_Strict):
+class FaultInjection(Strict):
     """FOR TESTS AND DRILLS ONLY: make a share of a variant's requests fail or slow down, so a
     rollback can be exercised on a real deployment. Leave unset in production.
 
@@ -99,7 +97,7 @@ class FaultInjection(_Strict):
     delay_ms: int = Field(default=0, ge=0, le=600_000)
 
 
-class ReplicaConfig(_Strict):
+class ReplicaConfig(Strict):
     """``user_config`` of the ``LLMReplica`` deployment, applied by ``reconfigure()``.
 
     Attributes:
@@ -135,64 +133,6 @@ class ReplicaConfig(_Strict):
 # Router: routes and weights
 # ---------------------------------------------------------------------------------------------
 
-class RolloutGates(_Strict):
-    """What the canary must stay within, compared with the stable arm, to advance.
-
-    Figures come from the router's own observations of each request (the same ones behind
-    the ``mesh_*`` metrics): the canary's over the current step, the stable arm's over the
-    whole rollout. ``None`` switches a ratio gate off.
-
-    Attributes:
-        max_error_rate_increase: canary error rate minus stable error rate (fractions; an
-            error is HTTP >= 500, a variant failing before its first byte, or a truncated
-            stream).
-        max_ttft_p95_ratio: canary / stable time-to-first-token p95 (streamed requests).
-        max_latency_p95_ratio: canary / stable end-to-end latency p95.
-        max_truncated_streams: canary streams cut short in one step.
-    """
-
-    max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
-    max_ttft_p95_ratio: float | None = Field(default=1.5, gt=0)
-    max_latency_p95_ratio: float | None = Field(default=1.5, gt=0)
-    max_truncated_streams: int = Field(default=0, ge=0)
-
-
-class RolloutPolicy(_Strict):
-    """A progressive rollout of a split's canary (its last arm) against its stable (first) arm.
-
-    The mesh sets the canary's weight to each step in turn (stable gets the rest). A step
-    passes when the canary has ``min_requests`` requests in it, ``min_step_s`` has passed and
-    every gate holds; after the last step the canary is promoted (weight 100). A gate that
-    fails once the canary has ``min_requests`` requests rolls it back (weight 0) at once.
-    While a rollout is on, it owns the split's weights; the configured ones are ignored.
-
-    Attributes:
-        id: the rollout's name; deploy a new one to restart from the first step.
-        steps: canary weights in percent, strictly increasing, in 1..100.
-        min_requests: canary requests per step before a verdict.
-        min_step_s: seconds each step lasts at least.
-        gates: see :class:`RolloutGates`.
-        paused: hold the current step (no verdicts) until a deploy sets it false again.
-        abort: roll back now (canary weight 0) and stop.
-    """
-
-    id: str = Field(default="1", min_length=1, max_length=64)
-    steps: list[int] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
-    min_requests: int = Field(default=20, ge=1)
-    min_step_s: float = Field(default=60, ge=0)
-    gates: RolloutGates = Field(default_factory=RolloutGates)
-    paused: bool = False
-    abort: bool = False
-
-    @field_validator("steps")
-    @classmethod
-    def _increasing_percentages(cls, v: list[int]) -> list[int]:
-        if any(not 1 <= x <= 100 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
-            raise ValueError(f"steps {v} must be strictly increasing percentages in 1..100, "
-                             "e.g. [5, 25, 50, 100]")
-        return v
-
-
 def _check_weights(what: str, weighted: list[tuple[str, int]]) -> None:
     """Rules every weighted split shares (route variants, adapter versions)."""
     if dupes := duplicates([arm for arm, _ in weighted]):
@@ -207,21 +147,21 @@ def _check_rollout(what: str, n_arms: int, rollout: RolloutPolicy | None) -> Non
                          f"got {n_arms}")
 
 
-class VariantWeight(_Strict):
+class VariantWeight(Strict):
     """One variant of a route and its integer weight (0: deployed, gets no new traffic)."""
 
     application: str = Field(pattern=NAME_PATTERN)
     weight: int = Field(ge=0)
 
 
-class VersionWeight(_Strict):
+class VersionWeight(Strict):
     """One version of an adapter and its integer weight."""
 
     version: int = Field(ge=1)
     weight: int = Field(ge=0)
 
 
-class AdapterSplit(_Strict):
+class AdapterSplit(Strict):
     """An adapter version canary: callers of ``route:<name>`` split between versions.
 
     Every version listed must be served by a variant of the route (its ``LLMReplica``
@@ -240,28 +180,13 @@ class AdapterSplit(_Strict):
     @model_validator(mode="after")
     def _rollout_arms(self) -> AdapterSplit:
         _check_rollout("version", len(self.versions), self.rollout)
+        if self.rollout is not None and self.rollout.shadow is not None:
+            raise ValueError("rollout.shadow: a shadow phase mirrors a route's variants; an "
+                             "adapter version rollout cannot have one")
         return self
 
 
-class Admission(_Strict):
-    """How a route's variants admit requests under load (see :mod:`serve_app.admission`).
-
-    Attributes:
-        queue_timeout_s: longest a request waits for a slot, s; a request that cannot start
-            within it gets 503 with ``Retry-After``, at arrival when its estimated wait is
-            already longer.
-        reserved_slots: slots of each variant only the best tenant priority may take, so its
-            requests start at once while worse ones fill the variant (0: none).
-        max_queued_per_slot: requests that may wait for one variant, per slot (its engines'
-            ``max_num_seqs`` in all); 503 beyond.
-    """
-
-    queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
-    reserved_slots: int = Field(default=1, ge=0)
-    max_queued_per_slot: float = Field(default=4.0, ge=0)
-
-
-class RouteConfig(_Strict):
+class RouteConfig(Strict):
     """A route: the variants a client's ``model`` name maps to, laid out in this order.
 
     Sticky assignment maps callers onto [0, 1) in variant order, so list the stable variant
@@ -273,6 +198,7 @@ class RouteConfig(_Strict):
         rollout: progressive rollout of the last variant (see :class:`RolloutPolicy`).
         adapters: adapter name -> version split (adapter version canaries).
         admission: bounded queues and priority under load (see :class:`Admission`).
+        shadow: mirror a share of the requests to another variant (:class:`ShadowConfig`).
     """
 
     variants: list[VariantWeight] = Field(min_length=1)
@@ -280,6 +206,7 @@ class RouteConfig(_Strict):
     rollout: RolloutPolicy | None = None
     adapters: dict[str, AdapterSplit] = Field(default_factory=dict)
     admission: Admission = Field(default_factory=Admission)
+    shadow: ShadowConfig | None = None
 
     @field_validator("variants")
     @classmethod
@@ -290,13 +217,16 @@ class RouteConfig(_Strict):
     @model_validator(mode="after")
     def _rollout_arms(self) -> RouteConfig:
         _check_rollout("variant", len(self.variants), self.rollout)
+        if self.shadow is not None and self.rollout is not None and self.rollout.shadow:
+            raise ValueError("a route has one shadow at a time: remove `shadow:` while its "
+                             "rollout has a shadow phase (rollout.shadow)")
         return self
 
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
-class Tenant(_Strict):
+class Tenant(Strict):
     """A caller identity, authenticated by API key (``Authorization: Bearer <key>``).
 
     Attributes:
@@ -312,6 +242,7 @@ class Tenant(_Strict):
         priority: the tenant's priority under contention, in vLLM's convention: lower is
             served first (default 0). It orders the router's admission queues, and reaches
             vLLM as the request ``priority`` on engines with ``scheduling_policy: priority``.
+        shadow: false opts the tenant's requests out of shadow traffic (never mirrored).
     """
 
     id: str = Field(pattern=NAME_PATTERN)
@@ -322,6 +253,7 @@ class Tenant(_Strict):
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     requests_per_minute: int | None = Field(default=None, ge=1)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    shadow: bool = True
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -336,7 +268,7 @@ class Tenant(_Strict):
         return "*" in self.routes or route in self.routes
 
 
-class RouterConfig(_Strict):
+class RouterConfig(Strict):
     """``user_config`` of the ``MeshRouter`` deployment.
 
     Attributes:

@@ -68,6 +68,7 @@ class RequestAccount:
         self.observe = observe
         self.tags = dict(tags)
         self.arms: tuple[tuple[str, str], ...] = ()
+        self.capture = None  # a PrimaryCapture when the request is mirrored (ingress.shadow)
         self._tenant: tuple[TenantLimiter, Tenant | None] | None = None
         self._slot: tuple[VariantAdmission, Slot] | None = None
         self.finished = False
@@ -130,6 +131,9 @@ class RequestAccount:
         if self._slot is not None:
             admission, slot = self._slot
             admission.release(slot)
+        if self.capture is not None:
+            self.capture.finish(ttft_s=ttft_s, latency_s=latency, error=error_kind or (
+                f"http_{status}" if status >= 400 else None))
         self.metrics.record(self.tags, status, latency, ttft_s=ttft_s,
                             prompt_tokens=usage.prompt_tokens,
                             completion_tokens=usage.completion_tokens, error_kind=error_kind)

@@ -66,6 +66,8 @@ class Dispatcher:
             if head.stream:
                 return RelayResponse(stream, variant, account, headers)
             usage = head.usage or Usage()
+            if account.capture is not None:  # a mirrored request's answer
+                account.capture.json_body = head.body
             account.finish(head.status, usage=usage, error_kind="internal_error"
                            if head.failure is Failure.INTERNAL else None)
             return Response(head.body, status_code=head.status, media_type="application/json",

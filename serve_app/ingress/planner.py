@@ -68,6 +68,7 @@ class RequestPlan:
         top_priority: it is the best priority configured (may use reserved slots).
         stream: the client asked for SSE.
         queue_timeout_s: the route's admission timeout, s.
+        identity: the caller's sticky identity (:func:`caller_identity`), if any.
     """
 
     endpoint: str
@@ -82,6 +83,7 @@ class RequestPlan:
     top_priority: bool
     stream: bool
     queue_timeout_s: float
+    identity: str | None = None
 
     @property
     def tags(self) -> dict[str, str]:
@@ -208,7 +210,8 @@ class RequestPlanner:
             endpoint=endpoint, body=body, route=route, adapter=adapter, version=version,
             candidates=tuple(candidates), arms=tuple(arms), tenant=tenant, priority=priority,
             top_priority=priority <= self.top_priority, stream=bool(body.get("stream")),
-            queue_timeout_s=self.config.routes[route].admission.queue_timeout_s)
+            queue_timeout_s=self.config.routes[route].admission.queue_timeout_s,
+            identity=identity)
 
     def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
         """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and

@@ -71,6 +71,8 @@ class RelayResponse(StreamingResponse):
                     continue
                 if ttft is None:
                     ttft = time.monotonic() - self._account.t0
+                if self._account.capture is not None:  # a mirrored request's answer
+                    self._account.capture.chunks.append(item)
                 yield item
         except asyncio.CancelledError:
             error_kind = "client_disconnected"

@@ -35,6 +35,7 @@ class RolloutClient:
         self.splits: dict[str, Split] = {}
         self._weights = RolloutWeights({})
         self._pending: list[Observation] = []
+        self._comparisons: list = []  # shadow Comparisons for the controller
         self._synced = True
         self._task: asyncio.Task | None = None
 
@@ -64,9 +65,10 @@ class RolloutClient:
             try:
                 if not self._synced:
                     await self._sync()
-                if any(split.rollout for split in self.splits.values()):
+                if any(split.rollout for split in self.splits.values()) or self._comparisons:
                     batch, self._pending = self._pending, []
-                    self._weights = await self.controller.report.remote(batch)
+                    compared, self._comparisons = self._comparisons, []
+                    self._weights = await self.controller.report.remote(batch, compared)
             except Exception as e:  # keep the last weights; the controller may be restarting
                 logger.warning("rollout controller: %s: %s", type(e).__name__, str(e)[:300])
 
@@ -78,6 +80,15 @@ class RolloutClient:
             return split.weighted
         weights = self._weights.by_split.get(key) or {split.weighted[0][0]: 100}
         return [(arm, weights.get(arm, 0)) for arm, _ in split.weighted]
+
+    def shadow_phase(self, route: str):
+        """``(canary, ShadowPhase)`` while the route's rollout is in its shadow phase."""
+        return self._weights.shadowing.get(route)
+
+    def observe_shadow(self, comparison) -> None:
+        """Queue a shadow :class:`~serve_app.ingress.shadow.Comparison` for the controller."""
+        if len(self._comparisons) < MAX_PENDING_OBSERVATIONS:
+            self._comparisons.append(comparison)
 
     def weights(self) -> dict[str, dict[str, int]]:
         """Split key -> arm -> weight in force (for logs and ``/health``)."""

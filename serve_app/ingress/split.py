@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from serve_app.common.adapters import adapter_key
-from serve_app.common.config import RolloutPolicy, RouterConfig
+from serve_app.common.config import RouterConfig
+from serve_app.common.policies import RolloutPolicy
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Histogram
 
 TAGS = ("route", "variant", "tenant", "adapter")
+SHADOW_TAGS = ("route", "shadow")
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
+_RATIOS = [0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
 _ITL_SECONDS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2]
 
 
@@ -51,6 +53,18 @@ class MeshMetrics:
                                 "concurrency_limit_exceeded, ...).", tag_keys=TAGS + ("reason",))
         self.failovers = Counter("mesh_failovers", "Variants that failed before the first byte "
                                  "and were skipped.", tag_keys=("route", "variant"))
+        self.shadow_requests = Counter("mesh_shadow_requests", "Mirrored requests by outcome: "
+                                       "compared, shadow_error, dropped (max_in_flight), "
+                                       "primary_failed.", tag_keys=SHADOW_TAGS + ("outcome",))
+        self.shadow_exact = Counter("mesh_shadow_exact_matches", "Mirrored pairs whose texts "
+                                    "are equal.", tag_keys=SHADOW_TAGS)
+        self.shadow_similarity = Histogram("mesh_shadow_similarity", "Similarity of mirrored "
+                                           "pairs, 0..1 (rapidfuzz ratio).",
+                                           boundaries=_RATIOS, tag_keys=SHADOW_TAGS)
+        self.shadow_latency_ratio = Histogram("mesh_shadow_latency_ratio", "Shadow / primary "
+                                              "latency of mirrored pairs.",
+                                              boundaries=[0.5, 0.75, 0.9, 1, 1.1, 1.25, 1.5, 2,
+                                                          3, 5, 10], tag_keys=SHADOW_TAGS)
         self.config_rejected = Counter("mesh_config_rejected", "Invalid router user_configs "
                                        "ignored by reconfigure().")
 
@@ -73,3 +87,16 @@ class MeshMetrics:
             error_kind = f"http_{status}"
         if error_kind:
             self.errors.inc(1, {**tags, "kind": error_kind})
+
+    def record_shadow(self, comparison) -> None:
+        """Account for one compared mirror (:class:`serve_app.ingress.shadow.Comparison`)."""
+        tags = {"route": comparison.route, "shadow": comparison.shadow}
+        if comparison.shadow_error is not None:
+            self.shadow_requests.inc(1, {**tags, "outcome": "shadow_error"})
+            return
+        self.shadow_requests.inc(1, {**tags, "outcome": "compared"})
+        if comparison.exact:
+            self.shadow_exact.inc(1, tags)
+        self.shadow_similarity.observe(comparison.similarity, tags)
+        if comparison.latency_ratio is not None:
+            self.shadow_latency_ratio.observe(comparison.latency_ratio, tags)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.common.config import RolloutGates, RolloutPolicy
+from serve_app.common.policies import RolloutGates, RolloutPolicy, ShadowPhase
 from serve_app.observability.stats import percentile
 
 #: Stable-arm requests kept as the baseline, most recent first out.
@@ -32,7 +32,7 @@ STABLE_WINDOW = 2000
 #: Fewest stable samples a p95 ratio gate needs; with fewer the ratio is not judged.
 MIN_BASELINE = 5
 
-ACTIVE = ("progressing", "paused")
+ACTIVE = ("shadowing", "progressing", "paused")
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,12 @@ class RolloutWeights:
 
     Attributes:
         by_split: split key -> arm -> weight (percent).
+        shadowing: route -> ``(canary, ShadowPhase)`` of the rollouts in a shadow phase (the
+            routers mirror the route's requests to the canary meanwhile).
     """
 
     by_split: dict[str, dict[str, int]]
+    shadowing: dict[str, tuple[str, ShadowPhase]] = field(default_factory=dict)
 
 
 def figures(observations) -> dict[str, Any]:
@@ -116,14 +119,49 @@ def failed_gates(gates: RolloutGates, canary: dict[str, Any], stable: dict[str, 
     if canary["truncated"] > gates.max_truncated_streams:
         failed.append(f"{canary['truncated']} truncated streams > "
                       f"{gates.max_truncated_streams}")
-    for field, limit in (("ttft_p95_ms", gates.max_ttft_p95_ratio),
-                         ("latency_p95_ms", gates.max_latency_p95_ratio)):
-        c, s = canary[field], stable[field]
+    for name, limit in (("ttft_p95_ms", gates.max_ttft_p95_ratio),
+                        ("latency_p95_ms", gates.max_latency_p95_ratio)):
+        c, s = canary[name], stable[name]
         if limit is None or c is None or s is None or stable["samples"] < MIN_BASELINE:
             continue
         if c / s > limit:
-            failed.append(f"{field[:-7]} p95 {c:.0f} ms vs stable {s:.0f} ms "
+            failed.append(f"{name[:-7]} p95 {c:.0f} ms vs stable {s:.0f} ms "
                           f"(x{c / s:.2f} > x{limit})")
+    return failed
+
+
+def shadow_figures(comparisons) -> dict[str, Any]:
+    """Figures of a shadow phase's comparisons (:class:`serve_app.ingress.shadow.Comparison`):
+    ``compared``, ``errors``, ``error_rate``, ``agreement`` (exact matches over the pairs the
+    shadow answered), ``similarity`` (mean), ``latency_ratio_p50``."""
+    cs = list(comparisons)
+    answered = [c for c in cs if c.shadow_error is None]
+    ratios = [c.latency_ratio for c in answered if c.latency_ratio is not None]
+    return {
+        "compared": len(cs),
+        "errors": len(cs) - len(answered),
+        "error_rate": round((len(cs) - len(answered)) / len(cs), 4) if cs else 0.0,
+        "agreement": round(sum(c.exact for c in answered) / len(answered), 4)
+        if answered else None,
+        "similarity": round(sum(c.similarity for c in answered) / len(answered), 4)
+        if answered else None,
+        "latency_ratio_p50": round(percentile(ratios, 50), 3) if ratios else None,
+    }
+
+
+def failed_shadow_gates(phase: ShadowPhase, f: dict[str, Any]) -> list[str]:
+    """The shadow phase's gates that :func:`shadow_figures` break, as sentences."""
+    failed = []
+    if f["error_rate"] > phase.max_error_rate:
+        failed.append(f"shadow error rate {f['error_rate']:.1%} > {phase.max_error_rate:.1%}")
+    if f["agreement"] is not None and f["agreement"] < phase.min_agreement:
+        failed.append(f"agreement {f['agreement']:.1%} < {phase.min_agreement:.1%}")
+    if f["similarity"] is not None and f["similarity"] < phase.min_similarity:
+        failed.append(f"similarity {f['similarity']:.2f} < {phase.min_similarity:.2f}")
+    ratio = f["latency_ratio_p50"]
+    if phase.max_latency_ratio is not None and ratio is not None and \
+            ratio > phase.max_latency_ratio:
+        failed.append(f"latency ratio {ratio:.2f} > {phase.max_latency_ratio:.2f}")
     return failed
 
 
@@ -141,10 +179,11 @@ class Rollout:
                  now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.key, self.stable, self.canary, self.policy = key, stable, canary, policy
-        self.state = "progressing"
+        self.state = "shadowing" if policy.shadow else "progressing"
         self.step = 0
         self.started_at = self.step_started_at = now
         self.canary_window: list[Observation] = []
+        self.shadow_window: list = []  # Comparisons of the shadow phase
         self.stable_window: deque[Observation] = deque(maxlen=STABLE_WINDOW)
         self.history: list[dict[str, Any]] = []
         self._decide("start", now, f"rollout {policy.id!r}: {canary} against {stable}, "
@@ -170,7 +209,7 @@ class Rollout:
         """The canary's weight in percent (the stable arm gets the rest)."""
         if self.state == "promoted":
             return 100
-        if self.state in ("rolled_back", "aborted"):
+        if self.state in ("rolled_back", "aborted", "shadowing"):
             return 0
         return self.policy.steps[self.step]
 
@@ -182,6 +221,11 @@ class Rollout:
             self.canary_window.append(o)
         elif o.arm == self.stable:
             self.stable_window.append(o)
+
+    def observe_shadow(self, comparison) -> None:
+        """A mirrored pair of the shadow phase (the canary was the shadow)."""
+        if self.state == "shadowing" and comparison.shadow == self.canary:
+            self.shadow_window.append(comparison)
 
     def apply_policy(self, policy: RolloutPolicy, now: float) -> None:
         """Take a redeployed policy: pause, resume or abort; new steps and gates apply to the
@@ -204,7 +248,10 @@ class Rollout:
 
         With ``min_requests`` canary requests in the step: a failed gate rolls back; all
         gates holding after ``min_step_s`` advance to the next step, or promote after the
-        last one."""
+        last one. In a shadow phase, with ``shadow.min_requests`` comparisons: a failed
+        shadow gate rolls back (the canary never had weight); else the steps start."""
+        if self.state == "shadowing":
+            return self._evaluate_shadow(now)
         if self.state != "progressing" or len(self.canary_window) < self.policy.min_requests:
             return None
         failed = failed_gates(self.policy.gates, figures(self.canary_window),
@@ -224,6 +271,19 @@ class Rollout:
         self.step_started_at = now
         return self._decide("advance", now, f"every gate held at {passed}%", finished)
 
+    def _evaluate_shadow(self, now: float) -> dict[str, Any] | None:
+        phase = self.policy.shadow
+        if len(self.shadow_window) < phase.min_requests:
+            return None
+        failed = failed_shadow_gates(phase, shadow_figures(self.shadow_window))
+        if failed:
+            self.state = "rolled_back"
+            return self._decide("rollback", now, "shadow phase: " + "; ".join(failed))
+        self.state = "progressing"
+        self.step_started_at = now
+        return self._decide("shadow-pass", now, f"every shadow gate held over "
+                            f"{len(self.shadow_window)} comparisons")
+
     def _decide(self, decision: str, now: float, reason: str,
                 canary_window: list[Observation] | None = None) -> dict[str, Any]:
         """Record a decision with the state after it and the figures behind it."""
@@ -231,6 +291,8 @@ class Rollout:
         record = {"at": round(now, 3), "decision": decision, "state": self.state,
                   "step": self.step, "canary_weight": self.canary_weight, "reason": reason,
                   "canary": figures(window), "stable": figures(self.stable_window)}
+        if self.policy.shadow is not None:
+            record["shadow"] = shadow_figures(self.shadow_window)
         self.history.append(record)
         return record
 
@@ -241,5 +303,6 @@ class Rollout:
                 "state": self.state, "step": self.step, "weights": self.weights(),
                 "started_at": self.started_at, "step_started_at": self.step_started_at,
                 "current_step": {"canary": figures(self.canary_window),
-                                 "stable": figures(self.stable_window)},
+                                 "stable": figures(self.stable_window),
+                                 "shadow": shadow_figures(self.shadow_window)},
                 "policy": self.policy.model_dump(), "history": list(self.history)}

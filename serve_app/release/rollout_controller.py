@@ -33,6 +33,7 @@ from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
 from serve_app.release.rollout import Observation, Rollout, RolloutSpec, RolloutWeights
+from serve_app.release.shadow_book import ShadowBook
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,6 +52,7 @@ class RolloutController:
 
     async def __init__(self) -> None:
         self.rollouts: dict[str, Rollout] = {}
+        self.shadows = ShadowBook()
         self._weight = Gauge("mesh_rollout_canary_weight", "Canary weight set by a progressive "
                              "rollout, percent.", tag_keys=("rollout",))
         self._decisions = Counter("mesh_rollout_decisions", "Progressive rollout decisions.",
@@ -87,17 +89,31 @@ class RolloutController:
         self._save()
         return self.weights()
 
-    async def report(self, observations: list[Observation]) -> RolloutWeights:
-        """Take a router's observations; returns :meth:`weights`."""
+    async def report(self, observations: list[Observation], comparisons: list = ()
+                     ) -> RolloutWeights:
+        """Take a router's observations and shadow comparisons
+        (:class:`serve_app.ingress.shadow.Comparison`); returns :meth:`weights`."""
         for o in observations:
             rollout = self.rollouts.get(o.split)
             if rollout is not None:
                 rollout.observe(o)
+        for c in comparisons:
+            self.shadows.add(c)
+            rollout = self.rollouts.get(c.route)
+            if rollout is not None:
+                rollout.observe_shadow(c)
         return self.weights()
 
+    async def shadow_snapshot(self) -> dict[str, Any]:
+        """Aggregates of every route's shadow comparisons (:class:`ShadowBook`)."""
+        return self.shadows.snapshot()
+
     def weights(self) -> RolloutWeights:
-        """The weights of every rollout."""
-        return RolloutWeights({key: r.weights() for key, r in self.rollouts.items()})
+        """The weights of every rollout, and the rollouts in a shadow phase."""
+        return RolloutWeights(
+            {key: r.weights() for key, r in self.rollouts.items()},
+            {key: (r.canary, r.policy.shadow) for key, r in self.rollouts.items()
+             if r.state == "shadowing"})
 
     async def snapshot(self) -> dict[str, Any]:
         """Every rollout's state and decision history (``Rollout.to_dict``), by split key."""

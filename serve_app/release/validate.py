@@ -118,6 +118,18 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                     problems.append(f"{at}: {v.application!r} serves "
                                     f"{args.served_model_name!r}; set its args.served_model_name "
                                     f"to {route!r}")
+            if rc.shadow is not None:
+                at = (f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
+                      f"{route}.shadow.application")
+                shadow = rc.shadow.application
+                if shadow not in parts.variant_apps:
+                    problems.append(f"{at}: no variant application named {shadow!r} in this "
+                                    "config; add it (it may serve no traffic: weight 0 or no "
+                                    "route) or remove the shadow")
+                elif (args := variant_args.get(shadow)) and args.served_model_name != route:
+                    problems.append(f"{at}: {shadow!r} serves {args.served_model_name!r}, not "
+                                    f"route {route!r}; a shadow must answer the same requests: "
+                                    f"set its args.served_model_name to {route!r}")
             declared = set().union(*(variant_adapters.get(v.application, set())
                                      for v in rc.variants))
             for name, split in rc.adapters.items():

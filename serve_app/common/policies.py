@@ -1,0 +1,133 @@
+"""Policies a route declares in the router's ``user_config``: how it admits requests under
+load, how a canary is rolled out, and how a variant is shadowed. Pure schemas (pydantic)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Admission(Strict):
+    """How a route's variants admit requests under load (see :mod:`serve_app.admission`).
+
+    Attributes:
+        queue_timeout_s: longest a request waits for a slot, s; a request that cannot start
+            within it gets 503 with ``Retry-After``, at arrival when its estimated wait is
+            already longer.
+        reserved_slots: slots of each variant only the best tenant priority may take, so its
+            requests start at once while worse ones fill the variant (0: none).
+        max_queued_per_slot: requests that may wait for one variant, per slot (its engines'
+            ``max_num_seqs`` in all); 503 beyond.
+    """
+
+    queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    reserved_slots: int = Field(default=1, ge=0)
+    max_queued_per_slot: float = Field(default=4.0, ge=0)
+
+
+class RolloutGates(Strict):
+    """What the canary must stay within, compared with the stable arm, to advance.
+
+    Figures come from the router's own observations of each request (the same ones behind
+    the ``mesh_*`` metrics): the canary's over the current step, the stable arm's over the
+    whole rollout. ``None`` switches a ratio gate off.
+
+    Attributes:
+        max_error_rate_increase: canary error rate minus stable error rate (fractions; an
+            error is HTTP >= 500, a variant failing before its first byte, or a truncated
+            stream).
+        max_ttft_p95_ratio: canary / stable time-to-first-token p95 (streamed requests).
+        max_latency_p95_ratio: canary / stable end-to-end latency p95.
+        max_truncated_streams: canary streams cut short in one step.
+    """
+
+    max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
+    max_ttft_p95_ratio: float | None = Field(default=1.5, gt=0)
+    max_latency_p95_ratio: float | None = Field(default=1.5, gt=0)
+    max_truncated_streams: int = Field(default=0, ge=0)
+
+
+class ShadowConfig(Strict):
+    """Mirror a share of a route's requests to another variant, compare the answers, and
+    never let the mirror touch the client (see :mod:`serve_app.ingress.shadow`).
+
+    Attributes:
+        application: the shadow variant (a variant application that serves the route).
+        percent: share of callers mirrored, 0..100 (sticky per caller, like splits).
+        max_in_flight: mirrored requests running at once per router replica; more are
+            dropped (and counted).
+        keep_samples: keep the last N disagreeing pairs (prompt and both answers) for
+            ``GET /admin/shadows``; 0 (default) keeps no prompt or answer.
+    """
+
+    application: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    percent: float = Field(default=100, ge=0, le=100)
+    max_in_flight: int = Field(default=4, ge=1)
+    keep_samples: int = Field(default=0, ge=0, le=1000)
+
+
+class ShadowPhase(Strict):
+    """A rollout's first phase: the canary only shadows the stable arm (weight 0) until it
+    has ``min_requests`` comparisons, then its gates decide: pass, and the weight steps
+    start; fail, and it is rolled back before it served anyone.
+
+    Attributes:
+        percent: share of callers mirrored to the canary meanwhile.
+        max_in_flight: mirrored requests at once per router replica.
+        min_requests: comparisons before a verdict.
+        min_agreement: least share of exact matches (greedy requests agree exactly).
+        min_similarity: least mean similarity of the answers, 0..1.
+        max_error_rate: most share of mirrored requests the canary failed.
+        max_latency_ratio: most canary / stable latency (median of the pairs); None: off.
+    """
+
+    percent: float = Field(default=100, ge=0, le=100)
+    max_in_flight: int = Field(default=4, ge=1)
+    min_requests: int = Field(default=20, ge=1)
+    min_agreement: float = Field(default=0.8, ge=0, le=1)
+    min_similarity: float = Field(default=0.9, ge=0, le=1)
+    max_error_rate: float = Field(default=0.05, ge=0, le=1)
+    max_latency_ratio: float | None = Field(default=2.0, gt=0)
+
+
+class RolloutPolicy(Strict):
+    """A progressive rollout of a split's canary (its last arm) against its stable (first) arm.
+
+    The mesh sets the canary's weight to each step in turn (stable gets the rest). A step
+    passes when the canary has ``min_requests`` requests in it, ``min_step_s`` has passed and
+    every gate holds; after the last step the canary is promoted (weight 100). A gate that
+    fails once the canary has ``min_requests`` requests rolls it back (weight 0) at once.
+    While a rollout is on, it owns the split's weights; the configured ones are ignored.
+
+    Attributes:
+        id: the rollout's name; deploy a new one to restart from the first step.
+        steps: canary weights in percent, strictly increasing, in 1..100.
+        min_requests: canary requests per step before a verdict.
+        min_step_s: seconds each step lasts at least.
+        gates: see :class:`RolloutGates`.
+        paused: hold the current step (no verdicts) until a deploy sets it false again.
+        abort: roll back now (canary weight 0) and stop.
+        shadow: start with a shadow phase (see :class:`ShadowPhase`); route rollouts only.
+    """
+
+    id: str = Field(default="1", min_length=1, max_length=64)
+    steps: list[int] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
+    min_requests: int = Field(default=20, ge=1)
+    min_step_s: float = Field(default=60, ge=0)
+    gates: RolloutGates = Field(default_factory=RolloutGates)
+    paused: bool = False
+    abort: bool = False
+    shadow: ShadowPhase | None = None
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_percentages(cls, v: list[int]) -> list[int]:
+        if any(not 1 <= x <= 100 for x in v) or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"steps {v} must be strictly increasing percentages in 1..100, "
+                             "e.g. [5, 25, 50, 100]")
+        return v
+
+
