@@ -24,7 +24,8 @@ def router_cfg(cfg):
     return cfg["applications"][0]["deployments"][0]["user_config"]
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml",
+                                  "shadow.yaml"])
 def test_shipped_configs_are_valid(name):
     assert validate_config(load_yaml(REPO_ROOT / "serve_configs" / name)) == []
 
@@ -152,7 +153,7 @@ def test_cli_validate_exit_codes(tmp_path):
 
 
 def test_every_shipped_variant_runs_with_surge_and_validate_warns_without():
-    for name in ("local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml"):
+    for name in ("local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml", "shadow.yaml"):
         assert config_warnings(load_yaml(REPO_ROOT / "serve_configs" / name)) == [], name
     no_surge = copy.deepcopy(CANARY)
     no_surge["applications"][2]["deployments"][0]["max_surge_percent"] = 0
@@ -251,4 +252,33 @@ def test_adapter_split_version_must_be_served_by_a_variant():
         "variant's LLMReplica user_config.adapters"]
     cfg["applications"][1]["deployments"][0]["user_config"]["adapters"].append(
         {"name": "acme-support", "version": 2})
+    assert validate_config(cfg) == []
+
+
+SHADOW = load_yaml(REPO_ROOT / "serve_configs" / "shadow.yaml")
+
+
+def test_shadow_must_be_a_variant_that_serves_the_route():
+    cfg = copy.deepcopy(SHADOW)
+    router_cfg(cfg)["routes"]["smollm"]["shadow"]["application"] = "nope"
+    assert validate_config(cfg) == [
+        f"{ROUTER}.routes.smollm.shadow.application: no variant application named 'nope' in "
+        "this config; add it (it may serve no traffic: weight 0 or no route) or remove the "
+        "shadow"]
+    cfg = copy.deepcopy(SHADOW)
+    cfg["applications"][2]["args"]["served_model_name"] = "other"
+    assert (f"{ROUTER}.routes.smollm.shadow.application: 'smollm-v2' serves 'other', not route "
+            "'smollm'; a shadow must answer the same requests: set its "
+            "args.served_model_name to 'smollm'") in validate_config(cfg)
+
+
+def test_one_shadow_per_route_and_none_for_adapter_rollouts():
+    cfg = copy.deepcopy(SHADOW)
+    route = router_cfg(cfg)["routes"]["smollm"]
+    route["variants"] = [{"application": "smollm-v1", "weight": 100},
+                         {"application": "smollm-v2", "weight": 0}]
+    route["rollout"] = {"shadow": {"min_requests": 5}}
+    [problem] = validate_config(cfg)
+    assert "a route has one shadow at a time" in problem
+    del route["shadow"]
     assert validate_config(cfg) == []
