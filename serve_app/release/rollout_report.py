@@ -31,7 +31,8 @@ PLOTS = [
     ("latency p95 (s)", 'histogram_quantile(0.95, sum by (le) (rate('
      'ray_mesh_request_latency_seconds_bucket{{route="{route}",variant="{arm}"}}[1m])))'),
 ]
-DECISION_COLORS = {"start": "tab:gray", "advance": "tab:blue", "promote": "tab:green",
+DECISION_COLORS = {"start": "tab:gray", "shadow-pass": "tab:cyan", "advance": "tab:blue",
+                   "promote": "tab:green",
                    "rollback": "tab:red", "abort": "tab:red", "pause": "tab:orange",
                    "resume": "tab:orange"}
 
