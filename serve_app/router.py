@@ -195,7 +195,6 @@ class MeshRouter:
             if e.status != 500:
                 account.refused(e.status, e.code or f"http_{e.status}")
             account.finish(e.status, error_kind=e.code if e.status >= 500 and e.code else None)
-            e.headers[REQUEST_ID_HEADER] = request_id
             raise
         except asyncio.CancelledError:  # the client left (while queued, or waiting for a head)
             account.finish(499, error_kind="client_disconnected")

@@ -74,3 +74,18 @@ def test_refresh_max_age_saves_status_calls(monkeypatch):
     assert v.refreshes == [1]
     asyncio.run(v.refresh())
     assert v.refreshes == [1, 1]
+
+
+def test_concurrent_refreshes_share_one_status_call(monkeypatch):
+    calls = []
+
+    def status():
+        calls.append(1)
+        return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
+    monkeypatch.setattr(availability.serve, "status", status)
+    v = VariantAvailability(lambda name: FakeHandle(ReplicaInfo((), 8)))
+
+    async def main():
+        await asyncio.gather(*(v.refresh() for _ in range(5)))
+    asyncio.run(main())
+    assert len(calls) == 1 and v.slots("v1") == 8

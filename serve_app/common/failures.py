@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import pickle
 from dataclasses import dataclass
 
 from serve_app.common.errors import error_body, format_validation_error
@@ -156,8 +157,9 @@ def handle_failure(exc: BaseException) -> Failure:
     from ray.exceptions import RayActorError, RayTaskError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    if isinstance(exc, RecursionError):  # serializing a deeply nested body
-        return Failure.REQUEST
+    if isinstance(exc, RecursionError) or (
+            isinstance(exc, pickle.PicklingError) and "recursion" in str(exc)):
+        return Failure.REQUEST  # serializing a deeply nested body (Ray's or gRPC's path)
     if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError,
                         asyncio.TimeoutError, TimeoutError)):
         return Failure.VARIANT

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -31,14 +30,16 @@ from serve_app.observability.metrics import MeshMetrics
 
 logger = logging.getLogger("ray.serve")
 
-#: Request ids a client may choose (``x-request-id``); anything else gets a new one.
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: The request id header. Serve's proxy puts it on every request (the client's own, or a
+#: new one) and on every response, so the router only reads it.
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def request_id_for(client_id: str | None) -> str:
-    """The client's ``x-request-id`` when it is a plain id, else a new UUID (hex)."""
-    return client_id if client_id and REQUEST_ID_PATTERN.match(client_id) else uuid.uuid4().hex
+def request_id_for(header: str | None) -> str:
+    """The request's id: Serve's ``x-request-id`` (a new UUID when called without the
+    proxy, e.g. through a handle)."""
+    return header or uuid.uuid4().hex
+
 
 #: Error kinds that say nothing of the arm that served (the request's own fault, our code's,
 #: the client leaving); only completed requests and variant failures are observations.

@@ -44,6 +44,7 @@ class VariantAvailability:
         self.adapters: dict[str, set[str]] = {}  # app -> adapter versions it serves, "name@vN"
         self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
         self._refreshed_at = float("-inf")
+        self._refreshing: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -61,8 +62,18 @@ class VariantAvailability:
                 costs the router ~50 ms of CPU, so the poll asks for it every
                 :data:`STATUS_EVERY` periods).
         """
+        if self._refreshing is not None:  # one is under way: its view is new enough
+            await asyncio.shield(self._refreshing)
+            return
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
+        self._refreshing = asyncio.get_running_loop().create_task(self._refresh(status))
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            self._refreshing = None
+
+    async def _refresh(self, status: bool) -> None:
         if status or self._running is None:
             self._refreshed_at = time.monotonic()
             try:

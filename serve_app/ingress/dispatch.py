@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import Failure, handle_failure, nested_too_deeply
 from serve_app.common.wire import Head, Usage
-from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount
+from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse
@@ -61,8 +61,7 @@ class Dispatcher:
             if head_and_stream is None:
                 continue
             head, stream = head_and_stream
-            headers = {VARIANT_HEADER: variant, REQUEST_ID_HEADER: account.request_id,
-                       **head.headers}
+            headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
                 return RelayResponse(stream, variant, account, headers)
             usage = head.usage or Usage()
