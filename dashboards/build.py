@@ -86,7 +86,9 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Engine queue time p95", "s", [
             (p95("ray_vllm_request_queue_time_seconds", "variant", ""), "{{variant}}")]),
         ("Prefix cache hit rate", "percentunit", [
-            ("sum by (variant) (rate(ray_vllm_prefix_cache_hits_total[5m])) / sum by (variant) "
+            # vLLM creates the hits series at the first hit: until then the rate is 0.
+            ("sum by (variant) (rate(ray_vllm_prefix_cache_hits_total[5m]) or "
+             "rate(ray_vllm_prefix_cache_queries_total[5m]) * 0) / sum by (variant) "
              "(rate(ray_vllm_prefix_cache_queries_total[5m]))", "{{variant}}")]),
         ("Finished requests by reason", "reqps", [
             ("sum by (variant, finished_reason) (rate(ray_vllm_request_success_total[5m]))",
