@@ -25,8 +25,8 @@ from serve_app.common.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
-BASELINE_S = 15  # load before the change, for the "before" figures
-AFTER_S = 5  # load kept after the change
+BASELINE_S = 10  # load before the change, for the "before" figures
+AFTER_S = 3  # load kept after the change
 
 
 def meshctl(*args: str) -> subprocess.CompletedProcess:

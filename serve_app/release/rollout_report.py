@@ -110,11 +110,12 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
     axes[0].set_ylabel("canary weight (%)")
     axes[0].set_ylim(-5, 105)
     for ax, (title, _) in zip(axes[1:], PLOTS):
-        for arm, color in ((rollout["stable"], "tab:gray"), (rollout["canary"], "tab:purple")):
+        for arm, style in ((rollout["stable"], dict(color="tab:gray", lw=3, alpha=0.6)),
+                           (rollout["canary"], dict(color="tab:purple", lw=1.5, ls="--"))):
             points = data[title].get(arm) or []
             role = "stable" if arm == rollout["stable"] else "canary"
-            if points:
-                ax.plot([t - t0 for t, _ in points], [v for _, v in points], color=color,
+            if points:  # the stable arm is drawn wide, so a canary on top of it shows
+                ax.plot([t - t0 for t, _ in points], [v for _, v in points], **style,
                         label=f"{role} {arm}")
         ax.set_ylabel(title)
         if ax.get_legend_handles_labels()[0]:
