@@ -42,6 +42,7 @@ from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
 from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
+from serve_app.tools.servers import ServerDidNotStart, wait_until_ready  # noqa: E402
 
 #: Demo keys of serve_configs/tenants.yaml: the adapter each tenant owns ("" = base model).
 DEMO_MIX = "acme-support=sk-acme-demo,globex-report=sk-globex-demo,=sk-mesh-ops-demo"
@@ -103,19 +104,11 @@ def start_direct(config_path: str, variant: str | None):
     log = open("/tmp/bench-vllm-direct.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            sys.exit("[bench] vLLM server exited; see /tmp/bench-vllm-direct.log")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("[bench] vLLM server did not become healthy in 300 s")
-        time.sleep(2)
+    try:
+        wait_until_ready(proc, f"{url}/health", what="vLLM's server",
+                         log_path="/tmp/bench-vllm-direct.log", timeout_s=300, every_s=2)
+    except ServerDidNotStart as e:
+        sys.exit(f"[bench] {e}")
     return proc, f"{url}/v1", args.served_model_name, set(adapters)
 
 

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import httpx
 import yaml
 
 from serve_app.common.paths import REPO_ROOT
+from serve_app.tools.servers import ServerDidNotStart, wait_until_ready
 
 CONFIG_TEMPLATE = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RAY_SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")
@@ -69,19 +69,11 @@ def start(port: int = 9090, *, data_dir: Path | None = None, sd_file: Path = RAY
         [binary, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
          f"--storage.tsdb.path={data_dir / 'data'}", "--web.enable-lifecycle"],
         stdout=open(data_dir / "prometheus.log", "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise PrometheusError(f"prometheus exited; see {data_dir / 'prometheus.log'}")
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise PrometheusError("prometheus did not become ready in 60 s")
-        time.sleep(0.5)
+    try:
+        wait_until_ready(proc, f"{url}/-/ready", what="prometheus",
+                         log_path=str(data_dir / "prometheus.log"), timeout_s=60, every_s=0.5)
+    except ServerDidNotStart as e:
+        raise PrometheusError(str(e)) from None
     log(f"[prometheus] ready at {url} (config {config}, scraping the targets in {sd_file})")
     return proc, url
 

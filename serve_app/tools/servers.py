@@ -1,0 +1,37 @@
+"""Start-up of servers the tools run beside the mesh (vLLM's own server for the benchmark,
+Prometheus for observability): wait until one answers."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+
+
+class ServerDidNotStart(RuntimeError):
+    """The process exited, or did not answer in time (the message says which and where its
+    log is)."""
+
+
+def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: str,
+                     timeout_s: float, every_s: float = 1.0) -> None:
+    """Poll ``url`` until it answers 200 while ``proc`` runs.
+
+    Raises:
+        ServerDidNotStart: ``proc`` exited, or ``timeout_s`` passed (``proc`` is killed).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerDidNotStart(f"{what} exited; see {log_path}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ServerDidNotStart(f"{what} did not answer {url} in {timeout_s:.0f} s; see "
+                                    f"{log_path}")
+        time.sleep(every_s)
