@@ -135,15 +135,19 @@ def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
     off = traffic(shadowed, 8)
     assert all(s == 200 for s, _, _ in off)
     before = book(shadowed)
+    delay_s = 5  # a client that waited for the shadow would take longer than this
     for v2, label in (({"fault_injection": {"error_rate": 1.0}}, "errors"),
-                      ({"fault_injection": {"delay_rate": 1.0, "delay_ms": 3000}}, "3 s delay")):
+                      ({"fault_injection": {"delay_rate": 1.0, "delay_ms": delay_s * 1000}},
+                       f"{delay_s} s delay")):
         shadowed.deploy(configured(shadowed.base_cfg, shadow={}, v2=v2))
         on = traffic(shadowed, 8)
         print(f"\nshadow with {label}: client latencies "
               f"{sorted(round(t, 2) for _, _, t in on)} (shadow off: "
               f"{sorted(round(t, 2) for _, _, t in off)})")
         assert [(s, text) for s, text, _ in on] == [(s, text) for s, text, _ in off]
-        assert max(t for _, _, t in on) < 2.5  # never waits for the 3 s shadow
+        # Never waits for the shadow; the mirrors still share these 2 CPUs with v1 once
+        # they run, so on's latencies may grow, but not by the delay.
+        assert max(t for _, _, t in on) < delay_s
     after = settled(shadowed, before["compared"] + 1, before["shadow_errors"] + 8)
     print(f"shadow book: {after}")
 
