@@ -87,7 +87,8 @@ class FaultInjection(Strict):
     rollback can be exercised on a real deployment. Leave unset in production.
 
     Attributes:
-        error_rate: share of requests (0..1) answered with HTTP 500 ``injected_fault``.
+        error_rate: share of requests (0..1) that fail as a variant failure (503
+            ``injected_fault`` once failover finds no other variant).
         delay_rate: share of requests (0..1) held ``delay_ms`` before generation starts.
         delay_ms: the added delay, ms.
     """

@@ -37,8 +37,8 @@ class RolloutGates(Strict):
 
     Attributes:
         max_error_rate_increase: canary error rate minus stable error rate (fractions; an
-            error is HTTP >= 500, a variant failing before its first byte, or a truncated
-            stream).
+            error is a variant failure: failing before its first byte, or a stream cut
+            short; request errors (4xx) and internal errors (500) do not count).
         max_ttft_p95_ratio: canary / stable time-to-first-token p95 (streamed requests).
         max_latency_p95_ratio: canary / stable end-to-end latency p95.
         max_truncated_streams: canary streams cut short in one step.

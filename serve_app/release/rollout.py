@@ -42,7 +42,7 @@ class Observation:
     Attributes:
         split: the split's key (``route`` or ``route:adapter``).
         arm: the variant application, or the adapter version ``name@vN``.
-        error: HTTP >= 500, a failure before the first byte, or a stream cut short.
+        error: a variant failure: a failure before the first byte, or a stream cut short.
         truncated: a stream cut short after it started.
         ttft_s: time to the first streamed chunk, s (None when not streamed or failed).
         latency_s: end-to-end latency, s.
