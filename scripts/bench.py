@@ -19,6 +19,13 @@ Workloads:
 Usage:
   python scripts/bench.py [--config serve_configs/local.yaml] [--concurrency 1 8 32]
                           [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
+  python scripts/bench.py --limits [--concurrency 1 8]
+
+--limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
+against serve_configs/tenants.yaml): (a) the router's call to the shared counts
+(``TenantLimiter.acquire`` against the running mesh's ``SharedTenantCounts`` actor, from a
+Ray driver on this node), p50/p95 ms at each concurrency; (b) end to end, TTFT p50 of a
+tenant with limits (acme) against one without (ops), the same load run alternately.
 """
 
 from __future__ import annotations
@@ -141,6 +148,66 @@ def ratios(mesh: dict, direct: dict) -> dict:
                       "latency_p95_ms")}
 
 
+LIMITED, UNLIMITED = "sk-acme-demo", "sk-mesh-ops-demo"  # tenants.yaml: acme has limits
+
+
+def shared_count_latency(concurrency: int, calls: int = 400) -> dict:
+    """Time ``TenantLimiter.acquire`` against the running mesh's shared counts, ms."""
+    import ray
+
+    from serve_app.common.config import Tenant
+    from serve_app.ingress.limits import TenantLimiter
+    from serve_app.observability.stats import percentile
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    tenant = Tenant(id="bench-limits", api_keys_sha256=["0" * 64],
+                    max_concurrent_requests=10**6)
+    limiter = TenantLimiter()
+
+    async def run() -> list[float]:
+        times: list[float] = []
+        left = iter(range(calls))
+
+        async def worker() -> None:
+            for _ in left:
+                t0 = time.perf_counter()
+                lease = await limiter.acquire(tenant)
+                times.append((time.perf_counter() - t0) * 1000)
+                limiter.release(lease)
+        limiter.release(await limiter.acquire(tenant))  # warm up: look up the actor
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return times
+    times = asyncio.run(run())
+    return {"p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95)}
+
+
+def bench_limits(a) -> None:
+    rows = []
+    for c in a.concurrency:
+        rt = shared_count_latency(c)
+        common = dict(base_url=a.mesh_url, model="smollm", requests=a.requests,
+                      concurrency=c, max_tokens=a.max_tokens)
+        runs = {"limited": [], "unlimited": []}
+        for _ in range(2):  # alternate, so drift on this shared host hits both alike
+            runs["unlimited"].append(measure("no limits", LoadSpec(api_key=UNLIMITED, **common)))
+            runs["limited"].append(measure("with limits", LoadSpec(api_key=LIMITED, **common)))
+        ttft = {k: sum(r["ttft_p50_ms"] for r in v) / len(v) for k, v in runs.items()}
+        rows.append({"concurrency": c, "shared_count": rt, "ttft_p50_ms": ttft})
+    print(f"\ncluster-wide tenant limits, {a.requests} streamed requests per run, "
+          f"max_tokens {a.max_tokens}")
+    print(f"{'conc':>4} {'shared count p50':>17} {'p95':>7} {'TTFT p50 no limits':>19} "
+          f"{'with limits':>12} {'added':>8}")
+    for r in rows:
+        t = r["ttft_p50_ms"]
+        print(f"{r['concurrency']:>4} {r['shared_count']['p50_ms']:>14.2f} ms "
+              f"{r['shared_count']['p95_ms']:>4.2f} ms {t['unlimited']:>16.1f} ms "
+              f"{t['limited']:>9.1f} ms {t['limited'] - t['unlimited']:>+6.1f} ms")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
+                                            "limits": rows}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh-url", default="http://127.0.0.1:8000/v1")
@@ -154,6 +221,8 @@ def main() -> None:
     parser.add_argument("--mix", nargs="?", const=DEMO_MIX, metavar="ADAPTER=KEY,...",
                         help=f"also run the adapter mix (default: {DEMO_MIX})")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--limits", action="store_true",
+                        help="measure what cluster-wide tenant limits add (see above)")
     a = parser.parse_args()
 
     try:
@@ -162,6 +231,8 @@ def main() -> None:
     except httpx.HTTPError as e:
         sys.exit(f"[bench] the mesh is not answering at {a.mesh_url} ({e}); "
                  "start it with ./scripts/demo.sh")
+    if a.limits:
+        return bench_limits(a)
 
     proc, direct_url, route, served = start_direct(a.config, a.variant)
     workloads = {"base": [(route, route, a.api_key)]}

@@ -13,6 +13,9 @@
                                       (reads the key from stdin when not given)
     meshctl rollout-report [--split S] [--out DIR] [--router-url URL] [--prometheus URL]
                                       PNG + Markdown of a rollout (admin key: $MESH_ADMIN_KEY)
+    meshctl kuberay CONFIG [-o FILE] [--name NAME] [--image IMAGE] [--head-cpus N]
+                    [--head-memory Q] [--worker-memory Q] [--spare-workers N]
+                                      KubeRay RayService manifest of CONFIG (exit 1 if invalid)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from serve_app.release.config_diff import diff_configs, format_report, restarts
 from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, load_config,
                                       wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
+from serve_app.release import kuberay
 from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.ingress.tenancy import hash_api_key
@@ -126,6 +130,32 @@ def _rollout_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kuberay(args: argparse.Namespace) -> int:
+    config = load_yaml(args.config)
+    try:
+        manifest = kuberay.rayservice_manifest(
+            config, name=args.name, image=args.image, namespace=args.namespace,
+            head_cpus=args.head_cpus, head_memory=args.head_memory,
+            worker_memory=args.worker_memory, spare_workers=args.spare_workers)
+    except kuberay.ManifestError as e:
+        print(f"{args.config}: INVALID (no manifest written)", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    for w in kuberay.manifest_warnings(kuberay.pod_serve_config(config), manifest):
+        print(f"{args.config}: WARNING {w}", file=sys.stderr)
+    text = kuberay.manifest_yaml(manifest, source=args.config)
+    if args.output:
+        Path(args.output).write_text(text)
+        groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        print(f"wrote {args.output}: RayService {args.name}, worker groups "
+              + (", ".join(f"{g['groupName']} ({g['replicas']} pods)" for g in groups)
+                 or "none"))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +203,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="an admin tenant's API key (default: $MESH_ADMIN_KEY)")
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus for the figures over time; '' to go without")
+    p = sub.add_parser("kuberay", help="KubeRay RayService manifest of a Serve config")
+    p.add_argument("config")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    p.add_argument("--name", default=kuberay.DEFAULT_NAME,
+                   help="the RayService's name (default %(default)s)")
+    p.add_argument("--namespace", metavar="NS", help="metadata.namespace (default: kubectl's)")
+    p.add_argument("--image", default=kuberay.DEFAULT_IMAGE,
+                   help="image of every pod, built from deploy/kuberay/Dockerfile "
+                        "(default %(default)s)")
+    p.add_argument("--head-cpus", type=int, metavar="N", default=kuberay.DEFAULT_HEAD_CPUS,
+                   help="CPUs of the head pod: router, rollout controller, Serve controller "
+                        "(default %(default)s)")
+    p.add_argument("--head-memory", metavar="Q", default=kuberay.DEFAULT_HEAD_MEMORY,
+                   help="memory of the head pod (default %(default)s)")
+    p.add_argument("--worker-memory", metavar="Q", default=kuberay.DEFAULT_WORKER_MEMORY,
+                   help="memory of an engine's pod when its ray_actor_options has no memory "
+                        "(default %(default)s)")
+    p.add_argument("--spare-workers", type=int, metavar="N", default=0,
+                   help="pods a worker group may add past its engines (surge replacements, "
+                        "blue/green variants); > 0 turns on the Ray autoscaler (default 0)")
     p = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key")
     p.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     args = parser.parse_args(argv)
@@ -196,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                                 refuse_restart=args.fail_on_restart) else 1
         if args.command == "swap":
             return _swap(args)
+        if args.command == "kuberay":
+            return _kuberay(args)
     except httpx.HTTPError as e:
         print(f"meshctl {args.command}: cannot read the Serve status from the Ray dashboard at "
               f"{args.address} ({e}); pass its address with -a", file=sys.stderr)

@@ -25,6 +25,7 @@ from ray.util.metrics import Counter
 
 from serve_app.common.adapters import AdapterError
 from serve_app.common.config import ReplicaConfig, VariantArgs
+from serve_app.server.engine_reaper import start_reaper
 from serve_app.server.engine import EngineHandle, engine_config, start_engine
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
@@ -42,6 +43,11 @@ IN_BAND_ERROR = 'data: {"error"'
 SSE_DONE = "data: [DONE]\n\n"
 #: Seconds a client should wait before retrying after a variant failure.
 RETRY_AFTER_S = 2
+#: Ray resources of one replica when the config gives no ``ray_actor_options`` (a config's own
+#: ``ray_actor_options`` replaces these whole). Small enough for two variants and the router on
+#: a 2-core host; GPU hosts set ``{num_cpus: 1, num_gpus: 1}`` in the config (README).
+#: ``meshctl kuberay`` sizes worker pods from the same values.
+REPLICA_ACTOR_OPTIONS = {"num_cpus": 0.5}
 
 
 @serve.deployment(
@@ -60,7 +66,7 @@ RETRY_AFTER_S = 2
     # deploy never leaves the variant with no replica (a failed replacement leaves the old
     # one serving).
     max_surge_percent=SURGE_PERCENT,
-    ray_actor_options={"num_cpus": 0.5},
+    ray_actor_options=dict(REPLICA_ACTOR_OPTIONS),
 )
 class LLMReplica:
     """A vLLM engine serving OpenAI chat completions and completions for one variant.
@@ -80,6 +86,7 @@ class LLMReplica:
         ctx = serve.get_replica_context()
         self.variant = ctx.app_name
         logger.info("variant %s: starting vLLM engine for model %s", self.variant, self.args.model)
+        self._reaper = start_reaper()  # stops the engine's processes should this one die first
         self.handle: EngineHandle = await start_engine(self.args)
         logger.info("variant %s: engine ready (max_model_len=%d)", self.variant,
                     self.handle.max_model_len)

@@ -184,7 +184,7 @@ class MeshRouter:
                                       session_id=request.headers.get(SESSION_HEADER),
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
-            account.hold_tenant_slot(self.limiter, tenant)
+            await account.hold_tenant_slot(self.limiter, tenant)
             account.capture = self.shadows.maybe_mirror(plan, effective_shadow(
                 self.config.routes[plan.route].shadow, self.rollouts.shadow_phase(plan.route)),
                 plan.identity, request_id)

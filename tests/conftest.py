@@ -116,7 +116,7 @@ def local_mesh(mesh: Mesh) -> Mesh:
 #: config onto the shared cluster, and a variant whose `args` stay the same keeps its replica.
 MODULE_ORDER = ["test_serving", "test_base_swap", "test_tenants", "test_overload",
                 "test_canary", "test_rollouts", "test_traffic_safety", "test_shadow_traffic",
-                "test_observability"]
+                "test_observability", "test_multi_node"]  # last: it kills a node
 
 
 def pytest_collection_modifyitems(items):

@@ -1,48 +1,154 @@
-"""Unit tests of the per-tenant limiter (no Ray): concurrency and requests-per-minute."""
+"""Unit tests of the per-tenant limits (no Ray): the counts, and a router's limiter against
+shared counts that answer, answer late, or fail (a fake handle in place of the Ray actor)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from ray.exceptions import RayActorError
 
 import serve_app.ingress.limits as limits
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.ingress.limits import TenantLimiter
+from serve_app.ingress.limits import TenantCounts, TenantLimiter
 
 
-def tenant(**kw) -> Tenant:
-    return Tenant(id="t", api_keys_sha256=["0" * 64], **kw)
+def tenant(id: str = "t", **kw) -> Tenant:
+    return Tenant(id=id, api_keys_sha256=["0" * 64], **kw)
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeShared:
+    """The calls of :class:`limits.SharedTenantCounts`, on a real TenantCounts, with a delay
+    or a failure on request."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+        self.counts, self.incarnation = TenantCounts(), "one"
+        self.delay_s, self.fail = delay_s, fail
+        self.acquire = _Method(self._acquire)
+        self.release = _Method(self._release)
+
+    async def _acquire(self, *limits_):
+        if self.fail:
+            raise RayActorError()
+        await asyncio.sleep(self.delay_s)
+        return self.incarnation, self.counts.acquire(*limits_)
+
+    def _release(self, tenant_id, incarnation):
+        if incarnation == self.incarnation:
+            self.counts.release(tenant_id)
 
 
 def test_concurrency_limit_and_release():
-    t, limiter = tenant(max_concurrent_requests=2), TenantLimiter()
-    limiter.acquire(t)
-    limiter.acquire(t)
-    with pytest.raises(MeshError) as e:
-        limiter.acquire(t)
-    assert (e.value.status, e.value.code) == (429, "concurrency_limit_exceeded")
-    assert e.value.headers == {"Retry-After": "1"}
-    limiter.release(t)
-    limiter.acquire(t)  # a slot is free again
+    async def main():
+        t, limiter = tenant(max_concurrent_requests=2), TenantLimiter(shared=None)
+        a = await limiter.acquire(t)
+        await limiter.acquire(t)
+        with pytest.raises(MeshError) as e:
+            await limiter.acquire(t)
+        assert (e.value.status, e.value.code) == (429, "concurrency_limit_exceeded")
+        assert e.value.headers == {"Retry-After": "1"}
+        limiter.release(a)
+        await limiter.acquire(t)  # a slot is free again
+    asyncio.run(main())
 
 
 def test_requests_per_minute_is_a_token_bucket(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(limits.time, "monotonic", lambda: now[0])
-    t, limiter = tenant(requests_per_minute=3), TenantLimiter()
+    counts = TenantCounts()
     for _ in range(3):  # a full bucket: a burst of 3
-        limiter.acquire(t)
-        limiter.release(t)
-    with pytest.raises(MeshError) as e:
-        limiter.acquire(t)
-    assert (e.value.status, e.value.code) == (429, "rate_limit_exceeded")
-    assert e.value.headers == {"Retry-After": "20"}  # one token every 60 / 3 s
+        assert counts.acquire("t", None, 3) is None
+        counts.release("t")
+    refusal = counts.acquire("t", None, 3)
+    assert (refusal.status, refusal.code, refusal.retry_after_s) == (429, "rate_limit_exceeded",
+                                                                     20)  # 60 / 3 s a token
     now[0] += 20
-    limiter.acquire(t)
+    assert counts.acquire("t", None, 3) is None
 
 
-def test_open_mode_and_unlimited_tenants_pass():
-    limiter = TenantLimiter()
-    for _ in range(100):
-        limiter.acquire(None)
-        limiter.acquire(tenant())
+def test_open_mode_and_unlimited_tenants_cost_no_call():
+    async def main():
+        shared = FakeShared(fail=True)  # would fail if asked
+        limiter = TenantLimiter(shared=shared)
+        for _ in range(100):
+            assert await limiter.acquire(None) is None
+            assert await limiter.acquire(tenant()) is None
+        assert limiter._down_until == 0.0  # never asked
+    asyncio.run(main())
+
+
+def test_two_routers_share_one_count():
+    async def main():
+        shared, t = FakeShared(), tenant(max_concurrent_requests=2)
+        r1, r2 = TenantLimiter(shared=shared), TenantLimiter(shared=shared)
+        a = await r1.acquire(t)
+        await r2.acquire(t)
+        for r in (r1, r2):
+            with pytest.raises(MeshError) as e:
+                await r.acquire(t)
+            assert e.value.status == 429 and "2 requests in flight" in e.value.message
+        r1.release(a)
+        assert shared.counts.in_flight("t") == 1
+        await r2.acquire(t)
+        shared.incarnation = "two"  # Ray restarted the actor: an older lease frees nothing
+        r1.release(a)
+        assert shared.counts.in_flight("t") == 2
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_unreachable_shared_counts_apply_the_fail_mode(mode):
+    async def main():
+        t = tenant(max_concurrent_requests=1, limits_fail_mode=mode)
+        limiter = TenantLimiter(shared=FakeShared(fail=True))
+        if mode == "closed":
+            with pytest.raises(MeshError) as e:
+                await limiter.acquire(t)
+            assert (e.value.status, e.value.code) == (503, "limits_unavailable")
+            assert e.value.headers == {"Retry-After": "5"}
+            return
+        lease = await limiter.acquire(t)  # counted on this router alone
+        assert lease.shared is None
+        with pytest.raises(MeshError) as e:
+            await limiter.acquire(t)
+        assert e.value.status == 429
+        limiter.release(lease)
+        await limiter.acquire(t)
+    asyncio.run(main())
+
+
+def test_a_late_answer_gives_its_count_back_and_the_router_stops_asking(monkeypatch):
+    monkeypatch.setattr(limits, "SHARED_TIMEOUT_S", 0.05)
+
+    async def main():
+        shared, t = FakeShared(delay_s=0.2), tenant(max_concurrent_requests=1)
+        limiter = TenantLimiter(shared=shared)
+        lease = await limiter.acquire(t)  # timed out: counted locally (fail mode open)
+        assert lease.shared is None and limiter._down_until > 0
+        await asyncio.sleep(0.3)  # the late answer arrived and was given back
+        assert shared.counts.in_flight("t") == 0
+        shared.delay_s = 0.0
+        assert (await limiter.acquire(tenant("u", max_concurrent_requests=1))).shared is None
+        limiter._down_until = 0.0  # RETRY_SHARED_S later
+        assert (await limiter.acquire(t)).shared is shared
+    asyncio.run(main())
+
+
+def test_a_client_leaving_while_the_router_asks_frees_its_count():
+    async def main():
+        shared, t = FakeShared(delay_s=0.1), tenant(max_concurrent_requests=1)
+        asking = asyncio.ensure_future(TenantLimiter(shared=shared).acquire(t))
+        await asyncio.sleep(0.02)
+        asking.cancel()
+        await asyncio.sleep(0.2)  # the shared counts answered after the client left
+        assert shared.counts.in_flight("t") == 0
+    asyncio.run(main())

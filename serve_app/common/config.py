@@ -14,7 +14,7 @@ Validation errors name the path of the bad field (pydantic's ``loc``); see
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -238,8 +238,13 @@ class Tenant(Strict):
             ``/admin/*``.
         routes: routes the tenant may call; ``["*"]`` for all.
         adapters: adapter names the tenant owns and may call (``route:adapter``).
-        max_concurrent_requests: requests in flight at once, per router replica (429 above).
-        requests_per_minute: request rate, per router replica (429 above).
+        max_concurrent_requests: requests in flight at once, across every router replica
+            (429 above; :mod:`serve_app.ingress.limits`).
+        requests_per_minute: request rate, across every router replica (429 above).
+        limits_fail_mode: what a router does with a limited tenant's request while the
+            cluster-wide counts do not answer: ``open`` counts it on that router replica
+            alone (the limits then hold per router), ``closed`` refuses it (503
+            ``limits_unavailable`` with ``Retry-After``).
         priority: the tenant's priority under contention, in vLLM's convention: lower is
             served first (default 0). It orders the router's admission queues, and reaches
             vLLM as the request ``priority`` on engines with ``scheduling_policy: priority``.
@@ -253,6 +258,7 @@ class Tenant(Strict):
     adapters: list[str] = Field(default_factory=list)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     requests_per_minute: int | None = Field(default=None, ge=1)
+    limits_fail_mode: Literal["open", "closed"] = "open"
     priority: int = Field(default=0, ge=-1000, le=1000)
     shadow: bool = True
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
 from serve_app.ingress.admission import Slot, VariantAdmission
-from serve_app.ingress.limits import TenantLimiter
+from serve_app.ingress.limits import Lease, TenantLimiter
 from serve_app.observability.metrics import MeshMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -70,14 +70,14 @@ class RequestAccount:
         self.tags = dict(tags)
         self.arms: tuple[tuple[str, str], ...] = ()
         self.capture = None  # a PrimaryCapture when the request is mirrored (ingress.shadow)
-        self._tenant: tuple[TenantLimiter, Tenant | None] | None = None
+        self._tenant: tuple[TenantLimiter, Lease | None] | None = None
         self._slot: tuple[VariantAdmission, Slot] | None = None
         self.finished = False
 
-    def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None) -> None:
-        """Take the tenant's slot (raises MeshError 429 at its limit); released by finish."""
-        limiter.acquire(tenant)
-        self._tenant = (limiter, tenant)
+    async def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None) -> None:
+        """Take the tenant's slot (raises MeshError 429 at its limit, see
+        :meth:`TenantLimiter.acquire`); released by finish."""
+        self._tenant = (limiter, await limiter.acquire(tenant))
 
     def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
                           waited_s: float) -> None:
@@ -127,8 +127,8 @@ class RequestAccount:
         self.finished = True
         latency = time.monotonic() - self.t0
         if self._tenant is not None:
-            limiter, tenant = self._tenant
-            limiter.release(tenant)
+            limiter, lease = self._tenant
+            limiter.release(lease)
         if self._slot is not None:
             admission, slot = self._slot
             admission.release(slot)

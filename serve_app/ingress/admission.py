@@ -26,8 +26,8 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   so its requests start at once even while worse ones fill the variant.
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 
-Limits hold per router replica. Rejections are 503 (the tenant's own limits, in
-:mod:`serve_app.limits`, are 429).
+Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
+:mod:`serve_app.ingress.limits`, cluster-wide, are 429).
 """
 
 from __future__ import annotations

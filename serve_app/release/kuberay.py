@@ -1,0 +1,415 @@
+"""Serve config -> KubeRay ``RayService`` manifest (``meshctl kuberay``).
+
+A ``RayService`` (``apiVersion: ray.io/v1``) holds two things, and KubeRay treats them
+differently:
+
+- ``spec.serveConfigV2``: the Serve config, as a YAML string. KubeRay applies an edit of it in
+  place (the same PUT as ``serve deploy``), so every mesh flow that edits a Serve config
+  (weights, adapters, rollouts, swaps) works unchanged on Kubernetes.
+- ``spec.rayClusterConfig``: the Ray cluster. KubeRay answers most edits of it by building a
+  new cluster and switching traffic to it once its applications run (zero-downtime upgrade).
+
+The Serve config goes in as it is, with one change: ``http_options.host`` becomes
+``0.0.0.0``. On a pod, Serve's proxy must listen on the pod's address, not on loopback, or
+neither KubeRay's serve Service nor its health checks reach it. The port is kept (default
+8000), and so are ``proxy_location`` (``EveryNode`` suits Kubernetes: a proxy on every pod
+that runs a replica) and every deployment's ``autoscaling_config``.
+
+The cluster is derived from the variant applications (``import_path:
+serve_app.replica:build_app``): each ``LLMReplica`` replica gets a Ray worker pod sized from
+its ``ray_actor_options``; the router (``MeshRouter``) and the ``RolloutController`` run on
+the head.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from serve_app.common.serve_configs import (
+    REPLICA_DEPLOYMENT,
+    applications,
+    deployment,
+    mesh_parts,
+)
+
+API_VERSION = "ray.io/v1"
+KIND = "RayService"
+DEFAULT_NAME = "model-mesh"
+DEFAULT_IMAGE = "model-mesh:latest"
+DEFAULT_HEAD_CPUS = 2
+DEFAULT_HEAD_MEMORY = "8Gi"
+#: Memory of a worker pod whose replica's ray_actor_options states none: vLLM needs far more
+#: than Ray reserves by default (nothing), for the weights, the KV cache and CUDA/torch.
+DEFAULT_WORKER_MEMORY = "8Gi"
+#: Where Serve's proxy listens on a pod: every address of the pod.
+POD_HOST = "0.0.0.0"
+METRICS_PORT = 8080  # KubeRay's default metrics-export-port for every Ray pod
+#: Serve's default num_cpus for a replica whose ray_actor_options omit it
+#: (ray.serve._private.config.ReplicaConfig).
+SERVE_DEFAULT_NUM_CPUS = 1
+#: KubeRay refuses longer RayService names (it appends 6 characters for the RayCluster name,
+#: whose limit is 53).
+MAX_NAME_LENGTH = 47
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+class ManifestError(ValueError):
+    """The config or the options cannot make a manifest; ``problems`` has one line each,
+    ``<path.of.field>: <problem>``."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass
+class WorkerGroup:
+    """One KubeRay worker group: the engine replicas of one resource shape, one pod each.
+
+    ``cpus``, ``gpus``: whole units per pod; ``memory``: bytes per pod; ``resources``: Ray
+    custom resources each pod advertises; the counts are pods (= engine replicas).
+    """
+
+    name: str
+    cpus: int
+    gpus: int
+    memory: int
+    resources: dict[str, float]
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    variants: list[str]
+
+
+def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
+                        image: str = DEFAULT_IMAGE, namespace: str | None = None,
+                        head_cpus: int = DEFAULT_HEAD_CPUS,
+                        head_memory: str = DEFAULT_HEAD_MEMORY,
+                        worker_memory: str = DEFAULT_WORKER_MEMORY,
+                        spare_workers: int = 0) -> dict[str, Any]:
+    """The KubeRay ``RayService`` for a Serve config of the mesh, as a dict (dump it with
+    :func:`manifest_yaml`).
+
+    Args:
+        config: a Serve config (what ``serve deploy`` takes), as parsed from YAML; not modified.
+        name: ``metadata.name``, a DNS-1035 label of at most 47 characters.
+        image: the image of every pod; it must hold the repository (``serve_app``,
+            ``adapters/``, ``models/``): ``deploy/kuberay/Dockerfile``.
+        namespace: ``metadata.namespace``; None leaves it to ``kubectl``.
+        head_cpus: CPUs of the head pod (whole), which runs the router, the rollout controller,
+            Serve's controller and the GCS.
+        head_memory, worker_memory: Kubernetes quantities (``8Gi``, ``512Mi``, bytes). A
+            worker pod's memory is its replica's ``ray_actor_options.memory`` (bytes), or
+            ``worker_memory`` when that is absent. KubeRay passes a pod's memory limit to Ray
+            as the node's ``memory``, so a replica that asks for memory fits its pod.
+        spare_workers: pods each worker group may add past its engines' maximum (for Serve's
+            surge replacements and blue/green variants); > 0 turns on the Ray autoscaler.
+
+    Worker groups: the ``LLMReplica`` of each variant application, with the config's
+    ``ray_actor_options`` when it has some (they replace the code's whole, as in Serve; a
+    missing ``num_cpus`` is Serve's default 1) and else ``REPLICA_ACTOR_OPTIONS`` of
+    :mod:`serve_app.replica`. Variants of one shape (GPUs per pod, custom resource names) share
+    a group, in the order of the applications, so a variant of a new shape adds a group at
+    the end. Per pod: ``cpu = max(1, ceil(num_cpus))``, ``nvidia.com/gpu = ceil(num_gpus)``
+    (and the ``num-gpus`` ray start parameter), custom ``resources`` through the
+    ``resources`` ray start parameter; the largest variant of a group sizes its pods. Counts:
+    ``replicas`` = the sum of ``num_replicas`` (Serve's default 1), or of
+    ``autoscaling_config`` ``initial_replicas`` (default ``min_replicas``);
+    ``minReplicas`` = the sum of ``num_replicas`` or ``min_replicas``; ``maxReplicas`` = the
+    sum of ``num_replicas`` or ``max_replicas``, plus ``spare_workers``.
+    ``enableInTreeAutoscaling`` is true when a deployment autoscales or a group's
+    ``maxReplicas`` exceeds its ``minReplicas``.
+
+    Raises:
+        ManifestError (a ValueError): every problem at once, one line each: Ray's
+            ``ServeDeploySchema``, the mesh's :func:`~serve_app.release.validate.validate_config`
+            (run on the config as deployed, with the pod host), and bad options.
+    """
+    import ray
+
+    problems = _option_problems(name=name, image=image, head_cpus=head_cpus,
+                                spare_workers=spare_workers)
+    quantities = {}
+    for option, value in (("head_memory", head_memory), ("worker_memory", worker_memory)):
+        try:
+            quantities[option] = parse_quantity(value)
+        except ValueError as e:
+            problems.append(f"{option}: {e}")
+    serve_config = pod_serve_config(config)
+    problems += serve_config_problems(serve_config)
+    if problems:
+        raise ManifestError(problems)
+
+    groups = worker_groups(serve_config, worker_memory=quantities["worker_memory"],
+                           spare_workers=spare_workers)
+    autoscaling = any(_autoscales(d) for a in applications(serve_config)
+                      for d in a.get("deployments") or []) or any(
+        g.max_replicas > g.min_replicas for g in groups)
+    serve_port = serve_config["http_options"]["port"]
+    metadata: dict[str, Any] = {"name": name}
+    if namespace:
+        metadata["namespace"] = namespace
+    metadata["labels"] = {"app.kubernetes.io/name": "model-mesh"}
+    head_resources = {"cpu": str(head_cpus), "memory": head_memory}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {
+            "serveConfigV2": yaml.dump(serve_config, Dumper=_Dumper, sort_keys=False,
+                                       width=4096),
+            "rayClusterConfig": {
+                "rayVersion": ray.__version__,
+                "enableInTreeAutoscaling": autoscaling,
+                "headGroupSpec": {
+                    "rayStartParams": {"dashboard-host": "0.0.0.0"},
+                    "template": {"spec": {"containers": [{
+                        "name": "ray-head",
+                        "image": image,
+                        "resources": {"requests": dict(head_resources),
+                                      "limits": dict(head_resources)},
+                        "ports": [
+                            {"containerPort": 6379, "name": "gcs-server"},
+                            {"containerPort": 8265, "name": "dashboard"},
+                            {"containerPort": 10001, "name": "client"},
+                            {"containerPort": serve_port, "name": "serve"},
+                            {"containerPort": METRICS_PORT, "name": "metrics"},
+                        ],
+                    }]}},
+                },
+                "workerGroupSpecs": [_group_spec(g, image) for g in groups],
+            },
+        },
+    }
+
+
+def pod_serve_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` whose proxy listens on the pod: ``http_options.host: 0.0.0.0``,
+    the port kept (Serve's default 8000 written out when absent). Nothing else changes."""
+    from ray.serve.schema import HTTPOptionsSchema
+
+    out = copy.deepcopy(config)
+    http = out.get("http_options")
+    http = dict(http) if isinstance(http, dict) else {}
+    http["host"] = POD_HOST
+    http.setdefault("port", HTTPOptionsSchema.model_fields["port"].default)
+    out["http_options"] = http
+    return out
+
+
+def serve_config_problems(serve_config: dict[str, Any]) -> list[str]:
+    """Problems of a Serve config, one line each: Ray's ``ServeDeploySchema`` first, then (when
+    that passes) the mesh's own checks."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.common.errors import format_validation_error
+    from serve_app.release.validate import validate_config
+
+    try:
+        ServeDeploySchema.model_validate(serve_config)
+    except ValidationError as e:
+        return format_validation_error(e).splitlines()
+    return [line for p in validate_config(serve_config) for line in p.splitlines()]
+
+
+def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
+                  spare_workers: int = 0) -> list[WorkerGroup]:
+    """The worker groups of a valid Serve config (see :func:`rayservice_manifest`);
+    ``worker_memory`` in bytes."""
+    from serve_app.replica import REPLICA_ACTOR_OPTIONS, LLMReplica
+
+    groups: dict[tuple, WorkerGroup] = {}
+    for app_name, app in mesh_parts(serve_config).variant_apps.items():
+        dep = deployment(app, REPLICA_DEPLOYMENT) or {}
+        # As Serve: the config's ray_actor_options replace the code's whole.
+        opts = dep.get("ray_actor_options", REPLICA_ACTOR_OPTIONS) or {}
+        num_cpus = opts.get("num_cpus")
+        num_cpus = SERVE_DEFAULT_NUM_CPUS if num_cpus is None else num_cpus
+        gpus = math.ceil(opts.get("num_gpus") or 0)
+        resources = dict(opts.get("resources") or {})
+        memory = math.ceil(opts["memory"]) if opts.get("memory") else worker_memory
+        low, initial, high = _replica_counts(dep, LLMReplica.num_replicas)
+        key = (gpus, tuple(sorted(resources)))
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = WorkerGroup(name="", cpus=0, gpus=gpus, memory=0, resources={},
+                                          replicas=0, min_replicas=0, max_replicas=spare_workers,
+                                          variants=[])
+        g.cpus = max(g.cpus, max(1, math.ceil(num_cpus)))
+        g.memory = max(g.memory, memory)
+        for k, v in resources.items():
+            g.resources[k] = max(g.resources.get(k, 0), v)
+        g.replicas += initial
+        g.min_replicas += low
+        g.max_replicas += high
+        g.variants.append(app_name)
+    names: set[str] = set()
+    for (gpus, keys), g in groups.items():
+        g.name = _unique(_group_name(gpus, keys), names)
+    return list(groups.values())
+
+
+def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    """What is valid but works poorly on Kubernetes, one line each (printed, not refused)."""
+    warnings = []
+    location = serve_config.get("proxy_location", "EveryNode")
+    if location != "EveryNode":
+        warnings.append(
+            f"proxy_location: {location}: only the head pod runs a Serve proxy, so all HTTP "
+            "traffic enters there; EveryNode runs one on every pod with a replica, and "
+            "KubeRay's serve Service sends traffic to the pods whose proxy is healthy")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    head_cpus = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"][
+        "limits"]["cpu"]
+    for g in cluster["workerGroupSpecs"]:
+        if "num-gpus" not in g["rayStartParams"] and "resources" not in g["rayStartParams"]:
+            warnings.append(
+                f"workerGroupSpecs[{g['groupName']}]: its engines ask Ray only for CPUs, and "
+                "Ray places replicas by resources, not by pod: one may start on the head pod "
+                f"({head_cpus} CPUs) or beside another engine on one worker pod. To keep one "
+                "engine per worker pod, give LLMReplica a custom resource, e.g. "
+                "ray_actor_options: {num_cpus: 1, resources: {mesh_engine: 1}} (or num_gpus)")
+    return warnings
+
+
+def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str:
+    """The manifest as YAML text, ``serveConfigV2`` as a literal block, after a comment that
+    says where it came from."""
+    command = f"meshctl kuberay {source}" if source else "meshctl kuberay"
+    head = (f"# KubeRay RayService written by `{command}`: edit the Serve config, regenerate.\n"
+            "# serveConfigV2: the Serve config with http_options.host 0.0.0.0 (the proxy "
+            "listens on the pod).\n"
+            "# KubeRay applies serveConfigV2 edits in place; a rayClusterConfig edit builds a "
+            "new cluster,\n"
+            "# then switches traffic to it (README, \"Kubernetes with KubeRay\").\n")
+    body = copy.deepcopy(manifest)
+    body["spec"]["serveConfigV2"] = _Literal(body["spec"]["serveConfigV2"])
+    return head + yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=4096)
+
+
+def parse_quantity(value: str | int) -> int:
+    """Bytes in a Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1G``, ``1073741824``).
+
+    Raises:
+        ValueError: not such a quantity, or not positive.
+    """
+    m = _QUANTITY.match(str(value).strip())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"got {value!r}; need a positive Kubernetes quantity such as 8Gi, "
+                         "512Mi or a number of bytes")
+    return math.ceil(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_quantity(n_bytes: int) -> str:
+    """A byte count as the shortest exact Kubernetes quantity (``8Gi``, ``1536Mi``, bytes)."""
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        if n_bytes % _UNITS[unit] == 0:
+            return f"{n_bytes // _UNITS[unit]}{unit}"
+    return str(n_bytes)
+
+
+def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: int) -> list[str]:
+    problems = []
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
+        problems.append(f"name: got {name!r}; KubeRay needs a DNS-1035 label (lowercase "
+                        f"letters, digits and '-', starting with a letter) of at most "
+                        f"{MAX_NAME_LENGTH} characters")
+    if not image.strip():
+        problems.append("image: empty; name the image built from deploy/kuberay/Dockerfile")
+    if not isinstance(head_cpus, int) or head_cpus < 1:
+        problems.append(f"head_cpus: got {head_cpus!r}; need a whole number >= 1 (the router "
+                        "and the rollout controller run on the head)")
+    if not isinstance(spare_workers, int) or spare_workers < 0:
+        problems.append(f"spare_workers: got {spare_workers!r}; need a whole number >= 0")
+    return problems
+
+
+def _autoscales(dep: dict[str, Any]) -> bool:
+    return dep.get("autoscaling_config") is not None or dep.get("num_replicas") == "auto"
+
+
+def _replica_counts(dep: dict[str, Any], code_default: int) -> tuple[int, int, int]:
+    """(minimum, initial, maximum) replicas of a deployment entry, as Serve resolves them."""
+    if not _autoscales(dep):
+        n = dep.get("num_replicas")
+        n = code_default if n is None else n
+        return n, n, n
+    from ray.serve.config import AutoscalingConfig
+
+    # num_replicas: auto starts from Serve's default autoscaling config (max 100); a plain
+    # autoscaling_config from the field defaults (handle_num_replicas_auto in Serve).
+    given = dict(dep.get("autoscaling_config") or {})
+    if dep.get("num_replicas") == "auto":
+        given = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **given}
+    asc = AutoscalingConfig.model_validate(given)
+    initial = asc.min_replicas if asc.initial_replicas is None else asc.initial_replicas
+    return asc.min_replicas, initial, asc.max_replicas
+
+
+def _group_name(gpus: int, resource_keys: tuple[str, ...]) -> str:
+    parts = ["engines", f"gpu{gpus}" if gpus else "cpu", *resource_keys]
+    name = re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+    return name[:40].rstrip("-")
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, i = name, 2
+    while candidate in taken:
+        candidate, i = f"{name}-{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
+    params: dict[str, str] = {}
+    limits = {"cpu": str(g.cpus), "memory": format_quantity(g.memory)}
+    if g.gpus:
+        params["num-gpus"] = str(g.gpus)
+        limits["nvidia.com/gpu"] = str(g.gpus)
+    if g.resources:
+        # KubeRay's documented form: the JSON with its quotes escaped, inside double quotes,
+        # e.g. '"{\"mesh_engine\": 1}"' (the backslashes are characters of the value).
+        params["resources"] = '"' + json.dumps(_whole(g.resources)).replace('"', '\\"') + '"'
+    return {
+        "groupName": g.name,
+        "replicas": g.replicas,
+        "minReplicas": g.min_replicas,
+        "maxReplicas": g.max_replicas,
+        "rayStartParams": params,
+        "template": {"spec": {"containers": [{
+            "name": "ray-worker",
+            "image": image,
+            "resources": {"requests": dict(limits), "limits": dict(limits)},
+            "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
+        }]}},
+    }
+
+
+def _whole(resources: dict[str, float]) -> dict[str, float]:
+    return {k: int(v) if float(v).is_integer() else v for k, v in resources.items()}
+
+
+class _Literal(str):
+    """A string dumped as a YAML literal block (``|``)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML: no anchors/aliases (a config's ``&engine`` / ``*engine`` is written out)."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+_Dumper.add_representer(
+    _Literal, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|"))

@@ -1,0 +1,267 @@
+"""The mesh on two Ray nodes (run last: its final test kills a node).
+
+A second Ray node joins the session's cluster on this machine, started and later killed with
+Ray's own node primitives (``ray._private.node.Node``, what ``ray.cluster_utils.Cluster``
+uses). It has no CPUs and one custom resource, ``mesh_worker``, so only what asks for it
+lands there: variant ``smollm-v2``. The head runs ``smollm-v1``, two ``MeshRouter``
+replicas, the ``RolloutController`` and the one Serve proxy (``proxy_location: HeadOnly``:
+a second proxy on this host would contend for the HTTP port).
+
+Proven here: variants on different nodes; a tenant limit held across two routers; the
+zero-drop canary ramp and adapter upgrade across nodes; and the loss of the worker node
+under stream load (its streams end, counted as errors, new requests fail over, the head
+keeps its state, and no vLLM engine process is left behind).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from serve_app.ingress.split import pick_variant
+from serve_app.release.deploy import serve_status
+from serve_app.tools.loadgen import LoadSpec, background_load
+from test_tenants import ACME_V1, ACME_V2, KEYS
+from test_traffic_safety import SLOW, metric_total, wait_for_metric
+
+pytestmark = pytest.mark.integration
+
+WORKER_RESOURCE = "mesh_worker"
+OPS = {"authorization": f"Bearer {KEYS['ops']}"}
+
+
+def router_uc(cfg) -> dict:
+    return cfg["applications"][0]["deployments"][0]["user_config"]
+
+
+def configured(base, weights=(100, 0), adapters=(("acme-support", 1), ("globex-report", 1)),
+               rollout: dict | None = None):
+    """``base`` with route smollm split ``weights`` (v1, v2) and ``adapters`` on both."""
+    cfg = copy.deepcopy(base)
+    route = router_uc(cfg)["routes"]["smollm"]
+    route["variants"] = [{"application": "smollm-v1", "weight": weights[0]},
+                         {"application": "smollm-v2", "weight": weights[1]}]
+    if rollout is not None:
+        route["rollout"] = rollout
+    for app in cfg["applications"][1:]:
+        app["deployments"][0]["user_config"]["adapters"] = [
+            {"name": n, "version": v} for n, v in adapters]
+    return cfg
+
+
+def two_node_config(tenants_yaml: dict) -> dict:
+    """serve_configs/tenants.yaml with two router replicas, tenant initech limited to 2
+    requests in flight, and a second variant pinned to the worker node."""
+    cfg = copy.deepcopy(tenants_yaml)
+    cfg["applications"][0]["deployments"][0]["num_replicas"] = 2
+    for t in router_uc(cfg)["tenants"]:
+        if t["id"] == "initech":
+            t["max_concurrent_requests"] = 2
+            t.pop("requests_per_minute", None)
+    v2 = copy.deepcopy(cfg["applications"][1])
+    v2["name"] = "smollm-v2"
+    v2["deployments"][0]["ray_actor_options"] = {"num_cpus": 0,
+                                                 "resources": {WORKER_RESOURCE: 1}}
+    cfg["applications"].append(v2)
+    return configured(cfg)
+
+
+def replicas(mesh, app: str, deployment: str) -> list[dict]:
+    """The RUNNING replicas of ``app``/``deployment`` (Serve's details: node_id, pid, ...)."""
+    dep = serve_status(mesh.dashboard)["applications"][app]["deployments"][deployment]
+    return [r for r in dep["replicas"] if r["state"] == "RUNNING"]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(mesh):
+    import ray
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    params = RayParams(gcs_address=ray.get_runtime_context().gcs_address,
+                       node_ip_address=ray.util.get_node_ip_address(), num_cpus=0,
+                       num_gpus=0, resources={WORKER_RESOURCE: 1},
+                       object_store_memory=200 * 1024 * 1024, min_worker_port=0,
+                       max_worker_port=0, node_manager_port=0, include_log_monitor=False)
+    params.dashboard_agent_listen_port = None
+    node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=False)
+    deadline = time.monotonic() + 60
+    while not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the worker node did not join"
+        time.sleep(0.5)
+    mesh.worker_node = node
+    mesh.two_node_cfg = two_node_config(mesh.config("tenants.yaml"))
+    mesh.deploy(mesh.two_node_cfg)
+    yield mesh
+    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+
+
+def stream_statuses(mesh, tenant: str, n: int) -> list[tuple[int, str | None]]:
+    """``n`` concurrent 48-token streams of ``tenant``: (status, Retry-After) of each."""
+    body = {"model": "smollm", "max_tokens": 48, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Count to fifty."}]}
+    start = threading.Barrier(n)
+
+    def one(_):
+        with mesh.http() as http:
+            start.wait()
+            with http.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"authorization": f"Bearer {KEYS[tenant]}"}) as r:
+                r.read()
+                return r.status_code, r.headers.get("retry-after")
+    with ThreadPoolExecutor(n) as pool:
+        return sorted(pool.map(one, range(n)))
+
+
+def test_variants_on_two_nodes_and_a_tenant_limit_across_two_routers(two_nodes):
+    head_id = ray_head_node_id()
+    [v2] = replicas(two_nodes, "smollm-v2", "LLMReplica")
+    [v1] = replicas(two_nodes, "smollm-v1", "LLMReplica")
+    routers = replicas(two_nodes, "mesh", "MeshRouter")
+    print(f"\nsmollm-v1 on {v1['node_id'][:8]}, smollm-v2 on {v2['node_id'][:8]}, "
+          f"{len(routers)} routers on {sorted({r['node_id'][:8] for r in routers})}")
+    assert v2["node_id"] == two_nodes.worker_node.node_id
+    assert v1["node_id"] == head_id and len(routers) == 2
+    assert all(r["node_id"] == head_id for r in routers)
+
+    # initech may have 2 requests in flight, across both routers together.
+    for _ in range(2):
+        got = stream_statuses(two_nodes, "initech", 6)
+        print(f"6 concurrent initech streams through 2 routers: {got}")
+        assert [s for s, _ in got] == [200, 200, 429, 429, 429, 429]
+        assert all(retry for s, retry in got if s == 429)
+        time.sleep(1)  # the routers give the slots back without waiting
+    # A tenant without limits is not held back.
+    assert [s for s, _ in stream_statuses(two_nodes, "globex", 4)] == [200] * 4
+
+
+def ray_head_node_id() -> str:
+    import ray
+    return next(n["NodeID"] for n in ray.nodes()
+                if n["Alive"] and n["Resources"].get("node:__internal_head__"))
+
+
+def test_zero_drop_canary_ramp_across_nodes(two_nodes):
+    spec = LoadSpec(base_url=f"{two_nodes.base_url}/v1", model="smollm", concurrency=4,
+                    max_tokens=24, api_key=KEYS["ops"], duration_s=600, user_prefix="ramp-")
+    with background_load(spec) as results:
+        time.sleep(4)
+        for weights in ((50, 50), (0, 100), (50, 50)):
+            two_nodes.deploy(configured(two_nodes.two_node_cfg, weights))
+            time.sleep(4)
+    by_variant = {v: sum(r.variant == v for r in results) for v in ("smollm-v1", "smollm-v2")}
+    failed = [r for r in results if not r.ok]
+    print(f"\nramp across nodes: {len(results)} streams, {len(failed)} failed, {by_variant}")
+    assert len(results) >= 20 and not failed, [(r.status, r.error) for r in failed[:5]]
+    assert by_variant["smollm-v1"] > 0 and by_variant["smollm-v2"] > 0
+
+
+def test_zero_drop_adapter_upgrade_on_the_worker_node(two_nodes):
+    two_nodes.deploy(configured(two_nodes.two_node_cfg, (0, 100)))  # everything on the worker
+    before = two_nodes.all_replica_ids()
+    spec = LoadSpec(base_url=f"{two_nodes.base_url}/v1", model="smollm:acme-support",
+                    concurrency=4, max_tokens=24, api_key=KEYS["acme"], duration_s=600,
+                    prompt="What is the largest ocean on Earth?")
+    with background_load(spec) as results:
+        time.sleep(4)
+        two_nodes.deploy(configured(two_nodes.two_node_cfg, (0, 100),
+                                    adapters=(("acme-support", 2), ("globex-report", 1))))
+        deployed_at = time.monotonic()
+        time.sleep(6)
+    failed = [r for r in results if not r.ok]
+    after = [r for r in results if r.started_at > deployed_at]
+    print(f"\nadapter upgrade on the worker node: {len(results)} streams, {len(failed)} "
+          f"failed, {len(after)} after the deploy, variants {sorted({r.variant for r in results})}")
+    assert len(results) >= 8 and not failed, [(r.status, r.error) for r in failed[:3]]
+    assert {r.variant for r in results} == {"smollm-v2"}
+    assert after and all(r.text.startswith(ACME_V2) for r in after), [r.text for r in after]
+    assert any(r.text.startswith(ACME_V1) for r in results if r.started_at < deployed_at)
+    assert two_nodes.all_replica_ids() == before
+
+
+def engine_processes(replica_pid: int) -> list[psutil.Process]:
+    """The vLLM engine processes (EngineCore and any Worker) a replica started."""
+    return [p for p in psutil.Process(replica_pid).children(recursive=True)
+            if p.name().startswith("VLLM::")]
+
+
+def test_losing_the_worker_node_under_load(two_nodes):
+    """Kill every Ray process of the worker node with SIGKILL (as `ray stop --force` does on
+    a node, or a crash): streams on it end and count as errors, no request hangs, new
+    requests fail over to smollm-v1 before their first byte, the head keeps its routers,
+    rollout and limits, and the node's vLLM engine is not left running."""
+    two_nodes.deploy(configured(two_nodes.two_node_cfg, rollout={"id": "node-loss", **SLOW}))
+    [v2] = replicas(two_nodes, "smollm-v2", "LLMReplica")
+    engines = engine_processes(v2["pid"])
+    assert engines, "no vLLM engine process found under the smollm-v2 replica"
+    head_replicas = {k: v for k, v in two_nodes.all_replica_ids().items()
+                     if not k.startswith("smollm-v2/")}
+    failed_streams = metric_total(two_nodes, "ray_mesh_errors_total", variant="smollm-v2",
+                                  kind="stream_failed")
+    with two_nodes.http() as http:
+        history = http.get("/admin/rollouts", headers=OPS).json()["smollm"]["history"]
+    caller = next(f"node-{i}" for i in itertools.count()
+                  if pick_variant([("smollm-v1", 50), ("smollm-v2", 50)], "smollm",
+                                  f"node-{i}") == "smollm-v2")
+    body = {"model": "smollm", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Tell a long story."}]}
+    spec = LoadSpec(base_url=f"{two_nodes.base_url}/v1", model="smollm", concurrency=4,
+                    max_tokens=24, api_key=KEYS["ops"], duration_s=600, user_prefix="loss-",
+                    timeout_s=60)
+    lines: list[str] = []
+    with background_load(spec) as results, httpx.Client(base_url=two_nodes.base_url,
+                                                       timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body,
+                         headers={**OPS, "x-session-id": caller}) as r:
+            assert r.headers["x-mesh-variant"] == "smollm-v2"
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 5:
+                    killed_at = time.monotonic()
+                    two_nodes.worker_node.kill_all_processes(check_alive=False,
+                                                             allow_graceful=False, wait=True)
+        ended_s = time.monotonic() - killed_at
+        time.sleep(15)
+        r = http.post("/v1/chat/completions", headers={**OPS, "x-session-id": caller}, json={
+            "model": "smollm", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    print(f"\nthe stream on the lost node ended {ended_s:.1f} s after the kill: {lines[-2:]}")
+    assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][len("data: "):])
+    assert ended_s < 30
+    # Its caller now fails over to the surviving variant.
+    assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-v1", r.text
+
+    after_kill = [x for x in results if x.started_at > killed_at + 2]
+    lost = [x for x in results if not x.ok]
+    print(f"background load: {len(results)} streams, {len(lost)} failed (in flight on the "
+          f"node: {[(x.variant, x.error) for x in lost]}), {len(after_kill)} started 2 s "
+          f"after the kill: variants {sorted({x.variant for x in after_kill})}")
+    assert all(x.latency_s < 30 for x in results), "a request hung"
+    assert all(x.variant == "smollm-v2" and x.started_at < killed_at + 2 for x in lost)
+    assert after_kill and all(x.ok and x.variant == "smollm-v1" for x in after_kill)
+    wait_for_metric(two_nodes, "ray_mesh_errors_total", failed_streams + 1, variant="smollm-v2",
+                    kind="stream_failed")
+
+    # The head keeps its state: same replicas, the same rollout, limits still held.
+    assert {k: v for k, v in two_nodes.all_replica_ids().items()
+            if not k.startswith("smollm-v2/")} == head_replicas
+    with two_nodes.http() as http:
+        state = http.get("/admin/rollouts", headers=OPS).json()["smollm"]
+    print(f"rollout after the loss: {state['state']}, decisions "
+          f"{[d['decision'] for d in state['history']]}")
+    assert state["history"][:len(history)] == history
+    assert [s for s, _ in stream_statuses(two_nodes, "initech", 3)] == [200, 200, 429]
+
+    # No engine outlives its node: the engine reaper stops what the dead replica left.
+    gone, alive = psutil.wait_procs(engines, timeout=20)
+    print(f"engine processes of the lost node: {[(p.pid, p.name()) for p in engines]}; "
+          f"left running 20 s later: {[p.pid for p in alive]}")
+    assert not alive
