@@ -34,7 +34,7 @@ from serve_app.server.lora import AdapterSet
 from serve_app.common.paths import resolve_repo_path
 from serve_app.release.validate import SURGE_PERCENT
 from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
-from serve_app.common.wire import ADAPTER_HEADER, Head, ReplicaInfo, Tail, Usage
+from serve_app.common.wire import ADAPTER_HEADER, Accepted, Head, ReplicaInfo, Tail, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -157,14 +157,17 @@ class LLMReplica:
         vLLM when the engine runs ``scheduling_policy: priority``. ``request_id`` (the
         router's ``x-request-id``) becomes vLLM's request id (``chatcmpl-<id>``).
 
-        Yields a :class:`Head` (with ``x-mesh-adapter: name@vN`` for adapter requests), then
-        SSE text and a :class:`Tail` if it is a stream. Nothing raises to the caller: every
+        Yields :class:`Accepted` first if it is not a stream, then a :class:`Head` (with
+        ``x-mesh-adapter: name@vN`` for adapter requests), then SSE text and a :class:`Tail`
+        if it is a stream. Nothing raises to the caller: every
         failure becomes an error head (or, mid-stream, an in-band error event and a failed
         tail) classified by :mod:`serve_app.failures`.
         """
         self._in_flight += 1
         live = None
         try:
+            if not body.get("stream"):
+                yield Accepted()
             if fault := await self._injected_fault():
                 yield fault
                 return

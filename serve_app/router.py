@@ -87,6 +87,7 @@ class MeshRouter:
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
                                     self.rollouts.observe_shadow)
         await self.availability.start()
+        await self.limiter.start()
         self.rollouts.start()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:

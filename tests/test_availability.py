@@ -89,3 +89,39 @@ def test_concurrent_refreshes_share_one_status_call(monkeypatch):
         await asyncio.gather(*(v.refresh() for _ in range(5)))
     asyncio.run(main())
     assert len(calls) == 1 and v.slots("v1") == 8
+
+
+def test_a_variant_that_lost_a_replica_is_tried_last_for_a_while(monkeypatch):
+    infos = {"v1": ReplicaInfo((), max_num_seqs=8), "v2": ReplicaInfo((), max_num_seqs=8)}
+    v = view(monkeypatch, {"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}, infos)
+    asyncio.run(v.refresh())
+    now = [1000.0]
+    monkeypatch.setattr(availability.time, "monotonic", lambda: now[0])
+    v.replica_lost("v2")  # the Serve status still says RUNNING: Ray has not noticed yet
+    assert not v.is_available("v2") and v.prefer_available(["v2", "v1"]) == ["v1", "v2"]
+    now[0] += availability.LOST_REPLICA_S
+    assert v.is_available("v2") and v.prefer_available(["v2", "v1"]) == ["v2", "v1"]
+
+
+def test_only_a_gone_replica_counts_as_lost():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from serve_app.common.failures import replica_gone
+    assert replica_gone(ActorUnavailableError("unavailable", None))
+    assert replica_gone(ActorDiedError())
+    assert not replica_gone(TimeoutError()) and not replica_gone(ValueError("bad request"))
+
+
+def test_a_running_variant_that_stops_answering_the_poll_is_lost(monkeypatch):
+    class Silent:  # what Serve's handle does for a replica on a lost node: never places it
+        serving_info = SimpleNamespace(remote=lambda: asyncio.sleep(3600))
+    infos = {"v1": ReplicaInfo((), max_num_seqs=8)}
+    v = VariantAvailability(lambda name: Silent() if name == "v2" else FakeHandle(infos[name]),
+                            period_s=0.01)
+    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+        applications={"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}))
+    for _ in range(availability.MISSED_POLLS_LOST - 1):
+        asyncio.run(v.refresh())
+        assert v.is_available("v2")  # a miss or two may be a slow moment
+    asyncio.run(v.refresh())
+    assert not v.is_available("v2") and v.is_available("v1")

@@ -147,6 +147,14 @@ def stream_error_verdict(code: int, message: str, *, variant: str, engine_is_dea
     return Verdict(Failure.INTERNAL, code if code >= 500 else 500, message)
 
 
+def replica_gone(exc: BaseException) -> bool:
+    """Whether a handle call failed because its replica died or cannot be reached (Ray's
+    ``RayActorError``: ``ActorDiedError``, ``ActorUnavailableError``)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
 def handle_failure(exc: BaseException) -> Failure:
     """Classify an exception from a router -> replica ``DeploymentHandle`` call.
 

@@ -49,6 +49,13 @@ class Head:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """The first item of a non-streaming answer: the replica has the request. The router
+    time-boxes the wait for this item (a replica it cannot reach, e.g. on a lost node, must
+    not hold the request), then waits for the :class:`Head` as long as generation takes."""
+
+
+@dataclass(frozen=True)
 class Tail:
     """The end of a stream: its token counts and, when vLLM ended it with an in-band error
     event, the kind of that failure.

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from ray import serve
 
 from serve_app.common.adapters import adapter_name
+from serve_app.common.failures import replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.wire import ReplicaInfo
 
@@ -31,6 +32,16 @@ logger = logging.getLogger("ray.serve")
 #: caught by its failures (failover) and by the refresh the router makes when no candidate
 #: has a slot.
 STATUS_EVERY = 5
+#: Seconds a variant that just lost a replica (a call ended with Ray's "actor died" or "actor
+#: unavailable") is tried only after the others. Calls to a replica on a lost node hang until
+#: Ray declares its actors dead (its node health checks take 15 s or more); by then the
+#: Serve status shows the variant without that replica.
+LOST_REPLICA_S = 30.0
+#: Polls in a row that a RUNNING variant must miss (no answer to ``serving_info`` within two
+#: periods) before it counts as having lost its replica. Serve's handle then cannot place
+#: even this small call, so a request would wait just as long. The router's admission keeps
+#: a replica's requests far below ``max_ongoing_requests``, so load alone does not queue it.
+MISSED_POLLS_LOST = 3
 
 
 class VariantAvailability:
@@ -44,6 +55,8 @@ class VariantAvailability:
         self.adapters: dict[str, set[str]] = {}  # app -> adapter versions it serves, "name@vN"
         self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
         self._refreshed_at = float("-inf")
+        self._lost_until: dict[str, float] = {}  # app -> monotonic time, see replica_lost
+        self._missed: dict[str, int] = {}  # app -> serving_info polls missed in a row
         self._refreshing: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
 
@@ -93,9 +106,14 @@ class VariantAvailability:
             *(asyncio.wait_for(self.handle_for(app).serving_info.remote(), self.period_s * 2)
               for app in up), return_exceptions=True)
         for app, info in zip(up, answers):
-            if not isinstance(info, BaseException):
-                self.info[app] = info
-                self.adapters[app] = set(info.adapters)
+            if isinstance(info, BaseException):
+                self._missed[app] = self._missed.get(app, 0) + 1
+                if self._missed[app] >= MISSED_POLLS_LOST or replica_gone(info):
+                    self.replica_lost(app)
+                continue
+            self._missed[app] = 0
+            self.info[app] = info
+            self.adapters[app] = set(info.adapters)
         for app in [a for a in self.adapters if a not in up]:
             del self.adapters[app]
         if self.on_refresh is not None:
@@ -128,8 +146,19 @@ class VariantAvailability:
             return 0
         return info.max_num_seqs * running if info else None
 
+    def replica_lost(self, application: str) -> None:
+        """A call to ``application`` found its replica gone: try the other variants first for
+        :data:`LOST_REPLICA_S` (it stays a last resort)."""
+        if self._lost_until.get(application, 0.0) <= time.monotonic():
+            logger.warning("variant %s lost a replica; trying the route's other variants "
+                           "first for %.0f s", application, LOST_REPLICA_S)
+        self._lost_until[application] = time.monotonic() + LOST_REPLICA_S
+
     def is_available(self, application: str) -> bool:
-        """True when the application has a RUNNING replica (or nothing is known yet)."""
+        """True when the application has a RUNNING replica (or nothing is known yet) and has
+        not just lost one."""
+        if self._lost_until.get(application, 0.0) > time.monotonic():
+            return False
         return self._running is None or self._running.get(application, 0) > 0
 
     def prefer_available(self, candidates: Sequence[str]) -> list[str]:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from fastapi.responses import Response
 
 from serve_app.common.errors import MeshError
-from serve_app.common.failures import Failure, handle_failure, nested_too_deeply
-from serve_app.common.wire import Head, Usage
+from serve_app.common.failures import Failure, handle_failure, nested_too_deeply, replica_gone
+from serve_app.common.wire import Accepted, Head, Usage
 from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
@@ -63,7 +63,8 @@ class Dispatcher:
             head, stream = head_and_stream
             headers = {VARIANT_HEADER: variant, **head.headers}
             if head.stream:
-                return RelayResponse(stream, variant, account, headers)
+                return RelayResponse(stream, variant, account, headers,
+                                     on_replica_lost=self.availability.replica_lost)
             usage = head.usage or Usage()
             if account.capture is not None:  # a mirrored request's answer
                 account.capture.json_body = head.body
@@ -93,11 +94,12 @@ class Dispatcher:
         stream = self.handle_for(variant).options(stream=True).generate.remote(
             plan.endpoint, plan.body, plan.version, plan.priority, account.request_id)
         try:
-            # A stream's head comes as soon as vLLM has checked the request; waiting longer
-            # means the replica cannot take it (a non-stream's head is its whole answer, so
-            # only the client's timeout applies).
-            head: Head = await (asyncio.wait_for(stream.__anext__(), plan.queue_timeout_s)
-                                if plan.stream else stream.__anext__())
+            # A stream's head comes as soon as vLLM has checked the request, a non-stream's
+            # Accepted as soon as the replica has it; waiting longer means the replica cannot
+            # take it (e.g. it is on a lost node). A non-stream's head is its whole answer:
+            # only the client's timeout applies to that.
+            first = await asyncio.wait_for(stream.__anext__(), plan.queue_timeout_s)
+            head: Head = await stream.__anext__() if isinstance(first, Accepted) else first
         except BaseException as e:
             stream.cancel()
             if not isinstance(e, Exception):  # the client left (CancelledError)
@@ -110,6 +112,8 @@ class Dispatcher:
                              str(e)[:2000])
                 raise MeshError(500, f"internal error in variant {variant}: "
                                 f"{type(e).__name__}", code="internal_error") from None
+            if replica_gone(e):
+                self.availability.replica_lost(variant)
             account.failed_over(plan.route, variant, f"{type(e).__name__}: {str(e)[:500]}")
             return None
         if head.failure is Failure.VARIANT:

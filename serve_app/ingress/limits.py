@@ -37,7 +37,7 @@ logger = logging.getLogger("ray.serve")
 #: The shared counts' actor: name and namespace (one per Ray cluster).
 SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts", "model-mesh"
 #: Seconds a router waits for the shared counts before using the tenant's fail mode.
-SHARED_TIMEOUT_S = 0.25
+SHARED_TIMEOUT_S = 0.5
 #: Seconds a router stops asking after the shared counts did not answer.
 RETRY_SHARED_S = 5.0
 
@@ -168,6 +168,18 @@ class TenantLimiter:
         self._local = TenantCounts()
         self._down_until = 0.0 if shared is not None else math.inf
 
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Look up (or create) the shared counts and wait until they answer, so a router's
+        first requests do not wait for the actor to start. On failure the first requests
+        find it unavailable (their fail mode applies) and it is looked up again later."""
+        if self._factory is None:
+            return
+        try:
+            self._shared = self._factory()
+            await asyncio.wait_for(self._shared.in_flight.remote(""), timeout_s)
+        except Exception as e:  # noqa: BLE001 - logged; acquire() handles the rest
+            logger.warning("shared tenant counts not ready (%s: %s)", type(e).__name__, e)
+
     async def acquire(self, tenant: Tenant | None) -> Lease | None:
         """Count a new request of ``tenant``; None when it has no limits (nothing to release).
 
@@ -220,8 +232,9 @@ class TenantLimiter:
         return Lease(limits[0], shared, incarnation)
 
     def _unavailable(self, why: str) -> None:
-        logger.warning("shared tenant counts unavailable (%s); each tenant's limits_fail_mode "
-                       "applies for %.0f s", why, RETRY_SHARED_S)
+        if self._down_until <= time.monotonic():  # once per outage, not once per request
+            logger.warning("shared tenant counts unavailable (%s); each tenant's "
+                           "limits_fail_mode applies for %.0f s", why, RETRY_SHARED_S)
         self._down_until = time.monotonic() + RETRY_SHARED_S
         if self._factory is not None:
             self._shared = None  # look it up again next time: Ray may have replaced it

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from serve_app.common.errors import error_body
-from serve_app.common.failures import Failure
+from serve_app.common.failures import Failure, replica_gone
 from serve_app.common.wire import Tail
 
 logger = logging.getLogger("ray.serve")
@@ -44,10 +44,14 @@ class RelayResponse(StreamingResponse):
         account: the request's account (``t0``, ``finish(status, ttft_s=, usage=,
             error_kind=)``), finished when the stream ends.
         headers: response headers.
+        on_replica_lost: called with ``variant`` when the stream ends because its replica is
+            gone (see :meth:`VariantAvailability.replica_lost`).
     """
 
-    def __init__(self, stream, variant: str, account, headers: dict[str, str]) -> None:
+    def __init__(self, stream, variant: str, account, headers: dict[str, str],
+                 on_replica_lost=None) -> None:
         self._account = account
+        self._on_replica_lost = on_replica_lost
         super().__init__(self._relay(stream, variant), media_type="text/event-stream",
                          headers=headers)
 
@@ -80,6 +84,8 @@ class RelayResponse(StreamingResponse):
         except Exception as e:
             error_kind = "stream_failed"
             logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
+            if self._on_replica_lost is not None and replica_gone(e):
+                self._on_replica_lost(variant)
             message = f"variant {variant} failed mid-stream; retry the request"
             yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n"
         finally:
