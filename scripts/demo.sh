@@ -29,7 +29,9 @@ serve deploy "$CONFIG"
 say "waiting for the applications to be RUNNING (the vLLM engine takes ~30-60 s to start)"
 meshctl wait "$CONFIG"
 
-python scripts/demo_requests.py --base-url http://127.0.0.1:8000/v1
+# Every shipped config with tenants has the admin demo tenant `ops`; open mode ignores keys.
+python scripts/demo_requests.py --base-url http://127.0.0.1:8000/v1 \
+  --api-key "${MESH_API_KEY:-sk-mesh-ops-demo}"
 
 say "the mesh is running on http://127.0.0.1:8000 (OpenAI API under /v1)"
 say "try:  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\"
