@@ -1,11 +1,11 @@
 """The mesh on two Ray nodes (run last: its final test kills a node).
 
-A second Ray node joins the session's cluster on this machine, started and later killed with
-Ray's own node primitives (``ray._private.node.Node``, what ``ray.cluster_utils.Cluster``
-uses). It has no CPUs and one custom resource, ``mesh_worker``, so only what asks for it
-lands there: variant ``smollm-v2``. The head runs ``smollm-v1``, two ``MeshRouter``
-replicas, the ``RolloutController`` and the one Serve proxy (``proxy_location: HeadOnly``:
-a second proxy on this host would contend for the HTTP port).
+A second Ray node joins the session's cluster from its own network namespace on this
+machine (:mod:`netns_node`: its own loopback and address, so its Serve proxy does not
+contend with the head's for 127.0.0.1:port under ``proxy_location: EveryNode``). It has no
+CPUs and one custom resource, ``mesh_worker``, so only what asks for it lands there:
+variant ``smollm-v2`` (and its node's proxy). The head runs ``smollm-v1``, two
+``MeshRouter`` replicas and the ``RolloutController``.
 
 Proven here: variants on different nodes; a tenant limit held across two routers; the
 zero-drop canary ramp and adapter upgrade across nodes; and the loss of the worker node
@@ -18,6 +18,9 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +32,7 @@ import pytest
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import serve_status
 from serve_app.tools.loadgen import LoadSpec, background_load
+from netns_node import NODE_IP, NamespacedNode
 from test_tenants import ACME_V1, ACME_V2, KEYS
 from test_traffic_safety import SLOW, metric_total, wait_for_metric
 
@@ -58,9 +62,11 @@ def configured(base, weights=(100, 0), adapters=(("acme-support", 1), ("globex-r
 
 
 def two_node_config(tenants_yaml: dict) -> dict:
-    """serve_configs/tenants.yaml with two router replicas, tenant initech limited to 2
-    requests in flight, and a second variant pinned to the worker node."""
+    """serve_configs/tenants.yaml with a proxy on every node, two router replicas, tenant
+    initech limited to 2 requests in flight, and a second variant pinned to the worker
+    node."""
     cfg = copy.deepcopy(tenants_yaml)
+    cfg["proxy_location"] = "EveryNode"
     cfg["applications"][0]["deployments"][0]["num_replicas"] = 2
     for t in router_uc(cfg)["tenants"]:
         if t["id"] == "initech":
@@ -83,25 +89,35 @@ def replicas(mesh, app: str, deployment: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_nodes(mesh):
     import ray
-    from ray._private.node import Node
-    from ray._private.parameter import RayParams
 
-    params = RayParams(gcs_address=ray.get_runtime_context().gcs_address,
-                       node_ip_address=ray.util.get_node_ip_address(), num_cpus=0,
-                       num_gpus=0, resources={WORKER_RESOURCE: 1},
-                       object_store_memory=200 * 1024 * 1024, min_worker_port=0,
-                       max_worker_port=0, node_manager_port=0, include_log_monitor=False)
-    params.dashboard_agent_listen_port = None
-    node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=False)
-    deadline = time.monotonic() + 60
-    while not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-        assert time.monotonic() < deadline, "the worker node did not join"
-        time.sleep(0.5)
-    mesh.worker_node = node
-    mesh.two_node_cfg = two_node_config(mesh.config("tenants.yaml"))
-    mesh.deploy(mesh.two_node_cfg)
-    yield mesh
-    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    node = NamespacedNode(f"mesh-{os.getpid()}", ray.get_runtime_context().gcs_address,
+                          {WORKER_RESOURCE: 1}, env=dict(os.environ))
+    node.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (mine := [n for n in ray.nodes()
+                            if n["NodeManagerAddress"] == NODE_IP and n["Alive"]]):
+            assert time.monotonic() < deadline, "the worker node did not join"
+            time.sleep(0.5)
+        node.node_id = mine[0]["NodeID"]
+        mesh.worker_node = node
+        mesh.two_node_cfg = two_node_config(mesh.config("tenants.yaml"))
+        mesh.deploy(mesh.two_node_cfg)
+        yield mesh
+    finally:
+        node.stop()
+
+
+def ask_inside(node: NamespacedNode, port: int) -> tuple[int, str | None]:
+    """A chat request to the Serve proxy of the worker node (on its own 127.0.0.1)."""
+    script = ("import httpx, sys; r = httpx.post(f'http://127.0.0.1:{sys.argv[1]}/v1/chat/"
+              "completions', timeout=60, headers={'authorization': 'Bearer sk-mesh-ops-demo'},"
+              " json={'model': 'smollm', 'max_tokens': 4, 'messages': [{'role': 'user', "
+              "'content': 'hi'}]}); print(r.status_code, r.headers.get('x-mesh-variant'))")
+    out = subprocess.run(["ip", "netns", "exec", node.name, sys.executable, "-c", script,
+                          str(port)], capture_output=True, text=True, timeout=120)
+    status, variant = (out.stdout.split() + ["0", ""])[:2]
+    return int(status), variant
 
 
 def stream_statuses(mesh, tenant: str, n: int) -> list[tuple[int, str | None]]:
@@ -131,6 +147,12 @@ def test_variants_on_two_nodes_and_a_tenant_limit_across_two_routers(two_nodes):
     assert v2["node_id"] == two_nodes.worker_node.node_id
     assert v1["node_id"] == head_id and len(routers) == 2
     assert all(r["node_id"] == head_id for r in routers)
+    # A proxy on each node (EveryNode); the worker's answers on its own loopback.
+    proxies = serve_status(two_nodes.dashboard)["proxies"]
+    print(f"proxies: { {k[:8]: p['status'] for k, p in proxies.items()} }")
+    assert {k for k, p in proxies.items() if p["status"] == "HEALTHY"} >= {
+        head_id, two_nodes.worker_node.node_id}
+    assert ask_inside(two_nodes.worker_node, two_nodes.http_port)[0] == 200
 
     # initech may have 2 requests in flight, across both routers together.
     for _ in range(2):
@@ -187,17 +209,6 @@ def test_zero_drop_adapter_upgrade_on_the_worker_node(two_nodes):
     assert two_nodes.all_replica_ids() == before
 
 
-def force_stop(node) -> None:
-    """What ``ray stop --force`` does, for one node: SIGKILL its raylet, its agents and
-    every Ray worker process the raylet started (the replicas), all at once. Processes that
-    are not Ray's (vLLM's engine processes) are left alone, as ``ray stop`` leaves them."""
-    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    workers = [p for p in raylet.children(recursive=True) if p.name().startswith("ray::")]
-    for p in workers:
-        p.kill()
-    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-
-
 def engine_processes(replica_pid: int) -> list[psutil.Process]:
     """The vLLM engine processes (EngineCore and any Worker) a replica started."""
     return [p for p in psutil.Process(replica_pid).children(recursive=True)
@@ -244,7 +255,7 @@ def test_losing_the_worker_node_under_load(two_nodes):
                     lines.append(line)
                 if len(lines) == 5 and killed_at is None:
                     killed_at = time.monotonic()
-                    force_stop(two_nodes.worker_node)
+                    two_nodes.worker_node.force_stop()
                     engines_gone = threading.Thread(target=lambda: gone_at.append(
                         (psutil.wait_procs(engines, timeout=60), time.monotonic())[1]))
                     engines_gone.start()
