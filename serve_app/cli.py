@@ -131,7 +131,11 @@ def _rollout_report(args: argparse.Namespace) -> int:
 
 
 def _kuberay(args: argparse.Namespace) -> int:
-    config = load_yaml(args.config)
+    try:
+        config = load_yaml(args.config)
+    except (OSError, ValueError) as e:
+        print(f"{args.config}: INVALID (no manifest written)\n  {e}", file=sys.stderr)
+        return 1
     try:
         manifest = kuberay.rayservice_manifest(
             config, name=args.name, image=args.image, namespace=args.namespace,
