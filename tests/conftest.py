@@ -95,7 +95,8 @@ def mesh(tmp_path_factory) -> Mesh:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.update(SERVE_ENV)  # the cluster runs with the mesh's Serve settings
     dash_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+    # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=dash_port, configure_logging=False, log_to_driver=False,
              _metrics_export_port=metrics_port)
     m = Mesh(f"http://127.0.0.1:{dash_port}", http_port, tmp_path_factory.mktemp("configs"))

@@ -99,5 +99,10 @@ class NamespacedNode:
                 pass
         psutil.wait_procs(procs, timeout=10)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+        # `ray start --address` recorded the head as this host's current cluster: forget it,
+        # so a later `ray.init()` or `ray status` does not look for a cluster that is gone.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip() == self.gcs_address:
+            current.unlink()
         subprocess.run(["ip", "link", "del", f"{self.veth}h"], capture_output=True)
         time.sleep(0.2)
