@@ -43,10 +43,14 @@ class Mesh:
         self._n = 0
 
     def config(self, name: str) -> dict[str, Any]:
-        """A config from serve_configs/, with http_options pointed at this cluster's port."""
+        """A config from serve_configs/, with http_options pointed at this cluster's port
+        and a proxy on every node."""
         cfg = copy.deepcopy(load_yaml(CONFIGS / name))
         cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1",
                                "port": self.http_port}
+        # A proxy per node: the head's alone until test_multi_node adds a node. Serve reads
+        # this only when it starts, so every config of the session says the same.
+        cfg["proxy_location"] = "EveryNode"
         return cfg
 
     def deploy_shipped(self, name: str) -> dict[str, Any]:

@@ -147,11 +147,17 @@ def test_variants_on_two_nodes_and_a_tenant_limit_across_two_routers(two_nodes):
     assert v2["node_id"] == two_nodes.worker_node.node_id
     assert v1["node_id"] == head_id and len(routers) == 2
     assert all(r["node_id"] == head_id for r in routers)
-    # A proxy on each node (EveryNode); the worker's answers on its own loopback.
-    proxies = serve_status(two_nodes.dashboard)["proxies"]
+    # A proxy on each node (EveryNode; Serve starts the worker's once a replica runs
+    # there); the worker's answers on its own loopback.
+    deadline = time.monotonic() + 120
+    while True:
+        proxies = serve_status(two_nodes.dashboard)["proxies"]
+        healthy = {k for k, p in proxies.items() if p["status"] == "HEALTHY"}
+        if healthy >= {head_id, two_nodes.worker_node.node_id}:
+            break
+        assert time.monotonic() < deadline, {k[:8]: p["status"] for k, p in proxies.items()}
+        time.sleep(2)
     print(f"proxies: { {k[:8]: p['status'] for k, p in proxies.items()} }")
-    assert {k for k, p in proxies.items() if p["status"] == "HEALTHY"} >= {
-        head_id, two_nodes.worker_node.node_id}
     assert ask_inside(two_nodes.worker_node, two_nodes.http_port)[0] == 200
 
     # initech may have 2 requests in flight, across both routers together.
