@@ -30,20 +30,18 @@ import psutil
 import pytest
 
 from serve_app.ingress.split import pick_variant
-from serve_app.release.deploy import serve_status
+from serve_app.release.deploy import running_replicas, serve_status
 from serve_app.tools.loadgen import LoadSpec, background_load
 from netns_node import NODE_IP, NamespacedNode
 from test_tenants import ACME_V1, ACME_V2, KEYS
-from test_traffic_safety import SLOW, metric_total, wait_for_metric
+from test_rollouts import rollout_state, router_uc
+from test_traffic_safety import (SLOW, engine_processes, metric_total, stream_and_kill,
+                                 wait_for_metric)
 
 pytestmark = pytest.mark.integration
 
 WORKER_RESOURCE = "mesh_worker"
 OPS = {"authorization": f"Bearer {KEYS['ops']}"}
-
-
-def router_uc(cfg) -> dict:
-    return cfg["applications"][0]["deployments"][0]["user_config"]
 
 
 def configured(base, weights=(100, 0), adapters=(("acme-support", 1), ("globex-report", 1)),
@@ -78,12 +76,6 @@ def two_node_config(tenants_yaml: dict) -> dict:
                                                  "resources": {WORKER_RESOURCE: 1}}
     cfg["applications"].append(v2)
     return configured(cfg)
-
-
-def replicas(mesh, app: str, deployment: str) -> list[dict]:
-    """The RUNNING replicas of ``app``/``deployment`` (Serve's details: node_id, pid, ...)."""
-    dep = serve_status(mesh.dashboard)["applications"][app]["deployments"][deployment]
-    return [r for r in dep["replicas"] if r["state"] == "RUNNING"]
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +131,9 @@ def stream_statuses(mesh, tenant: str, n: int) -> list[tuple[int, str | None]]:
 
 def test_variants_on_two_nodes_and_a_tenant_limit_across_two_routers(two_nodes):
     head_id = ray_head_node_id()
-    [v2] = replicas(two_nodes, "smollm-v2", "LLMReplica")
-    [v1] = replicas(two_nodes, "smollm-v1", "LLMReplica")
-    routers = replicas(two_nodes, "mesh", "MeshRouter")
+    [v2] = running_replicas(two_nodes.dashboard, "smollm-v2", "LLMReplica")
+    [v1] = running_replicas(two_nodes.dashboard, "smollm-v1", "LLMReplica")
+    routers = running_replicas(two_nodes.dashboard, "mesh", "MeshRouter")
     print(f"\nsmollm-v1 on {v1['node_id'][:8]}, smollm-v2 on {v2['node_id'][:8]}, "
           f"{len(routers)} routers on {sorted({r['node_id'][:8] for r in routers})}")
     assert v2["node_id"] == two_nodes.worker_node.node_id
@@ -215,23 +207,17 @@ def test_zero_drop_adapter_upgrade_on_the_worker_node(two_nodes):
     assert two_nodes.all_replica_ids() == before
 
 
-def engine_processes(replica_pid: int) -> list[psutil.Process]:
-    """The vLLM engine processes (EngineCore and any Worker) a replica started."""
-    return [p for p in psutil.Process(replica_pid).children(recursive=True)
-            if p.name().startswith("VLLM::")]
-
-
 def test_losing_the_worker_node_under_load(two_nodes):
     """Kill every Ray process of the worker node with SIGKILL (what `ray stop --force` does
-    on a node, or a crash of its Ray processes): streams on it end and count as errors, no request hangs, new
-    requests fail over to smollm-v1 before their first byte, the head keeps its routers,
-    rollout and limits, and the node's vLLM engine is not left running.
+    on a node, or a crash of its Ray processes): streams on it end and count as errors, no
+    request hangs, new requests fail over to smollm-v1 before their first byte, the head
+    keeps its routers, rollout and limits, and the node's vLLM engine is not left running.
 
     A router that had no request on the node learns of the loss from its next request there,
     which waits for the head timeout (the route's queue_timeout_s, 30 s) before it fails
     over, or from Serve once Ray declares the node dead."""
     two_nodes.deploy(configured(two_nodes.two_node_cfg, rollout={"id": "node-loss", **SLOW}))
-    [v2] = replicas(two_nodes, "smollm-v2", "LLMReplica")
+    [v2] = running_replicas(two_nodes.dashboard, "smollm-v2", "LLMReplica")
     engines = engine_processes(v2["pid"])
     assert engines, "no vLLM engine process found under the smollm-v2 replica"
     engine_names = [(p.pid, p.name()) for p in engines]
@@ -239,7 +225,7 @@ def test_losing_the_worker_node_under_load(two_nodes):
     failed_streams = metric_total(two_nodes, "ray_mesh_errors_total", variant="smollm-v2",
                                   kind="stream_failed")
     with two_nodes.http() as http:
-        history = http.get("/admin/rollouts", headers=OPS).json()["smollm"]["history"]
+        history = rollout_state(http)["history"]
     caller = next(f"node-{i}" for i in itertools.count()
                   if pick_variant([("smollm-v1", 50), ("smollm-v2", 50)], "smollm",
                                   f"node-{i}") == "smollm-v2")
@@ -248,23 +234,17 @@ def test_losing_the_worker_node_under_load(two_nodes):
     spec = LoadSpec(base_url=f"{two_nodes.base_url}/v1", model="smollm", concurrency=4,
                     max_tokens=24, api_key=KEYS["ops"], duration_s=600, user_prefix="loss-",
                     timeout_s=60)
-    lines: list[str] = []
     gone_at: list[float] = []
-    killed_at = None
+    engines_gone = threading.Thread(target=lambda: gone_at.append(
+        (psutil.wait_procs(engines, timeout=60), time.monotonic())[1]))
+
+    def lose_the_node() -> None:
+        two_nodes.worker_node.force_stop()
+        engines_gone.start()
     with background_load(spec) as results, httpx.Client(base_url=two_nodes.base_url,
                                                        timeout=60) as http:
-        with http.stream("POST", "/v1/chat/completions", json=body,
-                         headers={**OPS, "x-session-id": caller}) as r:
-            assert r.headers["x-mesh-variant"] == "smollm-v2"
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 5 and killed_at is None:
-                    killed_at = time.monotonic()
-                    two_nodes.worker_node.force_stop()
-                    engines_gone = threading.Thread(target=lambda: gone_at.append(
-                        (psutil.wait_procs(engines, timeout=60), time.monotonic())[1]))
-                    engines_gone.start()
+        lines, killed_at = stream_and_kill(http, body, {**OPS, "x-session-id": caller},
+                                           "smollm-v2", lose_the_node)
         ended_s = time.monotonic() - killed_at
         time.sleep(15)
         r = http.post("/v1/chat/completions", headers={**OPS, "x-session-id": caller}, json={
@@ -293,7 +273,7 @@ def test_losing_the_worker_node_under_load(two_nodes):
     # Ray's GCS, so it survives even a controller that was on the lost node), the limits.
     assert two_nodes.replica_ids("mesh", "MeshRouter") == routers
     with two_nodes.http() as http:
-        state = http.get("/admin/rollouts", headers=OPS).json()["smollm"]
+        state = rollout_state(http)
     print(f"rollout after the loss: {state['state']}, decisions "
           f"{[d['decision'] for d in state['history']]}")
     assert state["history"][:len(history)] == history

@@ -38,11 +38,17 @@ def serve_status(dashboard: str = DEFAULT_DASHBOARD) -> dict[str, Any]:
     return r.json()
 
 
-def replica_ids(dashboard: str, app: str, deployment: str) -> set[str]:
-    """Ids of the RUNNING replicas of ``app``/``deployment`` (for restart checks)."""
+def running_replicas(dashboard: str, app: str, deployment: str) -> list[dict[str, Any]]:
+    """The RUNNING replicas of ``app``/``deployment``, as Serve details them (``replica_id``,
+    ``node_id``, ``pid``, ...)."""
     apps = serve_status(dashboard).get("applications", {})
     dep = apps.get(app, {}).get("deployments", {}).get(deployment, {})
-    return {r["replica_id"] for r in dep.get("replicas", []) if r.get("state") == "RUNNING"}
+    return [r for r in dep.get("replicas", []) if r.get("state") == "RUNNING"]
+
+
+def replica_ids(dashboard: str, app: str, deployment: str) -> set[str]:
+    """Ids of the RUNNING replicas of ``app``/``deployment`` (for restart checks)."""
+    return {r["replica_id"] for r in running_replicas(dashboard, app, deployment)}
 
 
 def deploy(config_path: str | Path, dashboard: str = DEFAULT_DASHBOARD, *,

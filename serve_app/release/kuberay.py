@@ -208,18 +208,10 @@ def pod_serve_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve_config_problems(serve_config: dict[str, Any]) -> list[str]:
-    """Problems of a Serve config, one line each: Ray's ``ServeDeploySchema`` first, then (when
-    that passes) the mesh's own checks."""
-    from pydantic import ValidationError
-    from ray.serve.schema import ServeDeploySchema
-
-    from serve_app.common.errors import format_validation_error
+    """Problems of a Serve config, one line each: :func:`validate_config` (Ray's
+    ``ServeDeploySchema`` first, then, when that passes, the mesh's own checks)."""
     from serve_app.release.validate import validate_config
 
-    try:
-        ServeDeploySchema.model_validate(serve_config)
-    except ValidationError as e:
-        return format_validation_error(e).splitlines()
     return [line for p in validate_config(serve_config) for line in p.splitlines()]
 
 
