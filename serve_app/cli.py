@@ -146,7 +146,7 @@ def _kuberay(args: argparse.Namespace) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 1
-    for w in kuberay.manifest_warnings(kuberay.pod_serve_config(config), manifest):
+    for w in kuberay.manifest_warnings(config, manifest):
         print(f"{args.config}: WARNING {w}", file=sys.stderr)
     text = kuberay.manifest_yaml(manifest, source=args.config)
     if args.output:

@@ -253,7 +253,8 @@ def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
 
 
 def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
-    """What is valid but works poorly on Kubernetes, one line each (printed, not refused)."""
+    """What is valid but works poorly on Kubernetes, one line each (printed, not refused).
+    ``serve_config``: the config the manifest was made from."""
     warnings = []
     location = serve_config.get("proxy_location", "EveryNode")
     if location != "EveryNode":
