@@ -41,7 +41,7 @@ from serve_app.ingress.shadow import ShadowMirror, effective_shadow
 from serve_app.ingress.split import splits_of
 from serve_app.ingress.tenancy import authenticate
 from serve_app.observability.metrics import MeshMetrics
-from serve_app.release.rollout_controller import RolloutController
+from serve_app.control.rollout_controller import RolloutController
 
 logger = logging.getLogger("ray.serve")
 

@@ -12,7 +12,7 @@ from serve_app.common.policies import RolloutPolicy, ShadowConfig
 from serve_app.common.wire import Head, Tail, Usage
 from serve_app.ingress.planner import RequestPlan
 from serve_app.ingress.shadow import Answer, ShadowMirror, answer_of, compare
-from serve_app.release.rollout import Rollout
+from serve_app.control.rollout import Rollout
 
 TENANTS = {t.id: t for t in RouterConfig.model_validate({
     "routes": {"r": {"variants": [{"application": "v1", "weight": 1}]}},

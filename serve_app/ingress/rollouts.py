@@ -1,6 +1,6 @@
 """The router's side of progressive rollouts: the weights in force, and the observations.
 
-Each router replica sends the ``RolloutController`` (:mod:`serve_app.release.rollout_controller`)
+Each router replica sends the ``RolloutController`` (:mod:`serve_app.control.rollout_controller`)
 its config's rollouts (``sync``) and, every :data:`REPORT_PERIOD_S`, what it saw of each
 request (``report``); both answer with the weights every rollout sets now, which this router
 then splits by. A router that cannot reach the controller keeps the last weights it read; one
@@ -13,8 +13,8 @@ import asyncio
 import logging
 
 from serve_app.ingress.split import Split
-from serve_app.release.rollout import Observation, RolloutSpec, RolloutWeights
-from serve_app.release.rollout_controller import REPORT_PERIOD_S
+from serve_app.control.rollout import Observation, RolloutSpec, RolloutWeights
+from serve_app.control.rollout_controller import REPORT_PERIOD_S
 
 logger = logging.getLogger("ray.serve")
 

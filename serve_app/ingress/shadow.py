@@ -195,7 +195,7 @@ class ShadowMirror:
                          "similarity": round(comparison.similarity, 4)})
 
     def status(self, book: dict) -> dict:
-        """The controller's aggregates (:class:`~serve_app.release.shadow_book.ShadowBook`)
+        """The controller's aggregates (:class:`~serve_app.control.shadow_book.ShadowBook`)
         with this replica's mirrors in flight and kept samples added."""
         for (route, shadow), kept in self.samples.items():
             book.setdefault(route, {}).setdefault(shadow, {})["samples"] = list(kept)

@@ -5,7 +5,7 @@ A Serve deployment of application ``mesh`` with one replica, beside the router. 
 
 - sends it the rollout policies of its ``user_config`` (:meth:`RolloutController.sync`)
   when a config is applied, and
-- every :data:`REPORT_PERIOD_S` sends the :class:`~serve_app.release.rollout.Observation`s of its
+- every :data:`REPORT_PERIOD_S` sends the :class:`~serve_app.control.rollout.Observation`s of its
   requests and reads back the weights the rollouts set (:meth:`RolloutController.report`).
 
 So every router replica splits by the same weights, and a router replica that restarts
@@ -32,8 +32,8 @@ from ray import serve
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
-from serve_app.release.rollout import Observation, Rollout, RolloutSpec, RolloutWeights
-from serve_app.release.shadow_book import ShadowBook
+from serve_app.control.rollout import Observation, Rollout, RolloutSpec, RolloutWeights
+from serve_app.control.shadow_book import ShadowBook
 
 logger = logging.getLogger("ray.serve")
 
