@@ -18,7 +18,6 @@ invalid config is logged and ignored.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,13 +25,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
+from serve_app.common.logs import get_logger
 from serve_app.common.config import RouterConfig
+from serve_app.common.deployment_options import CONTROLLER_OPTIONS, ROUTER_OPTIONS, options
+from serve_app.common.failures import RETRY_AFTER_S
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
 from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability
-from serve_app.ingress.dispatch import RETRY_AFTER_S, Dispatcher
+from serve_app.ingress.dispatch import Dispatcher
 from serve_app.ingress.limits import TenantLimiter
 from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
 from serve_app.ingress.request_body import read_json_body
@@ -43,7 +45,7 @@ from serve_app.ingress.tenancy import authenticate
 from serve_app.observability.metrics import MeshMetrics
 from serve_app.control.rollout_controller import RolloutController
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: Seconds a config apply or an admin call waits for the rollout controller.
 CONTROLLER_TIMEOUT_S = 10
@@ -62,8 +64,6 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
 
-@serve.deployment(name="MeshRouter", graceful_shutdown_timeout_s=300, max_ongoing_requests=1000,
-                  ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(app)
 class MeshRouter:
     """OpenAI-compatible ingress that splits each route's traffic across variant apps.
@@ -181,14 +181,15 @@ class MeshRouter:
             account.tags = planner.labels(tenant, None)
             body = await read_json_body(request)
             account.tags = planner.labels(tenant, body)
-            plan = await planner.plan(endpoint, body, tenant,
+            plan = await planner.plan(endpoint, body, tenant, request_id=request_id,
                                       session_id=request.headers.get(SESSION_HEADER),
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
             await account.hold_tenant_slot(self.limiter, tenant)
+            # From here on only the plan is read: a deploy during the await above may have
+            # changed (or removed) the route in self.config.
             account.capture = self.shadows.maybe_mirror(plan, effective_shadow(
-                self.config.routes[plan.route].shadow, self.rollouts.shadow_phase(plan.route)),
-                plan.identity, request_id)
+                plan.shadow, self.rollouts.shadow_phase(plan.route)), plan.identity, request_id)
             return await self.dispatcher.dispatch(plan, account)
         except MeshError as e:
             # The router's own refusals (overloaded, queue_timeout, shed, no_healthy_variant,
@@ -265,4 +266,6 @@ class MeshRouter:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Serve application builder: ``import_path: serve_app.router:build_app``."""
-    return MeshRouter.bind(RolloutController.bind())
+    router = serve.deployment(MeshRouter, **options(ROUTER_OPTIONS))
+    controller = serve.deployment(RolloutController, **options(CONTROLLER_OPTIONS))
+    return router.bind(controller.bind())

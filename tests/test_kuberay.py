@@ -12,7 +12,8 @@ import ray
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app import cli, replica
+from serve_app import cli
+from serve_app.common import deployment_options
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import deployment, load_yaml
 from serve_app.release import kuberay
@@ -94,8 +95,9 @@ def test_canary_two_variants_make_two_engine_pods():
     assert cluster(manifest)["enableInTreeAutoscaling"] is False
 
 
-def test_default_actor_options_come_from_the_replica_module(monkeypatch):
-    monkeypatch.setattr(replica, "REPLICA_ACTOR_OPTIONS", {"num_cpus": 2.5})
+def test_default_actor_options_come_from_the_deployment_options_table(monkeypatch):
+    monkeypatch.setitem(deployment_options.REPLICA_OPTIONS, "ray_actor_options",
+                        {"num_cpus": 2.5})
     manifest, _ = generate(load_yaml(REPO_ROOT / "serve_configs/local.yaml"),
                            worker_memory="12Gi")
     worker = container(groups(manifest)["engines-cpu"])

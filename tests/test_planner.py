@@ -9,6 +9,7 @@ import pytest
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
+from serve_app.common.wire import GenerateRequest
 from serve_app.ingress.planner import UNKNOWN, RequestPlanner
 from serve_app.ingress.split import pick_variant, splits_of
 
@@ -74,10 +75,13 @@ def refused(body, tenant_id="ops", **kw) -> MeshError:
 
 
 def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
-    p = plan({"model": "smollm", "stream": True}, session_id="user-7")
+    body = {"model": "smollm", "stream": True}
+    p = plan(body, session_id="user-7", request_id="req-1")
     first = pick_variant([("v1", 90), ("v2", 10)], "smollm", "user-7")
     assert p.candidates == (first, "v2" if first == "v1" else "v1")
-    assert (p.route, p.adapter, p.version, p.stream) == ("smollm", "", None, True)
+    assert (p.route, p.adapter, p.version) == ("smollm", "", None)
+    # What every candidate's replica is sent, built once.
+    assert p.request == GenerateRequest("chat", body, None, 0, "req-1")
     assert p.arms == (("smollm", ""),)
     assert p.queue_timeout_s == 7 and p.priority == 0 and p.top_priority
     assert p.tags == {"route": "smollm", "variant": "", "tenant": "ops", "adapter": ""}

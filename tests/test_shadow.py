@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.policies import RolloutPolicy, ShadowConfig
-from serve_app.common.wire import Head, Tail, Usage
+from serve_app.common.wire import GenerateRequest, Head, Tail, Usage
 from serve_app.ingress.planner import RequestPlan
 from serve_app.ingress.shadow import Answer, ShadowMirror, answer_of, compare
 from serve_app.control.rollout import Rollout
@@ -86,10 +86,9 @@ class Metrics:
 
 
 def plan(tenant="a", **kw) -> RequestPlan:
-    return RequestPlan(endpoint="chat", body={"model": "r", "messages": []}, route="r",
-                       adapter="", version=None, candidates=("v1",), arms=(("r", ""),),
-                       tenant=TENANTS[tenant], priority=0, top_priority=True, stream=True,
-                       queue_timeout_s=30, **kw)
+    return RequestPlan(request=GenerateRequest("chat", {"model": "r", "messages": []}),
+                       route="r", adapter="", candidates=("v1",), arms=(("r", ""),),
+                       tenant=TENANTS[tenant], top_priority=True, queue_timeout_s=30, **kw)
 
 
 def test_mirror_sampling_cap_opt_out_and_comparison():
@@ -104,7 +103,8 @@ def test_mirror_sampling_cap_opt_out_and_comparison():
         captures = [mirror.maybe_mirror(plan(), everyone, f"u{i}", f"id{i}") for i in range(3)]
         assert captures[2] is None and metrics.outcomes == ["dropped"]  # max_in_flight 2
         await asyncio.sleep(0)  # the mirror tasks start
-        assert [c[3] for c in handle.calls] == [10_000, 10_000]  # low vLLM priority
+        assert [c[0].priority for c in handle.calls] == [10_000, 10_000]  # low vLLM priority
+        assert [c[0].request_id for c in handle.calls] == ["id0-shadow", "id1-shadow"]
         for capture, chunks in zip(captures[:2], (sse("Par", "is."), sse("Rome."))):
             capture.chunks.extend(chunks)
             capture.finish(ttft_s=0.1, latency_s=0.2, error=None)

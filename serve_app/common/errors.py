@@ -7,13 +7,14 @@ Body format (OpenAI API reference, "Error codes"):
 
 from __future__ import annotations
 
-import logging
+from serve_app.common.logs import get_logger
+
 from http import HTTPStatus
 from typing import Any
 
 from pydantic import ValidationError
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 # OpenAI's `type` for each status the mesh returns.
 _TYPE_BY_STATUS = {

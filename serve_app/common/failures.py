@@ -38,6 +38,13 @@ from dataclasses import dataclass
 from serve_app.common.errors import error_body, format_validation_error
 
 
+#: Seconds a client is told to wait (``Retry-After``) when the mesh cannot serve it now for
+#: its own reasons: no variant could take the request (every candidate had a variant
+#: failure), the router has no config yet, or the rollout controller did not answer.
+#: Refusals with a computed wait (admission, tenant limits) say that wait instead.
+RETRY_AFTER_S = 5
+
+
 class Failure(str, enum.Enum):
     """Kind of a failed request; see the module docstring for what each kind causes."""
 

@@ -1,7 +1,8 @@
-"""What an ``LLMReplica`` streams back to the router through a Serve ``DeploymentHandle``.
+"""The router <-> replica protocol: what the router sends an ``LLMReplica`` through a Serve
+``DeploymentHandle`` (one :class:`GenerateRequest`) and what the replica streams back.
 
-Every call of ``LLMReplica.generate`` is a streaming call whose first item is a
-:class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
+Every call of ``LLMReplica.generate(request)`` is a streaming call whose first item is
+:class:`Accepted` for a non-stream, then a :class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
 ending with ``"data: [DONE]\\n\\n"``, then one :class:`Tail` (not sent to the client).
 The router decides the HTTP status from the head before
 sending any byte, which is what makes failover before the first byte possible.
@@ -10,11 +11,36 @@ sending any byte, which is what makes failover before the first byte possible.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from serve_app.common.failures import Failure
 
 #: Response header naming the adapter version that served (``name@vN``).
 ADAPTER_HEADER = "x-mesh-adapter"
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One OpenAI request as the router sends it to a variant's replica (built once per
+    request by the planner; the shadow mirror derives its own with ``dataclasses.replace``).
+
+    Attributes:
+        endpoint: ``"chat"`` (``/v1/chat/completions``) or ``"completion"``
+            (``/v1/completions``).
+        body: the OpenAI request body; ``body["model"]`` is ``route`` or ``route:adapter``.
+        adapter_version: the version (``name@vN``) an adapter split chose; None: the
+            adapter's default version serves.
+        priority: the tenant's priority (vLLM convention: lower is served first); it reaches
+            vLLM when the engine runs ``scheduling_policy: priority``.
+        request_id: the router's ``x-request-id``; it becomes vLLM's request id
+            (``chatcmpl-<id>``).
+    """
+
+    endpoint: Literal["chat", "completion"]
+    body: dict[str, Any]
+    adapter_version: str | None = None
+    priority: int = 0
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)

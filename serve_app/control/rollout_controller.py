@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from typing import Any
 
-from ray import serve
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.util.metrics import Counter, Gauge
 
+from serve_app.common.logs import get_logger
 from serve_app.control.rollout import Observation, Rollout, RolloutSpec, RolloutWeights
 from serve_app.control.shadow_book import ShadowBook
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: Seconds between two verdicts on every rollout, and between two router reports.
 EVALUATE_PERIOD_S = 0.5
@@ -45,8 +44,6 @@ REPORT_PERIOD_S = 0.5
 KV_NAMESPACE, KV_KEY = "model-mesh", "rollouts"
 
 
-@serve.deployment(name="RolloutController", num_replicas=1, max_ongoing_requests=1000,
-                  ray_actor_options={"num_cpus": 0})
 class RolloutController:
     """Holds every rollout by split key and judges them every :data:`EVALUATE_PERIOD_S`."""
 

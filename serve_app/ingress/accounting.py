@@ -17,18 +17,18 @@ per request: ``request_id``, ``tenant``, ``route``, ``variant``, ``adapter``,
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable
 
+from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
 from serve_app.ingress.admission import Slot, VariantAdmission
 from serve_app.ingress.limits import Lease, TenantLimiter
 from serve_app.observability.metrics import MeshMetrics
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: The request id header. Serve's proxy puts it on every request (the client's own, or a
 #: new one) and on every response, so the router only reads it.

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 
 from ray import serve
 
+from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
 from serve_app.common.failures import replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.wire import ReplicaInfo
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: The poll asks the Serve controller for replica counts every this many periods; in between
 #: it only asks the running variants what they serve. A variant that dies in between is

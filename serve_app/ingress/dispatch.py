@@ -11,24 +11,22 @@ full variant is a 503 now. When every candidate failed: 503 ``no_healthy_variant
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 
 from fastapi.responses import Response
 
+from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError
-from serve_app.common.failures import Failure, handle_failure, nested_too_deeply, replica_gone
+from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
+                                       nested_too_deeply, replica_gone)
 from serve_app.common.wire import Accepted, Head, Usage
 from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse
 
-logger = logging.getLogger("ray.serve")
-
-#: Seconds a client should wait before retrying when no variant could take its request.
-RETRY_AFTER_S = 5
+logger = get_logger(__name__)
 
 
 class Dispatcher:
@@ -91,8 +89,7 @@ class Dispatcher:
             raise MeshError(503, r.message, code=r.reason,
                             headers={"Retry-After": str(r.retry_after_s)}) from None
         account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
-        stream = self.handle_for(variant).options(stream=True).generate.remote(
-            plan.endpoint, plan.body, plan.version, plan.priority, account.request_id)
+        stream = self.handle_for(variant).options(stream=True).generate.remote(plan.request)
         try:
             # A stream's head comes as soon as vLLM has checked the request, a non-stream's
             # Accepted as soon as the replica has it; waiting longer means the replica cannot

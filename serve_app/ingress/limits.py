@@ -19,7 +19,6 @@ with 503 ``limits_unavailable`` and ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 import uuid
@@ -29,10 +28,11 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: The shared counts' actor: name and namespace (one per Ray cluster).
 SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts", "model-mesh"

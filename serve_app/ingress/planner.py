@@ -29,6 +29,8 @@ from typing import Any, Protocol
 from serve_app.common.adapters import adapter_name
 from serve_app.common.config import RouterConfig, Tenant
 from serve_app.common.errors import MeshError
+from serve_app.common.policies import ShadowConfig
+from serve_app.common.wire import GenerateRequest
 from serve_app.ingress.split import Split, failover_order, pick_variant
 
 VARIANT_HEADER = "x-mesh-variant"
@@ -53,37 +55,46 @@ class Availability(Protocol):
 class RequestPlan:
     """Everything the router needs to serve one request.
 
+    Everything a request needs after planning is here, so a deploy that changes the router
+    config while the request waits (for its tenant slot, say) cannot change or break it.
+
     Attributes:
-        endpoint: ``"chat"`` or ``"completion"``.
-        body: the OpenAI request body, as the replica gets it.
+        request: what each candidate's replica is sent (the body, the adapter version an
+            adapter split chose, the tenant's priority, the request id), built once.
         route: the route (``model`` before the ``:``).
         adapter: the adapter name after the ``:``; "" for the base model.
-        version: the adapter version an adapter split chose (``name@vN``), else None (the
-            variant uses its default version).
         candidates: variant applications to try, in order.
         arms: ``(split key, arm)`` pairs the request goes through, for rollouts; an empty
             arm stands for the variant that will serve.
         tenant: the caller (None in open mode).
         priority: the tenant's priority (lower is served first).
         top_priority: it is the best priority configured (may use reserved slots).
-        stream: the client asked for SSE.
         queue_timeout_s: the route's admission timeout, s.
         identity: the caller's sticky identity (:func:`caller_identity`), if any.
+        shadow: the route's configured shadow (``routes.<route>.shadow``), if any.
     """
 
-    endpoint: str
-    body: dict[str, Any]
+    request: GenerateRequest
     route: str
     adapter: str
-    version: str | None
     candidates: tuple[str, ...]
     arms: tuple[tuple[str, str], ...]
     tenant: Tenant | None
-    priority: int
     top_priority: bool
-    stream: bool
     queue_timeout_s: float
     identity: str | None = None
+    shadow: ShadowConfig | None = None
+
+    @property
+    def version(self) -> str | None:
+        """The adapter version (``name@vN``) an adapter split chose, else None (the variant
+        uses its default version)."""
+        return self.request.adapter_version
+
+    @property
+    def priority(self) -> int:
+        """The tenant's priority (lower is served first)."""
+        return self.request.priority
 
     @property
     def tags(self) -> dict[str, str]:
@@ -152,13 +163,15 @@ class RequestPlanner:
             self.availability.serves(v, adapter) for v in self.availability.adapters)
 
     async def plan(self, endpoint: str, body: dict[str, Any], tenant: Tenant | None, *,
-                   session_id: str | None = None, pinned: str | None = None) -> RequestPlan:
+                   request_id: str | None = None, session_id: str | None = None,
+                   pinned: str | None = None) -> RequestPlan:
         """Plan one request.
 
         Args:
             endpoint: ``"chat"`` or ``"completion"``.
             body: the parsed JSON body.
             tenant: the authenticated caller (None in open mode).
+            request_id: the request's ``x-request-id`` (vLLM's request id too).
             session_id: the ``x-session-id`` header, if any.
             pinned: the ``x-mesh-variant`` header, if any.
 
@@ -206,12 +219,12 @@ class RequestPlanner:
         arms = [] if pinned else [(route, "")]
         if version:
             arms.append((f"{route}:{adapter}", version))
+        rc = self.config.routes[route]
         return RequestPlan(
-            endpoint=endpoint, body=body, route=route, adapter=adapter, version=version,
-            candidates=tuple(candidates), arms=tuple(arms), tenant=tenant, priority=priority,
-            top_priority=priority <= self.top_priority, stream=bool(body.get("stream")),
-            queue_timeout_s=self.config.routes[route].admission.queue_timeout_s,
-            identity=identity)
+            request=GenerateRequest(endpoint, body, version, priority, request_id),
+            route=route, adapter=adapter, candidates=tuple(candidates), arms=tuple(arms),
+            tenant=tenant, top_priority=priority <= self.top_priority,
+            queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow)
 
     def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
         """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and

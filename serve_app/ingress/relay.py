@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from serve_app.common.logs import get_logger
 from serve_app.common.errors import error_body
 from serve_app.common.failures import Failure, replica_gone
 from serve_app.common.wire import Tail
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: Metric error kind of a stream that ended with an in-band error event of each failure kind.
 STREAM_ERROR_KIND = {Failure.VARIANT: "stream_failed", Failure.INTERNAL: "internal_error",

@@ -10,13 +10,13 @@ that never reached it sends a rollout's stable arm everything.
 from __future__ import annotations
 
 import asyncio
-import logging
 
+from serve_app.common.logs import get_logger
 from serve_app.ingress.split import Split
 from serve_app.control.rollout import Observation, RolloutSpec, RolloutWeights
 from serve_app.control.rollout_controller import REPORT_PERIOD_S
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: Observations kept for the rollout controller while it cannot be reached; newer ones are
 #: dropped above this (the controller judges on counts, so losing some only slows a verdict).

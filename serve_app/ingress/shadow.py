@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,12 +35,13 @@ from dataclasses import dataclass, field, replace
 
 from rapidfuzz import fuzz
 
+from serve_app.common.logs import get_logger
 from serve_app.common.policies import ShadowConfig
 from serve_app.common.wire import Head, Tail
 from serve_app.ingress.planner import RequestPlan
 from serve_app.ingress.split import caller_point
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 #: vLLM priority of mirrored requests: after every tenant's (tenants are in -1000..1000).
 SHADOW_PRIORITY = 10_000
@@ -245,7 +245,7 @@ class ShadowMirror:
                 self.count(plan.route, shadow.application, "primary_failed")
                 return
             self.report(compare(plan.route, shadow.application, plan.candidates[0], primary,
-                                mirrored, json.dumps(plan.body) if shadow.keep_samples else None),
+                                mirrored, json.dumps(plan.request.body) if shadow.keep_samples else None),
                         shadow.keep_samples)
         except Exception:  # noqa: BLE001 -- a mirror must never surface anywhere else
             logger.exception("shadow mirror of %s to %s failed", plan.route, shadow.application)
@@ -256,11 +256,13 @@ class ShadowMirror:
                     request_id: str) -> Answer:
         """The shadow's answer to the request's body, streamed inside the mesh."""
         t0 = time.monotonic()
-        body = {**plan.body, "stream": True, "stream_options": {"include_usage": False}}
+        request = replace(plan.request, body={**plan.request.body, "stream": True,
+                                              "stream_options": {"include_usage": False}},
+                          adapter_version=version, priority=SHADOW_PRIORITY,
+                          request_id=request_id)
         ttft, chunks = None, []
         try:
-            stream = self.handle_for(application).options(stream=True).generate.remote(
-                plan.endpoint, body, version, SHADOW_PRIORITY, request_id)
+            stream = self.handle_for(application).options(stream=True).generate.remote(request)
             head: Head = await asyncio.wait_for(stream.__anext__(), HEAD_TIMEOUT_S)
             if head.status != 200:
                 return Answer(error=f"HTTP {head.status}: {(head.body or '')[:200]}",

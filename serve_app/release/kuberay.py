@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from serve_app.common.deployment_options import REPLICA_OPTIONS
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
     applications,
@@ -117,9 +118,9 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
 
     Worker groups: the ``LLMReplica`` of each variant application, with the config's
     ``ray_actor_options`` when it has some (they replace the code's whole, as in Serve; a
-    missing ``num_cpus`` is Serve's default 1) and else ``REPLICA_ACTOR_OPTIONS`` of
-    :mod:`serve_app.replica`. Variants of one shape (GPUs per pod, custom resource names) share
-    a group, in the order of the applications, so a variant of a new shape adds a group at
+    missing ``num_cpus`` is Serve's default 1) and else those of ``REPLICA_OPTIONS``
+    (:mod:`serve_app.common.deployment_options`). Variants of one shape (GPUs per pod,
+    custom resource names) share a group, in the order of the applications, so a variant of a new shape adds a group at
     the end. Per pod: ``cpu = max(1, ceil(num_cpus))``, ``nvidia.com/gpu = ceil(num_gpus)``
     (and the ``num-gpus`` ray start parameter), custom ``resources`` through the
     ``resources`` ray start parameter; the largest variant of a group sizes its pods. Counts:
@@ -219,19 +220,17 @@ def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
                   spare_workers: int = 0) -> list[WorkerGroup]:
     """The worker groups of a valid Serve config (see :func:`rayservice_manifest`);
     ``worker_memory`` in bytes."""
-    from serve_app.replica import REPLICA_ACTOR_OPTIONS, LLMReplica
-
     groups: dict[tuple, WorkerGroup] = {}
     for app_name, app in mesh_parts(serve_config).variant_apps.items():
         dep = deployment(app, REPLICA_DEPLOYMENT) or {}
         # As Serve: the config's ray_actor_options replace the code's whole.
-        opts = dep.get("ray_actor_options", REPLICA_ACTOR_OPTIONS) or {}
+        opts = dep.get("ray_actor_options", REPLICA_OPTIONS["ray_actor_options"]) or {}
         num_cpus = opts.get("num_cpus")
         num_cpus = SERVE_DEFAULT_NUM_CPUS if num_cpus is None else num_cpus
         gpus = math.ceil(opts.get("num_gpus") or 0)
         resources = dict(opts.get("resources") or {})
         memory = math.ceil(opts["memory"]) if opts.get("memory") else worker_memory
-        low, initial, high = _replica_counts(dep, LLMReplica.num_replicas)
+        low, initial, high = _replica_counts(dep, REPLICA_OPTIONS["num_replicas"])
         key = (gpus, tuple(sorted(resources)))
         g = groups.get(key)
         if g is None:

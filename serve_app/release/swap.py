@@ -35,7 +35,8 @@ import yaml
 
 from serve_app.release.deploy import DeployError, deploy
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
-from serve_app.release.validate import SURGE_PERCENT, validate_config
+from serve_app.common.deployment_options import SURGE_PERCENT
+from serve_app.release.validate import validate_config
 
 
 class SwapError(ValueError):

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from serve_app.common.adapters import AdapterError, adapter_key, fit_problem, load_manifest
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
+from serve_app.common.deployment_options import SURGE_PERCENT
 from serve_app.common.errors import format_validation_error
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -38,10 +39,6 @@ from serve_app.common.serve_configs import (
 )
 from serve_app.common.paths import resolve_repo_path
 
-
-#: ``max_surge_percent`` the shipped configs give every ``LLMReplica`` (and its default): a
-#: replacement starts before the replica it replaces stops.
-SURGE_PERCENT = 100
 
 
 def config_warnings(config: dict[str, Any]) -> list[str]:

@@ -8,19 +8,20 @@ bodies are exactly those of ``vllm serve``; only the HTTP layer is ours (the rou
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.common.config import VariantArgs
 from serve_app.common.paths import resolve_model_path
-
-logger = logging.getLogger("ray.serve")
+from serve_app.common.wire import Usage
+from serve_app.server.serving import EngineAnswer, EngineError
 
 
 @dataclass
 class EngineHandle:
-    """A running engine and the serving objects bound to it."""
+    """A running vLLM engine and vLLM's OpenAI serving objects bound to it: the
+    :class:`~serve_app.server.serving.ServingEngine` that ``LLMReplica`` serves with."""
 
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     chat: Any  # OpenAIServingChat
@@ -30,6 +31,47 @@ class EngineHandle:
     max_lora_rank: int  # 0 when LoRA is off
     max_num_seqs: int  # requests the engine runs at once
     priority_scheduling: bool  # scheduling_policy "priority": requests carry a priority
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.errored
+
+    async def run(self, endpoint: str, body: dict[str, Any]
+                  ) -> EngineAnswer | EngineError | AsyncIterator[str]:
+        """Serve one OpenAI body (``endpoint`` ``"chat"`` or ``"completion"``) with vLLM's own
+        request classes and serving objects, so validation, templating and the SSE format are
+        ``vllm serve``'s.
+
+        Raises:
+            pydantic.ValidationError: a body vLLM's protocol refuses; anything vLLM raises.
+        """
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if endpoint == "chat":
+            result = await self.chat.create_chat_completion(
+                ChatCompletionRequest.model_validate(body), None)
+        else:
+            result = await self.completion.create_completion(
+                CompletionRequest.model_validate(body), None)
+        if isinstance(result, ErrorResponse):
+            return EngineError(result.error.code, result.error.message, result.error.param)
+        if hasattr(result, "model_dump_json"):
+            u = result.usage
+            return EngineAnswer(result.model_dump_json(), Usage(
+                u.prompt_tokens, u.completion_tokens or 0) if u else None)
+        return result  # the SSE lines of a stream
+
+    async def check_health(self) -> None:
+        """Raises if the engine is dead."""
+        await self.engine.check_health()
+
+    def num_unfinished(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 def build_cli_namespace(args: VariantArgs):

@@ -24,16 +24,16 @@ one and reloads it from disk when asked, so keep ``max_cpu_loras`` >= adapters +
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve_app.common.logs import get_logger
 from serve_app.common.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
                                 load_manifest, verify_adapter)
 from serve_app.common.errors import MeshError
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""The OpenAI request body as vLLM gets it, and vLLM's answer as the client gets it.
+
+The replica changes a client's body in one place, :func:`engine_body`, and vLLM's SSE lines
+and JSON in one place, :func:`for_client`. Pure functions of dicts and strings: unit-tested
+without an engine (``tests/test_serving.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from serve_app.common.wire import ADAPTER_HEADER, GenerateRequest, Head, Tail
+
+#: How vLLM's stream generators start an in-band error event (then ``data: [DONE]``).
+IN_BAND_ERROR = 'data: {"error"'
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def engine_body(request: GenerateRequest, *, lora_name: str | None, priority_scheduling: bool,
+                system_prompt: str | None) -> tuple[dict[str, Any], bool]:
+    """The body vLLM's OpenAI serving layer is given for ``request``.
+
+    - ``model``: the resident LoRA's name (``name@vN``) for an adapter request;
+    - ``priority``: the tenant's, when the engine runs ``scheduling_policy: priority``;
+    - ``request_id``: the router's ``x-request-id``;
+    - chat only: the variant's ``system_prompt`` first, unless the client sent a system or
+      developer message;
+    - streams always ask for usage (``stream_options.include_usage``), for the router's
+      token metrics.
+
+    Returns:
+        ``(body, client_wants_usage)``: the second is whether the client itself asked for
+        the usage chunk (it is passed on only then).
+    """
+    body = dict(request.body)
+    if lora_name is not None:
+        body["model"] = lora_name
+    if priority_scheduling:
+        body["priority"] = request.priority
+    if request.request_id:
+        body["request_id"] = request.request_id
+    messages = body.get("messages")
+    if (request.endpoint == "chat" and system_prompt and isinstance(messages, list)
+            and not any(isinstance(m, dict) and m.get("role") in ("system", "developer")
+                        for m in messages)):
+        body["messages"] = [{"role": "system", "content": system_prompt}, *messages]
+    options = body.get("stream_options")
+    client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    if body.get("stream") and (options is None or isinstance(options, dict)):
+        body["stream_options"] = {**(options or {}), "include_usage": True}
+    return body, client_wants_usage
+
+
+def for_client(item: Head | str | Tail, lora_name: str, requested: str) -> Head | str | Tail:
+    """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON: show what the client asked
+    (``route:adapter``) instead, and say which version served in the ``x-mesh-adapter``
+    header."""
+    old, new = f'"model":"{lora_name}"', f'"model":"{requested}"'
+    if isinstance(item, str):
+        return item.replace(old, new)
+    if isinstance(item, Head):
+        return replace(item, body=item.body.replace(old, new) if item.body else item.body,
+                       headers={**item.headers, ADAPTER_HEADER: lora_name})
+    return item
+
+
+def wants_structured_output(body: dict[str, Any]) -> bool:
+    """Whether the request asks for structured output (OpenAI ``response_format`` other
+    than text, vLLM's ``structured_outputs`` or its older ``guided_*`` fields)."""
+    fmt = body.get("response_format")
+    return (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or bool(
+        body.get("structured_outputs")) or any(
+        body.get(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
+
+def usage_chunk(line: str) -> dict[str, Any] | None:
+    """The ``usage`` of vLLM's final usage chunk (empty ``choices``), else None; only that
+    line is parsed."""
+    if line.startswith("data: {") and '"choices":[]' in line and '"usage":{' in line:
+        return json.loads(line[len("data: "):])["usage"]
+    return None
+
+
+def in_band_error(line: str) -> dict[str, Any] | None:
+    """The ``error`` of an in-band SSE error event (``data: {"error": {...}}``), else None."""
+    if line.startswith(IN_BAND_ERROR):
+        return json.loads(line[len("data: "):])["error"]
+    return None

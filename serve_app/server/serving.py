@@ -1,0 +1,263 @@
+"""``ReplicaServer``: the serving logic of one variant replica, over an engine protocol.
+
+``LLMReplica`` (:mod:`serve_app.replica`) is the Serve deployment shell; everything it does
+with a request happens here, against a :class:`ServingEngine` (vLLM's, from
+:mod:`serve_app.server.engine`, or a fake in unit tests; the seam Ray Serve LLM's
+``LLMServer(engine_cls=...)`` has). Per request (:meth:`ReplicaServer.generate`):
+
+1. :class:`~serve_app.common.wire.Accepted` first for a non-stream (the router time-boxes it);
+2. an injected fault, if ``user_config.fault_injection`` says so (tests and drills);
+3. the adapter: take the version the router chose from the :class:`AdapterSet` (404 for one
+   not served), held until the request ends so it is never unloaded under it;
+4. the engine call on :func:`~serve_app.server.openai_body.engine_body`;
+5. every failure classified (:mod:`serve_app.common.failures`) into a :class:`Head`, or,
+   once a stream has started, into its :class:`Tail`; nothing raises to the caller.
+
+Streamed lines go through :func:`~serve_app.server.coalesce.coalesce` (one Ray message per
+``stream_batching_interval_ms``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from serve_app.common.adapters import AdapterError
+from serve_app.common.config import ReplicaConfig
+from serve_app.common.errors import (MeshError, error_body, format_validation_error,
+                                     reject_user_config)
+from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
+from serve_app.common.logs import get_logger
+from serve_app.common.paths import resolve_repo_path
+from serve_app.common.wire import Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage
+from serve_app.server.coalesce import coalesce
+from serve_app.server.lora import AdapterSet
+from serve_app.server.openai_body import (SSE_DONE, engine_body, for_client, in_band_error,
+                                          usage_chunk, wants_structured_output)
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineAnswer:
+    """A whole (non-streaming) answer: the OpenAI response JSON and its token counts."""
+
+    body: str
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """An error the engine's OpenAI layer answered with (vLLM's ``ErrorResponse``).
+
+    Attributes:
+        code: HTTP status. message: what was wrong. param: the field at fault, if known.
+    """
+
+    code: int
+    message: str
+    param: str | None = None
+
+
+class ServingEngine(Protocol):
+    """What :class:`ReplicaServer` needs of an engine (:class:`serve_app.server.engine.EngineHandle`
+    is vLLM's)."""
+
+    max_num_seqs: int
+    priority_scheduling: bool
+
+    @property
+    def errored(self) -> bool:
+        """The engine has died (vLLM ``AsyncLLM.errored``)."""
+
+    async def run(self, endpoint: str, body: dict[str, Any]
+                  ) -> EngineAnswer | EngineError | AsyncIterator[str]:
+        """Serve one OpenAI body: a whole answer, an error, or SSE lines.
+
+        Raises:
+            Exception: anything; :func:`~serve_app.common.failures.replica_verdict`
+                classifies it.
+        """
+
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds."""
+
+
+class ReplicaServer:
+    """Serves one variant's requests on one engine.
+
+    Args:
+        variant: the variant's application name (for messages and logs).
+        engine: the engine (:class:`ServingEngine`).
+        adapters: the replica's adapter set (declared adapters, loaded in ``engine``).
+        rng: the random source of fault injection (seeded in tests).
+    """
+
+    def __init__(self, variant: str, engine: ServingEngine, adapters: AdapterSet, *,
+                 rng: random.Random | None = None) -> None:
+        self.variant = variant
+        self.engine = engine
+        self.adapters = adapters
+        self.config: ReplicaConfig | None = None
+        self.in_flight = 0  # requests inside generate()
+        self._rng = rng or random.Random()
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Validate and apply a new ``user_config``; an invalid one changes nothing.
+
+        With a previous config the rejection is logged and the last good config kept
+        (raising would make Serve replace a healthy replica); without one it raises, so a bad
+        first deploy fails visibly. The adapter set is then reconciled in place
+        (:meth:`AdapterSet.reconcile`): a broken adapter is refused on its own.
+
+        Raises:
+            ValueError: invalid ``user_config`` and no previous one.
+        """
+        try:
+            new = ReplicaConfig.model_validate(user_config or {})
+        except ValidationError as e:
+            return reject_user_config(self.config, f"variant {self.variant}: invalid LLMReplica "
+                                      f"user_config:\n{format_validation_error(e, 'user_config')}")
+        manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
+        try:
+            await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)
+        except AdapterError as e:
+            return reject_user_config(self.config, f"variant {self.variant}: {e}")
+        if new.fault_injection:
+            logger.warning("variant %s: FAULT INJECTION ON (testing only): %s", self.variant,
+                           new.fault_injection.model_dump())
+        self.config = new
+
+    def stats(self) -> dict[str, Any]:
+        """``in_flight`` (requests inside :meth:`generate`), ``engine_unfinished`` (requests
+        the engine still holds) and the adapter set's status."""
+        return {"variant": self.variant, "in_flight": self.in_flight,
+                "engine_unfinished": self.engine.num_unfinished(),
+                "adapters": self.adapters.status()}
+
+    def serving_info(self) -> ReplicaInfo:
+        """Adapter versions that take new requests here and the engine's scheduling facts."""
+        return ReplicaInfo(adapters=tuple(sorted(self.adapters.active)),
+                           max_num_seqs=self.engine.max_num_seqs,
+                           priority_scheduling=self.engine.priority_scheduling)
+
+    async def generate(self, request: GenerateRequest
+                       ) -> AsyncIterator[Accepted | Head | str | Tail]:
+        """Serve one request; the stream the router reads (:mod:`serve_app.common.wire`):
+        :class:`Accepted` (non-streams), a :class:`Head` (with ``x-mesh-adapter: name@vN``
+        for an adapter request), then, for a stream, SSE lines and a :class:`Tail`.
+        Raises nothing: every failure is an error head, or mid-stream an in-band error
+        event and a failed tail."""
+        self.in_flight += 1
+        live = None
+        try:
+            if not request.body.get("stream"):
+                yield Accepted()
+            if fault := await self._injected_fault():
+                yield fault
+                return
+            requested = str(request.body.get("model"))
+            _, _, adapter = requested.partition(":")
+            if adapter:
+                try:
+                    live = self.adapters.acquire(request.adapter_version or adapter)
+                except MeshError as e:
+                    yield Head(e.status, json.dumps(e.body()), failure=Failure.REQUEST)
+                    return
+            async for item in self._generate(request, live.lora_name if live else None):
+                yield for_client(item, live.lora_name, requested) if live else item
+        finally:
+            self.in_flight -= 1
+            if live is not None:
+                self.adapters.release(live)
+
+    async def _injected_fault(self) -> Head | None:
+        """``user_config.fault_injection``: maybe sleep, maybe fail as a variant failure
+        would (the router fails over, a rollout counts it)."""
+        fault = self.config.fault_injection if self.config else None
+        if fault is None:
+            return None
+        if fault.delay_ms and self._rng.random() < fault.delay_rate:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        if self._rng.random() < fault.error_rate:
+            return Head(503, json.dumps(error_body(
+                503, f"injected fault: variant {self.variant} has user_config.fault_injection."
+                f"error_rate {fault.error_rate} (a test or drill setting)",
+                code="injected_fault")), failure=Failure.VARIANT)
+        return None
+
+    def _classify(self, body: dict[str, Any], exc: BaseException | None, code: int = 500,
+                  message: str = "") -> Verdict:
+        """An exception's verdict; with ``exc`` None, the verdict on an error the engine
+        reported with ``code`` and ``message`` (an :class:`EngineError` or an in-band event)."""
+        facts = dict(variant=self.variant, engine_is_dead=self.engine.errored,
+                     structured_output=wants_structured_output(body))
+        if exc is not None:
+            return replica_verdict(exc, **facts)
+        if 400 <= code < 500:
+            return Verdict(Failure.REQUEST, code, message)
+        return stream_error_verdict(code, message, **facts)
+
+    def _verdict_head(self, verdict: Verdict) -> Head:
+        if verdict.failure is not Failure.REQUEST:
+            logger.warning("variant %s: %s (%d): %s", self.variant, verdict.failure.value,
+                           verdict.status, verdict.message[:500])
+        # No Retry-After here: a variant failure never reaches the client as it is (the
+        # router fails over, and answers 503 with its own Retry-After when none is left).
+        return Head(verdict.status, json.dumps(verdict.body()), failure=verdict.failure)
+
+    async def _generate(self, request: GenerateRequest, lora_name: str | None
+                        ) -> AsyncIterator[Head | str | Tail]:
+        body, client_wants_usage = engine_body(
+            request, lora_name=lora_name, priority_scheduling=self.engine.priority_scheduling,
+            system_prompt=self.config.system_prompt if self.config else None)
+        try:
+            result = await self.engine.run(request.endpoint, body)
+        except Exception as e:  # noqa: BLE001 -- every error is classified, none escapes
+            yield self._verdict_head(self._classify(body, e))
+            return
+        if isinstance(result, EngineError):  # vLLM's own verdict (4xx, or a 5xx)
+            verdict = self._classify(body, None, code=result.code, message=result.message)
+            yield self._verdict_head(replace(verdict, param=result.param)
+                                     if verdict.failure is Failure.REQUEST else verdict)
+        elif isinstance(result, EngineAnswer):
+            yield Head(200, result.body, usage=result.usage)
+        else:
+            yield Head(200, stream=True)
+            interval_s = (self.config.stream_batching_interval_ms if self.config else 0) / 1000
+            async for item in coalesce(self._stream(result, body, client_wants_usage),
+                                       interval_s):
+                yield item
+
+    async def _stream(self, lines: AsyncIterator[str], body: dict[str, Any],
+                      client_wants_usage: bool) -> AsyncIterator[str | Tail]:
+        """The engine's SSE lines as the client gets them, then the :class:`Tail`: usage from
+        the usage chunk (passed on only if the client asked for it), and the kind of an
+        in-band error event the engine ended the stream with."""
+        tail = Tail()
+        try:
+            async for line in lines:
+                if (error := in_band_error(line)) is not None:
+                    verdict = self._classify(body, None, code=int(error.get("code") or 500),
+                                             message=str(error.get("message")))
+                    tail = replace(tail, failure=verdict.failure, message=verdict.message)
+                elif (u := usage_chunk(line)) is not None:
+                    tail = replace(tail, usage=Usage(u["prompt_tokens"],
+                                                     u.get("completion_tokens") or 0))
+                    if not client_wants_usage:
+                        continue
+                yield line
+        except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
+            verdict = self._classify(body, e)
+            tail = replace(tail, failure=verdict.failure, message=verdict.message)
+            yield f"data: {json.dumps(verdict.body())}\n\n{SSE_DONE}"
+        if tail.failure is not None and tail.failure is not Failure.REQUEST:
+            logger.warning("variant %s: stream ended with an in-band error (%s): %s",
+                           self.variant, tail.failure.value, tail.message[:500])
+        yield tail
