@@ -20,13 +20,13 @@ import pytest
 
 from serve_app.release.deploy import serve_cli, serve_status
 from serve_app.observability.stats import percentile
-from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load
+from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
 BASELINE_S = 10  # load before the change, for the "before" figures
-AFTER_S = 3  # load kept after the change
+AFTER_REQUESTS = 4  # requests started after the change, before the load stops
 
 
 def meshctl(*args: str) -> subprocess.CompletedProcess:
@@ -103,7 +103,8 @@ def test_base_swap_with_meshctl_drops_nothing(mesh):
                        "--model", "smollm2-135m-acme", "--steps", "50,100", "--pause-s", "5",
                        "-a", mesh.dashboard)
         t_done = time.monotonic()
-        time.sleep(AFTER_S)
+        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
+        wait_for_results(results, 20)
     assert swap.returncode == 0, swap.stdout
 
     failed = report("swap", results, t_swap, t_done, f"by variant {by_variant(results)}")
@@ -147,7 +148,7 @@ def test_in_place_args_change_replaces_the_replica_by_surge_under_load(mesh):
         t_change = time.monotonic()
         mesh.deploy(changed)
         t_done = time.monotonic()
-        time.sleep(AFTER_S)
+        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
     after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
 
     failed = report("surge replacement", results, t_change, t_done,
@@ -176,7 +177,7 @@ def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(mesh):
     spec = LoadSpec(base_url=f"{mesh.base_url}/v1", model="smollm", concurrency=1,
                     max_tokens=8, duration_s=600, timeout_s=120)
     with background_load(spec) as results:
-        time.sleep(5)
+        wait_for_results(results, 3)
         t_deploy = time.monotonic()
         proc = subprocess.run([serve_cli(), "deploy", "-a", mesh.dashboard, str(bad_path)],
                               capture_output=True, text=True)
@@ -187,7 +188,9 @@ def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(mesh):
             assert time.monotonic() < deadline, app["status"]
             time.sleep(1)
         t_failed = time.monotonic()
-        time.sleep(10)  # the old replica keeps serving after the failure
+        # The old replica keeps serving after the failure.
+        wait_for_results(results, 3, started_after=t_failed)
+        wait_for_results(results, 10)
     message = app["message"]
     print(f"\nDEPLOY_FAILED after {t_failed - t_deploy:.0f} s: {message[-400:]}")
     failed = [r for r in results if not r.ok]

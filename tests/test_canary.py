@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration
@@ -184,16 +184,17 @@ def test_zero_drops_through_ramp_and_retirement(canary):
     spec = LoadSpec(base_url=f"{canary.base_url}/v1", model="smollm", concurrency=4,
                     max_tokens=24, api_key=OPS_KEY, duration_s=600)
     with background_load(spec) as results:
-        time.sleep(5)
+        wait_for_results(results, 4)
         for v1, v2 in ((90, 10), (50, 50), (0, 100)):
             canary.deploy(with_weights(canary.canary_cfg, v1, v2))
-            time.sleep(5)
+            wait_for_results(results, len(results) + 4)
         retired = with_weights(canary.canary_cfg, 0, 100)
         del retired["applications"][1]  # smollm-v1's application
         route = retired["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
         route["variants"] = [v for v in route["variants"] if v["application"] != "smollm-v1"]
         canary.deploy(retired)
-        time.sleep(5)
+        wait_for_results(results, 4, started_after=time.monotonic())
+        wait_for_results(results, 20)
     by_variant = {}
     for r in results:
         by_variant[r.variant] = by_variant.get(r.variant, 0) + 1

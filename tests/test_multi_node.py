@@ -31,7 +31,7 @@ import pytest
 
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import running_replicas, serve_status
-from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 from netns_node import NODE_IP, NamespacedNode
 from test_tenants import ACME_V1, ACME_V2, KEYS
 from test_rollouts import rollout_state, router_uc
@@ -173,10 +173,11 @@ def test_zero_drop_canary_ramp_across_nodes(two_nodes):
     spec = LoadSpec(base_url=f"{two_nodes.base_url}/v1", model="smollm", concurrency=4,
                     max_tokens=24, api_key=KEYS["ops"], duration_s=600, user_prefix="ramp-")
     with background_load(spec) as results:
-        time.sleep(4)
+        wait_for_results(results, 4)
         for weights in ((50, 50), (0, 100), (50, 50)):
             two_nodes.deploy(configured(two_nodes.two_node_cfg, weights))
-            time.sleep(4)
+            wait_for_results(results, len(results) + 4)
+        wait_for_results(results, 20)
     by_variant = {v: sum(r.variant == v for r in results) for v in ("smollm-v1", "smollm-v2")}
     failed = [r for r in results if not r.ok]
     print(f"\nramp across nodes: {len(results)} streams, {len(failed)} failed, {by_variant}")
@@ -191,11 +192,11 @@ def test_zero_drop_adapter_upgrade_on_the_worker_node(two_nodes):
                     concurrency=4, max_tokens=24, api_key=KEYS["acme"], duration_s=600,
                     prompt="What is the largest ocean on Earth?")
     with background_load(spec) as results:
-        time.sleep(4)
+        wait_for_results(results, 4)
         two_nodes.deploy(configured(two_nodes.two_node_cfg, (0, 100),
                                     adapters=(("acme-support", 2), ("globex-report", 1))))
         deployed_at = time.monotonic()
-        time.sleep(6)
+        wait_for_results(results, 4, started_after=deployed_at)
     failed = [r for r in results if not r.ok]
     after = [r for r in results if r.started_at > deployed_at]
     print(f"\nadapter upgrade on the worker node: {len(results)} streams, {len(failed)} "

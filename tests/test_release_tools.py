@@ -1,5 +1,5 @@
 """Unit tests (no Ray cluster) of the release tools: the base-model swap plan
-(:mod:`serve_app.swap`) and the restart / in-place change report (:mod:`serve_app.config_diff`)."""
+(:mod:`serve_app.release.swap`) and the restart / in-place change report (:mod:`serve_app.release.config_diff`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from serve_app.common.adapters import load_manifest
-from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
 from serve_app.ingress.split import pick_variant
 
@@ -150,11 +150,11 @@ def test_removal_under_load_then_hot_add(tenants):
 def test_zero_drop_upgrade_v1_to_v2(tenants):
     before = tenants.all_replica_ids()
     with streams(tenants, "acme", "smollm:acme-support") as results:
-        time.sleep(4)
+        wait_for_results(results, 4)
         tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 2),
                                                            ("globex-report", 1)]))
         deployed_at = time.monotonic()
-        time.sleep(6)
+        wait_for_results(results, 4, started_after=deployed_at)
     failed = [r for r in results if not r.ok]
     after = [r for r in results if r.started_at > deployed_at]
     print(f"\nupgrade under load: {len(results)} streams, {len(failed)} failed, "

@@ -104,7 +104,7 @@ class ReplicaConfig(Strict):
     Attributes:
         system_prompt: default system message added to chat requests that carry none
             (variants of one route can differ here, visibly, for canary tests).
-        adapters: LoRA adapters to serve (see :mod:`serve_app.lora`). Usually one version
+        adapters: LoRA adapters to serve (see :mod:`serve_app.server.lora`). Usually one version
             per name (a new version replaces the old one); two versions of a name serve an
             adapter version canary, split by the router's ``routes.<route>.adapters``.
         adapters_manifest: the adapter registry file (repo-relative or absolute); default

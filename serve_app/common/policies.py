@@ -11,7 +11,7 @@ class Strict(BaseModel):
 
 
 class Admission(Strict):
-    """How a route's variants admit requests under load (see :mod:`serve_app.admission`).
+    """How a route's variants admit requests under load (see :mod:`serve_app.ingress.admission`).
 
     Attributes:
         queue_timeout_s: longest a request waits for a slot, s; a request that cannot start

@@ -62,7 +62,7 @@ class Head:
         stream: SSE lines follow this head.
         headers: extra HTTP headers (e.g. ``Retry-After``).
         usage: token counts of a non-streaming answer.
-        failure: for an error, its kind (:mod:`serve_app.failures`); the router fails over
+        failure: for an error, its kind (:mod:`serve_app.common.failures`); the router fails over
             only on ``Failure.VARIANT``.
     """
 

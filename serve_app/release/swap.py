@@ -2,7 +2,7 @@
 
 A new base model (or new engine args) changes a variant application's ``args``, and Serve
 replaces every replica of an application whose ``args`` change (see
-:mod:`serve_app.config_diff`). So the new base goes into a *new* variant application, and
+:mod:`serve_app.release.config_diff`). So the new base goes into a *new* variant application, and
 the route's traffic moves to it by weight:
 
 1. ``add``: the new variant application is added to the config and to the route with

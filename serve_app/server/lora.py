@@ -1,7 +1,7 @@
 """Adapter lifecycle inside one ``LLMReplica``: reconcile the declared adapter set in place.
 
 The replica's ``user_config.adapters`` lists ``{name, version}``; specs come from the adapter
-registry (:mod:`serve_app.adapters`). :meth:`AdapterSet.reconcile`:
+registry (:mod:`serve_app.common.adapters`). :meth:`AdapterSet.reconcile`:
 
 - a new adapter is verified (SHA-256, base model, rank, target modules, no pickle) and loaded
   into vLLM under the versioned LoRA name ``name@vN`` (so prefix-cache blocks of one version

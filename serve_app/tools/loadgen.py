@@ -146,6 +146,28 @@ def background_load(spec: LoadSpec) -> Iterator[list[RequestResult]]:
         thread.join(timeout=spec.timeout_s + 60)
 
 
+def wait_for_results(results: list[RequestResult], n: int, *, started_after: float | None = None,
+                     timeout_s: float = 600) -> None:
+    """Block until ``n`` requests of a :func:`background_load` have finished (only those
+    started after ``started_after``, a ``time.monotonic()`` value, when given).
+
+    Tests drive a load to a count this way, not for a time: a slow shared host then makes
+    the test slower, not wrong.
+
+    Raises:
+        TimeoutError: fewer than ``n`` finished within ``timeout_s`` s (a stalled mesh).
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def done() -> int:
+        return sum(started_after is None or r.started_at > started_after for r in list(results))
+
+    while done() < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {done()} of {n} requests finished in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 @dataclass
 class Answer:
     """One request of a flood: its status and, when refused, how fast and with what advice.
