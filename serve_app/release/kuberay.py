@@ -25,20 +25,14 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from serve_app.common.deployment_options import REPLICA_OPTIONS
-from serve_app.common.serve_configs import (
-    REPLICA_DEPLOYMENT,
-    applications,
-    deployment,
-    mesh_parts,
-)
+from serve_app.common.serve_configs import applications, mesh_parts
+from serve_app.release.kuberay_workers import (WorkerGroup, autoscales, format_quantity,
+                                              parse_quantity, whole, worker_groups)
 
 API_VERSION = "ray.io/v1"
 KIND = "RayService"
@@ -52,16 +46,10 @@ DEFAULT_WORKER_MEMORY = "8Gi"
 #: Where Serve's proxy listens on a pod: every address of the pod.
 POD_HOST = "0.0.0.0"
 METRICS_PORT = 8080  # KubeRay's default metrics-export-port for every Ray pod
-#: Serve's default num_cpus for a replica whose ray_actor_options omit it
-#: (ray.serve._private.config.ReplicaConfig).
-SERVE_DEFAULT_NUM_CPUS = 1
 #: KubeRay refuses longer RayService names (it appends 6 characters for the RayCluster name,
 #: whose limit is 53).
 MAX_NAME_LENGTH = 47
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 
 
 class ManifestError(ValueError):
@@ -71,25 +59,6 @@ class ManifestError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
-
-
-@dataclass
-class WorkerGroup:
-    """One KubeRay worker group: the engine replicas of one resource shape, one pod each.
-
-    ``cpus``, ``gpus``: whole units per pod; ``memory``: bytes per pod; ``resources``: Ray
-    custom resources each pod advertises; the counts are pods (= engine replicas).
-    """
-
-    name: str
-    cpus: int
-    gpus: int
-    memory: int
-    resources: dict[str, float]
-    replicas: int
-    min_replicas: int
-    max_replicas: int
-    variants: list[str]
 
 
 def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
@@ -153,7 +122,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
 
     groups = worker_groups(serve_config, worker_memory=quantities["worker_memory"],
                            spare_workers=spare_workers)
-    autoscaling = any(_autoscales(d) for a in applications(serve_config)
+    autoscaling = any(autoscales(d) for a in applications(serve_config)
                       for d in a.get("deployments") or []) or any(
         g.max_replicas > g.min_replicas for g in groups)
     serve_port = serve_config["http_options"]["port"]
@@ -216,41 +185,6 @@ def serve_config_problems(serve_config: dict[str, Any]) -> list[str]:
     return [line for p in validate_config(serve_config) for line in p.splitlines()]
 
 
-def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
-                  spare_workers: int = 0) -> list[WorkerGroup]:
-    """The worker groups of a valid Serve config (see :func:`rayservice_manifest`);
-    ``worker_memory`` in bytes."""
-    groups: dict[tuple, WorkerGroup] = {}
-    for app_name, app in mesh_parts(serve_config).variant_apps.items():
-        dep = deployment(app, REPLICA_DEPLOYMENT) or {}
-        # As Serve: the config's ray_actor_options replace the code's whole.
-        opts = dep.get("ray_actor_options", REPLICA_OPTIONS["ray_actor_options"]) or {}
-        num_cpus = opts.get("num_cpus")
-        num_cpus = SERVE_DEFAULT_NUM_CPUS if num_cpus is None else num_cpus
-        gpus = math.ceil(opts.get("num_gpus") or 0)
-        resources = dict(opts.get("resources") or {})
-        memory = math.ceil(opts["memory"]) if opts.get("memory") else worker_memory
-        low, initial, high = _replica_counts(dep, REPLICA_OPTIONS["num_replicas"])
-        key = (gpus, tuple(sorted(resources)))
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = WorkerGroup(name="", cpus=0, gpus=gpus, memory=0, resources={},
-                                          replicas=0, min_replicas=0, max_replicas=spare_workers,
-                                          variants=[])
-        g.cpus = max(g.cpus, max(1, math.ceil(num_cpus)))
-        g.memory = max(g.memory, memory)
-        for k, v in resources.items():
-            g.resources[k] = max(g.resources.get(k, 0), v)
-        g.replicas += initial
-        g.min_replicas += low
-        g.max_replicas += high
-        g.variants.append(app_name)
-    names: set[str] = set()
-    for (gpus, keys), g in groups.items():
-        g.name = _unique(_group_name(gpus, keys), names)
-    return list(groups.values())
-
-
 def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     """What is valid but works poorly on Kubernetes, one line each (printed, not refused).
     ``serve_config``: the config the manifest was made from."""
@@ -290,27 +224,6 @@ def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str
     return head + yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=4096)
 
 
-def parse_quantity(value: str | int) -> int:
-    """Bytes in a Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1G``, ``1073741824``).
-
-    Raises:
-        ValueError: not such a quantity, or not positive.
-    """
-    m = _QUANTITY.match(str(value).strip())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"got {value!r}; need a positive Kubernetes quantity such as 8Gi, "
-                         "512Mi or a number of bytes")
-    return math.ceil(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def format_quantity(n_bytes: int) -> str:
-    """A byte count as the shortest exact Kubernetes quantity (``8Gi``, ``1536Mi``, bytes)."""
-    for unit in ("Ti", "Gi", "Mi", "Ki"):
-        if n_bytes % _UNITS[unit] == 0:
-            return f"{n_bytes // _UNITS[unit]}{unit}"
-    return str(n_bytes)
-
-
 def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: int) -> list[str]:
     problems = []
     if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
@@ -327,42 +240,6 @@ def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: in
     return problems
 
 
-def _autoscales(dep: dict[str, Any]) -> bool:
-    return dep.get("autoscaling_config") is not None or dep.get("num_replicas") == "auto"
-
-
-def _replica_counts(dep: dict[str, Any], code_default: int) -> tuple[int, int, int]:
-    """(minimum, initial, maximum) replicas of a deployment entry, as Serve resolves them."""
-    if not _autoscales(dep):
-        n = dep.get("num_replicas")
-        n = code_default if n is None else n
-        return n, n, n
-    from ray.serve.config import AutoscalingConfig
-
-    # num_replicas: auto starts from Serve's default autoscaling config (max 100); a plain
-    # autoscaling_config from the field defaults (handle_num_replicas_auto in Serve).
-    given = dict(dep.get("autoscaling_config") or {})
-    if dep.get("num_replicas") == "auto":
-        given = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **given}
-    asc = AutoscalingConfig.model_validate(given)
-    initial = asc.min_replicas if asc.initial_replicas is None else asc.initial_replicas
-    return asc.min_replicas, initial, asc.max_replicas
-
-
-def _group_name(gpus: int, resource_keys: tuple[str, ...]) -> str:
-    parts = ["engines", f"gpu{gpus}" if gpus else "cpu", *resource_keys]
-    name = re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
-    return name[:40].rstrip("-")
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, i = name, 2
-    while candidate in taken:
-        candidate, i = f"{name}-{i}", i + 1
-    taken.add(candidate)
-    return candidate
-
-
 def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
     params: dict[str, str] = {}
     limits = {"cpu": str(g.cpus), "memory": format_quantity(g.memory)}
@@ -372,7 +249,7 @@ def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
     if g.resources:
         # KubeRay's documented form: the JSON with its quotes escaped, inside double quotes,
         # e.g. '"{\"mesh_engine\": 1}"' (the backslashes are characters of the value).
-        params["resources"] = '"' + json.dumps(_whole(g.resources)).replace('"', '\\"') + '"'
+        params["resources"] = '"' + json.dumps(whole(g.resources)).replace('"', '\\"') + '"'
     return {
         "groupName": g.name,
         "replicas": g.replicas,
@@ -386,10 +263,6 @@ def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
             "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
         }]}},
     }
-
-
-def _whole(resources: dict[str, float]) -> dict[str, float]:
-    return {k: int(v) if float(v).is_integer() else v for k, v in resources.items()}
 
 
 class _Literal(str):

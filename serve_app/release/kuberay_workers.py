@@ -1,0 +1,144 @@
+"""The worker groups of a KubeRay ``RayService`` (``meshctl kuberay``), sized from a Serve
+config, and Kubernetes memory quantities.
+
+Each ``LLMReplica`` replica gets a Ray worker pod sized from its ``ray_actor_options`` (the
+config's, or those of ``REPLICA_OPTIONS`` in :mod:`serve_app.common.deployment_options`);
+variants of one resource shape share a group. :mod:`serve_app.release.kuberay` writes the
+manifest around them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.common.deployment_options import REPLICA_OPTIONS
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
+
+#: Serve's default num_cpus for a replica whose ray_actor_options omit it
+#: (ray.serve._private.config.ReplicaConfig).
+SERVE_DEFAULT_NUM_CPUS = 1
+
+#: A Kubernetes quantity: a number and an optional SI (k, M, ...) or binary (Ki, Mi, ...) unit.
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+@dataclass
+class WorkerGroup:
+    """One KubeRay worker group: the engine replicas of one resource shape, one pod each.
+
+    ``cpus``, ``gpus``: whole units per pod; ``memory``: bytes per pod; ``resources``: Ray
+    custom resources each pod advertises; the counts are pods (= engine replicas).
+    """
+
+    name: str
+    cpus: int
+    gpus: int
+    memory: int
+    resources: dict[str, float]
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    variants: list[str]
+
+
+def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
+                  spare_workers: int = 0) -> list[WorkerGroup]:
+    """The worker groups of a valid Serve config (see :func:`rayservice_manifest`);
+    ``worker_memory`` in bytes."""
+    groups: dict[tuple, WorkerGroup] = {}
+    for app_name, app in mesh_parts(serve_config).variant_apps.items():
+        dep = deployment(app, REPLICA_DEPLOYMENT) or {}
+        # As Serve: the config's ray_actor_options replace the code's whole.
+        opts = dep.get("ray_actor_options", REPLICA_OPTIONS["ray_actor_options"]) or {}
+        num_cpus = opts.get("num_cpus")
+        num_cpus = SERVE_DEFAULT_NUM_CPUS if num_cpus is None else num_cpus
+        gpus = math.ceil(opts.get("num_gpus") or 0)
+        resources = dict(opts.get("resources") or {})
+        memory = math.ceil(opts["memory"]) if opts.get("memory") else worker_memory
+        low, initial, high = _replica_counts(dep, REPLICA_OPTIONS["num_replicas"])
+        key = (gpus, tuple(sorted(resources)))
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = WorkerGroup(name="", cpus=0, gpus=gpus, memory=0, resources={},
+                                          replicas=0, min_replicas=0, max_replicas=spare_workers,
+                                          variants=[])
+        g.cpus = max(g.cpus, max(1, math.ceil(num_cpus)))
+        g.memory = max(g.memory, memory)
+        for k, v in resources.items():
+            g.resources[k] = max(g.resources.get(k, 0), v)
+        g.replicas += initial
+        g.min_replicas += low
+        g.max_replicas += high
+        g.variants.append(app_name)
+    names: set[str] = set()
+    for (gpus, keys), g in groups.items():
+        g.name = _unique(_group_name(gpus, keys), names)
+    return list(groups.values())
+
+
+def autoscales(dep: dict[str, Any]) -> bool:
+    """Whether a deployment entry autoscales (``autoscaling_config``, or ``num_replicas: auto``)."""
+    return dep.get("autoscaling_config") is not None or dep.get("num_replicas") == "auto"
+
+
+def _replica_counts(dep: dict[str, Any], code_default: int) -> tuple[int, int, int]:
+    """(minimum, initial, maximum) replicas of a deployment entry, as Serve resolves them."""
+    if not autoscales(dep):
+        n = dep.get("num_replicas")
+        n = code_default if n is None else n
+        return n, n, n
+    from ray.serve.config import AutoscalingConfig
+
+    # num_replicas: auto starts from Serve's default autoscaling config (max 100); a plain
+    # autoscaling_config from the field defaults (handle_num_replicas_auto in Serve).
+    given = dict(dep.get("autoscaling_config") or {})
+    if dep.get("num_replicas") == "auto":
+        given = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **given}
+    asc = AutoscalingConfig.model_validate(given)
+    initial = asc.min_replicas if asc.initial_replicas is None else asc.initial_replicas
+    return asc.min_replicas, initial, asc.max_replicas
+
+
+def _group_name(gpus: int, resource_keys: tuple[str, ...]) -> str:
+    parts = ["engines", f"gpu{gpus}" if gpus else "cpu", *resource_keys]
+    name = re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+    return name[:40].rstrip("-")
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, i = name, 2
+    while candidate in taken:
+        candidate, i = f"{name}-{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def parse_quantity(value: str | int) -> int:
+    """Bytes in a Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1G``, ``1073741824``).
+
+    Raises:
+        ValueError: not such a quantity, or not positive.
+    """
+    m = _QUANTITY.match(str(value).strip())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"got {value!r}; need a positive Kubernetes quantity such as 8Gi, "
+                         "512Mi or a number of bytes")
+    return math.ceil(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_quantity(n_bytes: int) -> str:
+    """A byte count as the shortest exact Kubernetes quantity (``8Gi``, ``1536Mi``, bytes)."""
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        if n_bytes % _UNITS[unit] == 0:
+            return f"{n_bytes // _UNITS[unit]}{unit}"
+    return str(n_bytes)
+
+
+def whole(resources: dict[str, float]) -> dict[str, float]:
+    """Ray resources with whole numbers written as ints (``1``, not ``1.0``)."""
+    return {k: int(v) if float(v).is_integer() else v for k, v in resources.items()}
