@@ -21,6 +21,8 @@ from grafanalib._gen import DashboardEncoder
 from grafanalib.core import (Annotations, Dashboard, GridPos, RowPanel, Target, Template,
                              Templating, TimeSeries)
 
+from serve_app.release.rollout_report import gated_error_rate, refusal_rate
+
 OUT = Path(__file__).resolve().parent / "model-mesh.json"
 DS = "${DS_PROMETHEUS}"
 BY = "route, variant"
@@ -38,11 +40,10 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Requests per second", "reqps", [
             (f"sum by ({BY}) (rate(ray_mesh_requests_total{{{SEL}}}[1m]))",
              "{{route}} {{variant}}")]),
-        ("Error rate (variant failures and 5xx)", "percentunit", [
-            (f'(sum by ({BY}) (rate(ray_mesh_errors_total{{{SEL},kind!~"http_4..|'
-             f'client_disconnected|request_error"}}[1m])) or sum by ({BY}) '
-             f"(rate(ray_mesh_requests_total{{{SEL}}}[1m])) * 0) / sum by ({BY}) "
-             f"(rate(ray_mesh_requests_total{{{SEL}}}[1m]))", "{{route}} {{variant}}")]),
+        # The rate the rollout gates decide on; the router's overload refusals apart.
+        ("Variant failure rate (as rollouts gate) and router refusals", "percentunit", [
+            (gated_error_rate(SEL, BY), "failures {{route}} {{variant}}"),
+            (refusal_rate(SEL, BY), "refused {{route}} {{variant}}")]),
         ("Time to first token", "s", [
             (p95("ray_mesh_time_to_first_token_seconds", q=0.5), "p50 {{variant}}"),
             (p95("ray_mesh_time_to_first_token_seconds"), "p95 {{variant}}")]),
@@ -105,9 +106,10 @@ DECISIONS = {
 
 
 def queries() -> list[tuple[str, str]]:
-    """``(panel title, PromQL)`` of every panel, with ``$route`` set to match every route."""
-    return [(title, expr.replace("$route", ".*")) for _, panels in PANELS
-            for title, _, targets in panels for expr, _ in targets]
+    """``("panel title: legend", PromQL)`` of every target of every panel, with ``$route``
+    set to match every route."""
+    return [(f"{title}: {legend}", expr.replace("$route", ".*")) for _, panels in PANELS
+            for title, _, targets in panels for expr, legend in targets]
 
 
 def build() -> Dashboard:

@@ -13,6 +13,10 @@
                                       (reads the key from stdin when not given)
     meshctl rollout-report [--split S] [--out DIR] [--router-url URL] [--prometheus URL]
                                       PNG + Markdown of a rollout (admin key: $MESH_ADMIN_KEY)
+    meshctl rollout status [--watch] [--timeout S] [--report DIR] [--split KEY]
+                                      a rollout's state, or --watch it until its verdict:
+                                      exit 0 promoted, 2 rolled back, 3 aborted, 4 timeout,
+                                      5 mesh unreachable, 6 in progress (rollout_watch)
     meshctl kuberay CONFIG [-o FILE] [--name NAME] [--image IMAGE] [--head-cpus N]
                     [--head-memory Q] [--worker-memory Q] [--spare-workers N]
                                       KubeRay RayService manifest of CONFIG (exit 1 if invalid)
@@ -31,7 +35,7 @@ from serve_app.release.config_diff import diff_configs, format_report, restarts
 from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, load_config,
                                       wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
-from serve_app.release import kuberay
+from serve_app.release import kuberay, rollout_watch
 from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.ingress.tenancy import hash_api_key
@@ -207,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="an admin tenant's API key (default: $MESH_ADMIN_KEY)")
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus for the figures over time; '' to go without")
+    rollout_watch.add_parser(sub)
     p = sub.add_parser("kuberay", help="KubeRay RayService manifest of a Serve config")
     p.add_argument("config")
     p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "rollout-report":
         return _rollout_report(args)
+    if args.command == "rollout":
+        return rollout_watch.status_command(args)
     try:
         if args.command == "validate":
             if args.allow_restart and not args.against:

@@ -1,15 +1,23 @@
 """Progressive rollouts on the real stack: the mesh ramps smollm-v2 against smollm-v1 by
 itself under real load, promotes a healthy canary, rolls back one with injected errors, and
-keeps its state through a router replica restart and config-driven pause and abort."""
+keeps its state through a router replica restart and config-driven pause and abort. The shipped
+CI release (deploy/ci/release.sh) blocks on the real `meshctl rollout status --watch` and exits
+with the rollout's verdict (0 promoted, 2 rolled back), leaving the rollout report."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from serve_app.common.paths import REPO_ROOT
+from serve_app.release.rollout_watch import PROMOTED, ROLLED_BACK
 from serve_app.tools.loadgen import LoadSpec, background_load
 
 pytestmark = pytest.mark.integration
@@ -176,3 +184,56 @@ def test_rollout_state_survives_restarts_and_follows_deploys(rollouts):
         assert [d["decision"] for d in again["history"]] == ["start"]
         assert again["weights"]["smollm-v2"] == 20
         assert http.get("/admin/rollouts").status_code == 401
+
+
+# -- the shipped CI release (deploy/ci/release.sh): `meshctl rollout status --watch` -------
+
+def release(mesh, cfg, report_dir) -> subprocess.CompletedProcess:
+    """deploy/ci/release.sh on ``cfg`` against ``mesh``, as CI runs it; its output is printed."""
+    path = mesh.write(cfg)
+    proc = subprocess.run(
+        [str(REPO_ROOT / "deploy" / "ci" / "release.sh"), str(path)], text=True,
+        capture_output=True, timeout=900, env={
+            **os.environ, "RAY_DASHBOARD_ADDRESS": mesh.dashboard, "MESH_ROUTER_URL":
+            mesh.base_url, "MESH_ADMIN_KEY": OPS_KEY, "MESH_REPORT_DIR": str(report_dir),
+            "MESH_PROMETHEUS": "", "MESH_ROLLOUT_TIMEOUT_S": "300",
+            "MESHCTL": str(Path(sys.executable).parent / "meshctl")})  # this venv's
+    print(proc.stdout, proc.stderr[-3000:], sep="\n")
+    return proc
+
+
+def status(mesh, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", "rollout", "status",
+                           "--router-url", mesh.base_url, "--admin-key", OPS_KEY, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_release_script_waits_for_the_promotion_and_exits_0(rollouts, tmp_path):
+    cfg = with_rollout(rollouts.base_cfg, {"id": "ci-promote", "steps": [50, 100]})
+    with background_load(load(rollouts)) as results:
+        proc = release(rollouts, cfg, tmp_path)
+    assert proc.returncode == PROMOTED, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    decisions = [line.split()[4].rstrip(":") for line in lines if " smollm step " in line]
+    assert decisions == ["start", "advance", "promote"], lines
+    assert lines[-1] == "exit 0 (promoted)"
+    report = (tmp_path / "rollout-smollm.md").read_text()
+    assert report.startswith("# Rollout `ci-promote` of `smollm`: promoted")
+    assert (tmp_path / "rollout-smollm.png").stat().st_size > 20_000
+    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    # Read once, afterwards: the state's own code.
+    assert status(rollouts).returncode == PROMOTED
+
+
+def test_release_script_exits_2_when_the_canary_is_rolled_back(rollouts, tmp_path):
+    cfg = with_rollout(rollouts.base_cfg, {"id": "ci-drill", "steps": [50, 100]},
+                       {"fault_injection": {"error_rate": 1.0}})
+    with background_load(load(rollouts)):
+        proc = release(rollouts, cfg, tmp_path)
+    assert proc.returncode == ROLLED_BACK, proc.stderr[-2000:]
+    assert " smollm step 0 rollback: canary 0% / stable 100%; error rate 100.0%" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "exit 2 (rolled back)"
+    assert (tmp_path / "rollout-smollm.md").read_text().startswith(
+        "# Rollout `ci-drill` of `smollm`: rolled_back")
+    assert status(rollouts, "--watch").returncode == ROLLED_BACK
+    assert status(rollouts, "--admin-key", "sk-wrong").returncode == 5

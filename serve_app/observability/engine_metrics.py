@@ -13,13 +13,36 @@ Series (vLLM's names; see vLLM's "Production Metrics" docs): ``vllm:num_requests
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
 ``vllm:prompt_tokens`` / ``vllm:generation_tokens``, and the rest vLLM records.
+
+**The same histogram buckets in every variant.** vLLM sizes the buckets of its token-count
+histograms (``vllm:request_prompt_tokens``, ``request_generation_tokens``,
+``request_max_num_generation_tokens``, ``request_params_max_tokens``,
+``request_prefill_kv_computed_tokens``: the ``request_tokens`` family of
+``vllm.v1.metrics.buckets``) from the engine's ``max_model_len``, and any family from the
+engine arg ``custom_histogram_buckets``. Ray's metrics agent keeps the first bucket list it
+sees per metric name and drops the data points of every process whose list differs ("reported
+with 11 buckets but 12 were expected"), so a canary with another ``max_model_len`` would lose
+those series. :class:`VariantStatLogger` therefore builds every family's buckets for one
+mesh-wide ceiling, :data:`MESH_MAX_MODEL_LEN`, whatever the engine args
+(:func:`mesh_histogram_buckets`).
 """
 
 from __future__ import annotations
 
+import copy
+
+from vllm.v1.metrics.buckets import BUCKET_FAMILY_KEYS, histogram_buckets
 from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper, RayGaugeWrapper,
                                           RayHistogramWrapper, RayPrometheusStatLogger,
                                           _get_replica_id)
+
+from serve_app.common.logs import get_logger
+
+logger = get_logger(__name__)
+
+#: The longest context (tokens) the token-count histograms are bucketed for, in every
+#: variant: 1-2-5 buckets up to 100,000. A count above the last bucket still counts (+Inf).
+MESH_MAX_MODEL_LEN = 131_072
 
 
 def _variant() -> str:
@@ -65,10 +88,36 @@ class _Histogram(_VariantTagged, RayHistogramWrapper):
     pass
 
 
+def mesh_histogram_buckets() -> dict[str, list[float]]:
+    """Bucket bounds of each vLLM histogram family (``vllm.v1.metrics.buckets``), the same in
+    every variant: vLLM's defaults, with the token counts bucketed up to
+    :data:`MESH_MAX_MODEL_LEN` tokens (the timing families are in seconds)."""
+    return {family: histogram_buckets(family, max_model_len=MESH_MAX_MODEL_LEN)
+            for family in sorted(BUCKET_FAMILY_KEYS)}
+
+
+def _with_mesh_buckets(vllm_config):
+    """A shallow copy of ``vllm_config`` whose ``custom_histogram_buckets`` are
+    :func:`mesh_histogram_buckets` (the engine's own config is left as it is)."""
+    observability = vllm_config.observability_config
+    if observability.custom_histogram_buckets:
+        logger.warning("engine arg custom_histogram_buckets %s is ignored: every variant's "
+                       "histograms use the mesh's buckets, or Ray would drop some variants' "
+                       "series", sorted(observability.custom_histogram_buckets))
+    config = copy.copy(vllm_config)
+    config.observability_config = copy.copy(observability)
+    config.observability_config.custom_histogram_buckets = mesh_histogram_buckets()
+    return config
+
+
 class VariantStatLogger(RayPrometheusStatLogger):
-    """vLLM's Ray stat logger with a ``variant`` label on every series; pass the class as
+    """vLLM's Ray stat logger with a ``variant`` label on every series, and the same
+    histogram buckets in every variant (:func:`mesh_histogram_buckets`); pass the class as
     ``AsyncLLM(..., stat_loggers=[VariantStatLogger])``."""
 
     _gauge_cls = _Gauge
     _counter_cls = _Counter
     _histogram_cls = _Histogram
+
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
+        super().__init__(_with_mesh_buckets(vllm_config), engine_indexes)

@@ -3,8 +3,10 @@ progressive rollout, for a release record or a CI artifact.
 
 Sources: the rollout's state and decision history from the router's ``GET /admin/rollouts``
 (admin key), and the canary's and the stable arm's figures over time from Prometheus
-(:mod:`serve_app.tools.prometheus`): error rate, TTFT p95 and latency p95 per variant, from
-the router's ``ray_mesh_*`` series. Each decision (start, advance, promote, rollback, ...) is
+(:mod:`serve_app.tools.prometheus`), per variant from the router's ``ray_mesh_*`` series: the
+error rate the rollout gates decide on (variant failures over the requests they judge), the
+router's overload refusals as a line of their own (never counted against an arm), TTFT p95
+and latency p95. Each decision (start, advance, promote, rollback, ...) is
 marked with its reason. Without Prometheus the report still has the decisions and the figures
 the controller judged at each one.
 """
@@ -12,6 +14,7 @@ the controller judged at each one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,16 +23,57 @@ import httpx
 
 from serve_app.tools.prometheus import PrometheusError, query_range
 
-#: (panel title, PromQL with {arm} and {route}, unit scale) of the report's plots.
-PLOTS = [
-    ("error rate (%)",
-     '100 * (sum(rate(ray_mesh_errors_total{{route="{route}",variant="{arm}",'
-     'kind!~"http_4..|client_disconnected|request_error"}}[1m])) or vector(0)) / '
-     'sum(rate(ray_mesh_requests_total{{route="{route}",variant="{arm}"}}[1m]))'),
-    ("TTFT p95 (s)", 'histogram_quantile(0.95, sum by (le) (rate('
-     'ray_mesh_time_to_first_token_seconds_bucket{{route="{route}",variant="{arm}"}}[1m])))'),
-    ("latency p95 (s)", 'histogram_quantile(0.95, sum by (le) (rate('
-     'ray_mesh_request_latency_seconds_bucket{{route="{route}",variant="{arm}"}}[1m])))'),
+#: Reasons of the router's own overload refusals (503 before the request ran).
+REFUSAL_REASONS = "overloaded|queue_timeout|shed"
+
+
+def gated_error_rate(sel: str, by: str = "") -> str:
+    """PromQL of the error rate the rollout gates decide on (0..1), from the router's series.
+
+    Errors are variant failures, as :func:`serve_app.control.rollout.figures` counts them:
+    failovers (the variant failed before the first byte) and streams it cut short
+    (``stream_failed``). Requests are those the gates judge: answers below 400, and
+    failovers. Not errors: 4xx, internal errors, clients hanging up, and the router's own
+    overload refusals (:func:`refusal_rate`). Inside each ``sum``, ``or`` adds the two
+    counters: their label sets never match (only errors carry ``kind``, only requests
+    ``status``). In-band request and internal errors of a stream (status 200) stay in the
+    requests, which the gates leave out: rare, they only lower the rate.
+
+    Args:
+        sel: label matchers, e.g. ``route="smollm",variant="smollm-v2"``.
+        by: labels to keep (``sum by``), e.g. ``route, variant``; "" sums everything.
+    """
+    agg = f"sum by ({by})" if by else "sum"
+    failures = (f"{agg} (rate(ray_mesh_failovers_total{{{sel}}}[1m]) or "
+                f'rate(ray_mesh_errors_total{{{sel},kind="stream_failed"}}[1m]))')
+    judged = (f'{agg} (rate(ray_mesh_requests_total{{{sel},status=~"[123].."}}[1m]) or '
+              f"rate(ray_mesh_failovers_total{{{sel}}}[1m]))")
+    return f"({failures} or {judged} * 0) / {judged}"
+
+
+def refusal_rate(sel: str, by: str = "") -> str:
+    """PromQL of the share of requests given to a variant that the router refused before
+    they ran (0..1): 503 ``overloaded``, ``queue_timeout``, ``shed``. That is admission, not
+    the variant's health, so the gates never count it. Arguments as :func:`gated_error_rate`."""
+    agg = f"sum by ({by})" if by else "sum"
+    refused = (f"{agg} (rate(ray_mesh_rejected_total{{{sel},"
+               f'reason=~"{REFUSAL_REASONS}"}}[1m]))')
+    given = f"{agg} (rate(ray_mesh_requests_total{{{sel}}}[1m]))"
+    return f"({refused} or {given} * 0) / {given}"
+
+
+def _p95(metric: str) -> Callable[[str], str]:
+    return lambda sel: (f"histogram_quantile(0.95, sum by (le) "
+                        f"(rate({metric}_bucket{{{sel}}}[1m])))")
+
+
+#: (panel title, [(line, PromQL of an arm's label matchers)]) of the report's plots.
+PLOTS: list[tuple[str, list[tuple[str, Callable[[str], str]]]]] = [
+    ("errors, refusals (%)", [
+        ("variant failures (gated)", lambda sel: f"100 * {gated_error_rate(sel)}"),
+        ("router refusals (not gated)", lambda sel: f"100 * {refusal_rate(sel)}")]),
+    ("TTFT p95 (s)", [("", _p95("ray_mesh_time_to_first_token_seconds"))]),
+    ("latency p95 (s)", [("", _p95("ray_mesh_request_latency_seconds"))]),
 ]
 DECISION_COLORS = {"start": "tab:gray", "shadow-pass": "tab:cyan", "advance": "tab:blue",
                    "promote": "tab:green",
@@ -57,24 +101,34 @@ def fetch_rollouts(router_url: str, admin_key: str) -> dict[str, Any]:
     return r.json()
 
 
+def plot_queries(rollout: dict[str, Any]) -> dict[tuple[str, str, str], str]:
+    """``(plot title, line, arm)`` -> PromQL, for both arms of a route's rollout (none for an
+    adapter split, whose arms are adapter versions the series do not carry)."""
+    if ":" in rollout["key"]:
+        return {}
+    return {(title, line, arm): promql(f'route="{rollout["key"]}",variant="{arm}"')
+            for title, lines in PLOTS for line, promql in lines
+            for arm in (rollout["stable"], rollout["canary"])}
+
+
+Points = list[tuple[float, float]]
+
+
 def series(prometheus: str | None, rollout: dict[str, Any], start: float, end: float
-           ) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """Per plot title, per arm: ``(time, value)`` points from Prometheus (empty without it, or
-    for an adapter split, whose arms are adapter versions the series do not carry)."""
-    out: dict[str, dict[str, list[tuple[float, float]]]] = {t: {} for t, _ in PLOTS}
-    if not prometheus or ":" in rollout["key"]:
+           ) -> dict[tuple[str, str, str], Points]:
+    """``(plot title, line, arm)`` -> ``(time, value)`` points from Prometheus, for the
+    queries of :func:`plot_queries` that answered (none without Prometheus)."""
+    out: dict[tuple[str, str, str], Points] = {}
+    if not prometheus:
         return out
     step = max(5.0, (end - start) / 200)
-    for title, promql in PLOTS:
-        for arm in (rollout["stable"], rollout["canary"]):
-            try:
-                result = query_range(prometheus, promql.format(route=rollout["key"], arm=arm),
-                                     start, end, step)
-            except (PrometheusError, httpx.HTTPError):
-                continue
-            points = [(float(t), float(v)) for r in result for t, v in r["values"]
+    for which, promql in plot_queries(rollout).items():
+        try:
+            result = query_range(prometheus, promql, start, end, step)
+        except (PrometheusError, httpx.HTTPError):
+            continue
+        out[which] = [(float(t), float(v)) for r in result for t, v in r["values"]
                       if v not in ("NaN", "+Inf", "-Inf")]
-            out[title][arm] = points
     return out
 
 
@@ -95,7 +149,7 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
 
     history = rollout["history"]
     start = history[0]["at"] - 30
-    finished = rollout["state"] not in ("progressing", "paused")
+    finished = rollout["state"] in ("promoted", "rolled_back", "aborted")
     end = now or (history[-1]["at"] + 30 if finished else time.time())
     data = series(prometheus, rollout, start, end)
     name = rollout["key"].replace(":", "-")
@@ -109,14 +163,16 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
                  color="tab:purple", lw=2)
     axes[0].set_ylabel("canary weight (%)")
     axes[0].set_ylim(-5, 105)
-    for ax, (title, _) in zip(axes[1:], PLOTS):
-        for arm, style in ((rollout["stable"], dict(color="tab:gray", lw=3, alpha=0.6)),
-                           (rollout["canary"], dict(color="tab:purple", lw=1.5, ls="--"))):
-            points = data[title].get(arm) or []
-            role = "stable" if arm == rollout["stable"] else "canary"
-            if points:  # the stable arm is drawn wide, so a canary on top of it shows
-                ax.plot([t - t0 for t, _ in points], [v for _, v in points], **style,
-                        label=f"{role} {arm}")
+    for ax, (title, lines) in zip(axes[1:], PLOTS):
+        for n, (line, _) in enumerate(lines):
+            for arm, style in ((rollout["stable"], dict(color="tab:gray", lw=3, alpha=0.6)),
+                               (rollout["canary"], dict(color="tab:purple", lw=1.5, ls="--"))):
+                points = data.get((title, line, arm)) or []
+                role = "stable" if arm == rollout["stable"] else "canary"
+                if points:  # the stable arm is drawn wide, so a canary on top of it shows
+                    ax.plot([t - t0 for t, _ in points], [v for _, v in points],
+                            **{**style, **({"ls": ":"} if n else {})},  # refusals dotted
+                            label=f"{role} {arm} {line}".rstrip())
         ax.set_ylabel(title)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper left", fontsize=8)
@@ -143,7 +199,8 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
     return Report(png, md)
 
 
-def _figures(f: dict[str, Any]) -> str:
+def figures_text(f: dict[str, Any]) -> str:
+    """A rollout figures dict (:func:`serve_app.control.rollout.figures`) in a few words."""
     ttft = f"{f['ttft_p95_ms']:.0f} ms" if f.get("ttft_p95_ms") is not None else "-"
     lat = f"{f['latency_p95_ms']:.0f} ms" if f.get("latency_p95_ms") is not None else "-"
     return f"{f['requests']} req, {f['error_rate']:.1%} err, TTFT p95 {ttft}, p95 {lat}"
@@ -165,10 +222,16 @@ def markdown(rollout: dict[str, Any], png_name: str) -> str:
         "",
         f"![rollout]({png_name})",
         "",
+        "Errors are variant failures (a failover before the first byte, a stream cut short) "
+        "over the requests the gates judge, as the controller counts them; the router's "
+        "overload refusals (503 `overloaded`, `queue_timeout`, `shed`) are plotted apart and "
+        "never count against an arm.",
+        "",
         "| at | decision | canary weight | reason | canary (step) | stable |",
         "|---|---|---|---|---|---|",
     ]
     for d in history:
         lines.append(f"| +{d['at'] - t0:.0f} s | {d['decision']} | {d['canary_weight']} % | "
-                     f"{d['reason']} | {_figures(d['canary'])} | {_figures(d['stable'])} |")
+                     f"{d['reason']} | {figures_text(d['canary'])} | "
+                     f"{figures_text(d['stable'])} |")
     return "\n".join(lines) + "\n"
