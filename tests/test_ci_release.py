@@ -1,7 +1,7 @@
 """Unit tests of the shipped CI release (deploy/ci/release.sh, deploy/ci/github-actions.yml),
 without a mesh: every meshctl command the script runs parses with meshctl's real argument
 parser, the steps run in order, a failing step's exit code is the script's, and the workflow
-calls the script and keeps the report. tests/test_rollout_status.py runs the script against a
+calls the script and keeps the report. tests/test_rollouts.py runs the script against a
 real mesh."""
 
 from __future__ import annotations
