@@ -30,10 +30,7 @@ logger = get_logger(__name__)
 
 
 class LLMReplica:
-    """A vLLM engine serving OpenAI chat completions and completions for one variant.
-
-    Args:
-        args: the variant application's ``args`` (see :class:`VariantArgs`).
+    """One variant's replica. ``args``: the application's (:class:`VariantArgs`).
 
     Raises:
         pydantic.ValidationError / ValueError / FileNotFoundError: bad ``args`` or a missing
@@ -46,8 +43,7 @@ class LLMReplica:
         logger.info("variant %s: starting vLLM engine for model %s", variant, checked.model)
         self._reaper = start_reaper()  # stops the engine's processes should this one die first
         self.engine = await start_engine(checked)
-        logger.info("variant %s: engine ready (max_model_len=%d)", variant,
-                    self.engine.max_model_len)
+        logger.info("variant %s: engine ready", variant)
         events = Counter("mesh_adapter_events", "Adapter loads, unloads and refusals.",
                          tag_keys=("variant", "adapter", "event"))
         adapters = AdapterSet(
