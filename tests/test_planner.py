@@ -27,6 +27,7 @@ CONFIG = RouterConfig.model_validate({
             "adapters": {"acme": {"versions": [{"version": 1, "weight": 50},
                                                {"version": 2, "weight": 50}]}},
             "admission": {"queue_timeout_s": 7},
+            "shadow": {"application": "v2", "percent": 5},
         },
         "other": {"variants": [{"application": "o1", "weight": 1}]},
     },
@@ -82,6 +83,10 @@ def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
     assert (p.route, p.adapter, p.version) == ("smollm", "", None)
     # What every candidate's replica is sent, built once.
     assert p.request == GenerateRequest("chat", body, None, 0, "req-1")
+    # The route's settings travel in the plan: a deploy that changes or removes the route
+    # while the request waits for its tenant slot cannot reach it.
+    assert (p.shadow.application, p.shadow.percent) == ("v2", 5)
+    assert plan({"model": "other"}).shadow is None
     assert p.arms == (("smollm", ""),)
     assert p.queue_timeout_s == 7 and p.priority == 0 and p.top_priority
     assert p.tags == {"route": "smollm", "variant": "", "tenant": "ops", "adapter": ""}
