@@ -313,3 +313,18 @@ def test_cli_diff_and_validate_against(tmp_path):
     assert meshctl("validate", str(path), "--against", old, "--allow-restart").returncode == 0
     res = meshctl("validate", str(CONFIGS / "canary.yaml"), "--against", old)
     assert res.returncode == 0 and "  smollm-v2: ADDED" in res.stdout
+
+
+def test_top_level_logging_config_is_each_applications_default():
+    """Serve writes the top-level logging_config into every application of the live config:
+    the shipped file and the live config it became are the same config."""
+    live = copy.deepcopy(LOCAL)
+    default = live.pop("logging_config")
+    for app in live["applications"]:
+        app["logging_config"] = copy.deepcopy(default)
+    assert diff_configs(LOCAL, live) == {} and diff_configs(live, LOCAL) == {}
+    own = copy.deepcopy(LOCAL)
+    variant(own)["logging_config"] = {"log_level": "DEBUG"}  # an application's own wins
+    changes = diff_configs(LOCAL, own)["smollm-v1"]
+    assert changes and all(c.field.startswith("logging_config") and c.kind == IN_PLACE
+                           for c in changes), changes

@@ -116,8 +116,7 @@ def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Cha
         application name -> its changes, for applications that changed, in ``new``'s order
         followed by removed applications. Unchanged applications are left out.
     """
-    old_apps = {a.get("name"): a for a in applications(old)}
-    new_apps = {a.get("name"): a for a in applications(new)}
+    old_apps, new_apps = _apps_as_served(old), _apps_as_served(new)
     report: dict[str, list[Change]] = {}
     for name, app in new_apps.items():
         if name not in old_apps:
@@ -131,6 +130,16 @@ def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Cha
                                    "requests finish (graceful_shutdown_timeout_s), then stops "
                                    "its replicas")]
     return report
+
+
+def _apps_as_served(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Application name -> application, with the config's top-level ``logging_config`` as the
+    ``logging_config`` of each application that sets none (Serve's rule; the live config
+    Serve reports has it written into every application)."""
+    default = config.get("logging_config")
+    return {a.get("name"): {**a, "logging_config": a["logging_config"]}
+            if a.get("logging_config") is not None or default is None
+            else {**a, "logging_config": default} for a in applications(config)}
 
 
 def restarts(report: dict[str, list[Change]]) -> list[Change]:
