@@ -69,7 +69,8 @@ def observed(mesh):
     yield mesh
     proc.terminate()
     proc.wait(timeout=30)
-    mesh.deploy(base)
+    # Not redeployed: the next module deploys its own config, and restoring smollm-v2's
+    # max_model_len (the last test changes it) would restart its engine for nothing.
 
 
 def wait_for(what: str, check, timeout_s: float = 120, every_s: float = 2):
