@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray import serve
@@ -43,7 +44,8 @@ class LLMReplica:
         logger.info("variant %s: starting vLLM engine for model %s", variant, checked.model)
         self._reaper = start_reaper()  # stops the engine's processes should this one die first
         self.engine = await start_engine(checked)
-        logger.info("variant %s: engine ready", variant)
+        logger.info("variant %s: engine ready (max_model_len=%d)", variant,
+                    self.engine.max_model_len)
         events = Counter("mesh_adapter_events", "Adapter loads, unloads and refusals.",
                          tag_keys=("variant", "adapter", "event"))
         adapters = AdapterSet(
@@ -62,7 +64,7 @@ class LLMReplica:
         await self.engine.check_health()
 
     async def stats(self) -> dict[str, Any]:
-        """Replica state for tests and debugging: ``pid`` and :meth:`ReplicaServer.stats`."""
+        """``pid`` and :meth:`ReplicaServer.stats` (tests and debugging)."""
         return {"pid": os.getpid(), **self.server.stats()}
 
     async def serving_info(self) -> ReplicaInfo:
@@ -71,8 +73,9 @@ class LLMReplica:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         """One request's answer stream (:meth:`ReplicaServer.generate`)."""
-        async for item in self.server.generate(request):
-            yield item
+        async with aclosing(self.server.generate(request)) as answer:  # closed with ours
+            async for item in answer:
+                yield item
 
     def __del__(self):
         # Serve calls this after draining in-flight requests (graceful_shutdown_timeout_s).
@@ -82,12 +85,9 @@ class LLMReplica:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder for a variant: ``import_path: serve_app.replica:build_app``.
-
-    Checks ``args`` with our schema and then with vLLM's own engine-config checks before
-    any replica is touched, so a bad value (say ``max_model_len`` beyond the model's) fails
-    the deploy as ``DEPLOY_FAILED`` with vLLM's message, and the running replicas keep
-    serving. Serve runs this in its build task (~20 s: it imports vLLM).
+    """``import_path: serve_app.replica:build_app``. Checks ``args`` with our schema, then
+    with vLLM's own engine-config checks, before any replica is touched: a bad value fails
+    the deploy (``DEPLOY_FAILED``, vLLM's message) and the running replicas keep serving.
 
     Raises:
         ValueError: invalid ``args`` or engine arguments (the message names the field).

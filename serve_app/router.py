@@ -29,6 +29,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.config import RouterConfig
 from serve_app.common.deployment_options import CONTROLLER_OPTIONS, ROUTER_OPTIONS, options
 from serve_app.common.failures import RETRY_AFTER_S
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
 from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
@@ -139,7 +140,7 @@ class MeshRouter:
 
     def _handle(self, application: str):
         if application not in self._handles:
-            self._handles[application] = serve.get_deployment_handle("LLMReplica",
+            self._handles[application] = serve.get_deployment_handle(REPLICA_DEPLOYMENT,
                                                                      app_name=application)
         return self._handles[application]
 

@@ -325,6 +325,8 @@ def test_top_level_logging_config_is_each_applications_default():
     assert diff_configs(LOCAL, live) == {} and diff_configs(live, LOCAL) == {}
     own = copy.deepcopy(LOCAL)
     variant(own)["logging_config"] = {"log_level": "DEBUG"}  # an application's own wins
+    bare = {"applications": [{"name": "a", "import_path": "x:y"}]}  # none anywhere
+    assert diff_configs(bare, copy.deepcopy(bare)) == {}
     changes = diff_configs(LOCAL, own)["smollm-v1"]
     assert changes and all(c.field.startswith("logging_config") and c.kind == IN_PLACE
                            for c in changes), changes

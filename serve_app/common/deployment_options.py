@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
+
 #: ``max_surge_percent`` of every ``LLMReplica`` (the shipped configs state it too): Serve
 #: starts a replacement before it stops the replica it replaces, so a changed ``args`` or a
 #: bad deploy never leaves a variant with no replica (a failed replacement leaves the old
@@ -26,7 +28,7 @@ REPLICA_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0.5}
 DEFAULT_NUM_REPLICAS = 1
 
 REPLICA_OPTIONS: dict[str, Any] = dict(
-    name="LLMReplica",
+    name=REPLICA_DEPLOYMENT,
     num_replicas=DEFAULT_NUM_REPLICAS,
     # A full generation must fit: max_tokens at ~30 tokens/s on CPU, with headroom.
     graceful_shutdown_timeout_s=300,
@@ -43,7 +45,7 @@ REPLICA_OPTIONS: dict[str, Any] = dict(
 )
 
 ROUTER_OPTIONS: dict[str, Any] = dict(
-    name="MeshRouter",
+    name=ROUTER_DEPLOYMENT,
     graceful_shutdown_timeout_s=300,  # streams in flight finish on a router being replaced
     max_ongoing_requests=1000,  # the router's own admission queues bound the work
     ray_actor_options={"num_cpus": 0.25},

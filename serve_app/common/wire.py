@@ -10,6 +10,7 @@ sending any byte, which is what makes failover before the first byte possible.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +18,12 @@ from serve_app.common.failures import Failure
 
 #: Response header naming the adapter version that served (``name@vN``).
 ADAPTER_HEADER = "x-mesh-adapter"
+
+
+def sse_error(body: dict[str, Any]) -> str:
+    """An in-band SSE error event (an OpenAI error ``body``) and the stream's end, the way
+    vLLM ends a stream that failed after its status was sent."""
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ of those kinds, see :mod:`serve_app.common.failures`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -26,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from serve_app.common.logs import get_logger
 from serve_app.common.errors import error_body
 from serve_app.common.failures import Failure, replica_gone
-from serve_app.common.wire import Tail
+from serve_app.common.wire import Tail, sse_error
 
 logger = get_logger(__name__)
 
@@ -87,6 +86,6 @@ class RelayResponse(StreamingResponse):
             if self._on_replica_lost is not None and replica_gone(e):
                 self._on_replica_lost(variant)
             message = f"variant {variant} failed mid-stream; retry the request"
-            yield f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n"
+            yield sse_error(error_body(503, message))
         finally:
             self._account.finish(200, ttft_s=ttft, usage=tail.usage, error_kind=error_kind)

@@ -137,8 +137,7 @@ def _apps_as_served(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ``logging_config`` of each application that sets none (Serve's rule; the live config
     Serve reports has it written into every application)."""
     default = config.get("logging_config")
-    return {a.get("name"): {**a, "logging_config": a["logging_config"]}
-            if a.get("logging_config") is not None or default is None
+    return {a.get("name"): a if a.get("logging_config") is not None or default is None
             else {**a, "logging_config": default} for a in applications(config)}
 
 

@@ -286,7 +286,11 @@ def status_command(args: argparse.Namespace) -> int:
                           follow=args.watch, timeout_s=args.timeout, interval_s=args.interval,
                           out=lambda line: print(line, flush=True))
     if args.report and rollout is not None:
-        report = write_report(rollout, Path(args.report), args.prometheus or None)
-        print(f"wrote {report.png} and {report.markdown}")
+        try:
+            report = write_report(rollout, Path(args.report), args.prometheus or None)
+            print(f"wrote {report.png} and {report.markdown}")
+        except Exception as e:  # noqa: BLE001 -- the exit code is the verdict, not the report's
+            print(f"meshctl rollout status: the report could not be written "
+                  f"({type(e).__name__}: {e}); the verdict stands", file=sys.stderr)
     print(f"exit {code} ({EXIT_CODES[code]})", flush=True)
     return code

@@ -2,7 +2,7 @@
 
 The replica changes a client's body in one place, :func:`engine_body`, and vLLM's SSE lines
 and JSON in one place, :func:`for_client`. Pure functions of dicts and strings: unit-tested
-without an engine (``tests/test_serving.py``).
+without an engine (``tests/test_replica_server.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from serve_app.common.wire import ADAPTER_HEADER, GenerateRequest, Head, Tail
 
 #: How vLLM's stream generators start an in-band error event (then ``data: [DONE]``).
 IN_BAND_ERROR = 'data: {"error"'
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def engine_body(request: GenerateRequest, *, lora_name: str | None, priority_scheduling: bool,

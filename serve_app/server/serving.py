@@ -35,11 +35,12 @@ from serve_app.common.errors import (MeshError, error_body, format_validation_er
 from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
 from serve_app.common.logs import get_logger
 from serve_app.common.paths import resolve_repo_path
-from serve_app.common.wire import Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage
+from serve_app.common.wire import (Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage,
+                                   sse_error)
 from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import AdapterSet
-from serve_app.server.openai_body import (SSE_DONE, engine_body, for_client, in_band_error,
-                                          usage_chunk, wants_structured_output)
+from serve_app.server.openai_body import (engine_body, for_client, in_band_error, usage_chunk,
+                                          wants_structured_output)
 
 logger = get_logger(__name__)
 
@@ -256,7 +257,7 @@ class ReplicaServer:
         except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
             verdict = self._classify(body, e)
             tail = replace(tail, failure=verdict.failure, message=verdict.message)
-            yield f"data: {json.dumps(verdict.body())}\n\n{SSE_DONE}"
+            yield sse_error(verdict.body())
         if tail.failure is not None and tail.failure is not Failure.REQUEST:
             logger.warning("variant %s: stream ended with an in-band error (%s): %s",
                            self.variant, tail.failure.value, tail.message[:500])
