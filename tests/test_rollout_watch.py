@@ -210,3 +210,39 @@ def test_cli_exit_codes_and_report(monkeypatch, tmp_path, capsys):
     fake_router(monkeypatch, [(200, snaps[1])])
     assert cli.main(base) == IN_PROGRESS
     assert cli.main([*base, "--watch", "--timeout", "0"]) == USAGE
+
+
+def test_a_deploys_rollout_id_is_awaited_so_the_previous_verdict_is_not_taken_for_it():
+    """A deploy whose rollout the mesh has not taken yet (the controller still holds the
+    promoted rollout of the release before) is waited for, not reported as promoted."""
+    old = Rollout("smollm", "v1", "v2", POLICY, now=1000)
+    feed(old, "v1", 5)
+    feed(old, "v2", 2)
+    old.evaluate(1010)
+    feed(old, "v2", 2)
+    old.evaluate(1020)
+    assert old.state == "promoted"
+    new = Rollout("smollm", "v1", "v2", POLICY.model_copy(update={"id": "release-8"}),
+                  now=1030)
+    reads = [snapshot(old), snapshot(old)]  # then the new one, from the third read on
+    clock, lines = FakeClock(), []
+    code, last = watch(lambda: reads.pop(0) if reads else snapshot(new), expect_id="release-8",
+                       clock=clock, sleep=clock.sleep, out=lines.append, timeout_s=5)
+    assert code == TIMEOUT and last["policy"]["id"] == "release-8", lines
+    assert not any("promote" in line for line in lines)
+    # Never there within the grace period: a usage error naming both ids.
+    clock, lines = FakeClock(), []
+    code, _ = watch(lambda: snapshot(old), expect_id="release-8", clock=clock,
+                    sleep=clock.sleep, out=lines.append)
+    assert code == USAGE and "runs rollout 'release-7', not 'release-8'" in lines[-1]
+
+
+def test_declared_rollouts_of_a_shipped_config():
+    from serve_app.common.paths import REPO_ROOT
+    from serve_app.common.serve_configs import load_yaml
+
+    def declared(name: str) -> dict[str, str]:
+        return rollout_watch.declared_rollouts(load_yaml(REPO_ROOT / "serve_configs" / name))
+
+    assert list(declared("rollout.yaml")) == ["smollm"] and declared("rollout.yaml")["smollm"]
+    assert declared("local.yaml") == {}

@@ -4,7 +4,7 @@
 #   2. meshctl diff live CONFIG                 print what changes, in place or by restart
 #   3. meshctl deploy CONFIG                    serve deploy, then wait until every application
 #                                               runs the new config (RUNNING)
-#   4. meshctl rollout status --watch           if CONFIG declares a `rollout:`: print each
+#   4. meshctl rollout status --watch --config  if CONFIG declares a `rollout:`: print each
 #        --timeout S --report DIR               decision until promote / rollback / abort,
 #                                               then write the rollout report into DIR
 #   deploy/ci/release.sh CONFIG
@@ -49,6 +49,6 @@ if ! grep -Eq '^[[:space:]]+rollout:' "$CONFIG"; then
   exit 0
 fi
 step "4/4 follow the rollout until its verdict"
-exec "$MESHCTL" rollout status --watch --timeout "${MESH_ROLLOUT_TIMEOUT_S:-3600}" \
+exec "$MESHCTL" rollout status --watch --config "$CONFIG" --timeout "${MESH_ROLLOUT_TIMEOUT_S:-3600}" \
   --report "${MESH_REPORT_DIR:-out}" --prometheus "${MESH_PROMETHEUS-http://127.0.0.1:9090}" \
   ${MESH_SPLIT:+--split "$MESH_SPLIT"}

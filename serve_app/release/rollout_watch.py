@@ -44,6 +44,9 @@ from typing import Any
 
 import httpx
 
+from serve_app.common.config import RouterConfig
+from serve_app.common.serve_configs import load_yaml, mesh_parts
+from serve_app.ingress.split import splits_of
 from serve_app.release.rollout_report import fetch_rollouts, figures_text, write_report
 
 PROMOTED, USAGE, ROLLED_BACK, ABORTED, TIMEOUT, UNREACHABLE, IN_PROGRESS = range(7)
@@ -141,10 +144,13 @@ class Watcher:
 
     Args:
         split: the split key to follow; None: the only rollout there is.
+        expect_id: the ``rollout.id`` the deploy being followed declares: until the split's
+            rollout has it, the rollout the mesh ran before is not taken for this one.
     """
 
-    def __init__(self, split: str | None = None) -> None:
+    def __init__(self, split: str | None = None, expect_id: str | None = None) -> None:
         self.split = split
+        self.expect_id = expect_id
         self.identity: tuple[str, str, str] | None = None
         self.started_at: float | None = None
         self.seen = 0  # decisions of the history already reported
@@ -172,6 +178,10 @@ class Watcher:
         if r is None:
             return Update([f"{self.split}: the rollout is gone (its `rollout:` was removed "
                            "by a deploy): aborted"], ABORTED)
+        if (self.identity is None and self.expect_id is not None
+                and r["policy"]["id"] != self.expect_id):
+            return Update([f"{self.split}: the mesh runs rollout {r['policy']['id']!r}, not "
+                           f"{self.expect_id!r} of the deployed config"], USAGE)
         identity = (r["policy"]["id"], r["stable"], r["canary"])
         if self.identity is not None and identity != self.identity:
             return Update([f"{self.split}: replaced by a deploy: rollout {identity[0]!r} of "
@@ -188,7 +198,19 @@ class Watcher:
         return up
 
 
-def watch(fetch: Fetch, *, split: str | None = None, follow: bool = True,
+def declared_rollouts(config: dict[str, Any]) -> dict[str, str]:
+    """Split key -> ``rollout.id`` of each progressive rollout a Serve config declares.
+
+    Raises:
+        pydantic.ValidationError: the config's router ``user_config`` is invalid.
+    """
+    user_config = mesh_parts(config).router_user_config or {}
+    return {key: split.rollout.id for key, split in
+            splits_of(RouterConfig.model_validate(user_config)).items() if split.rollout}
+
+
+def watch(fetch: Fetch, *, split: str | None = None, expect_id: str | None = None,
+          follow: bool = True,
           timeout_s: float | None = None, interval_s: float = 2.0,
           grace_s: float = UNREACHABLE_GRACE_S, clock: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep, out: Callable[[str], None] = print
@@ -198,6 +220,7 @@ def watch(fetch: Fetch, *, split: str | None = None, follow: bool = True,
     Args:
         fetch: returns an ``/admin/rollouts`` snapshot; raises :class:`Unreachable`.
         split: the split key (None: the only rollout).
+        expect_id: see :class:`Watcher`.
         follow: poll until a verdict (``--watch``); else one read, ending in IN_PROGRESS
             when the rollout runs.
         timeout_s: give up with TIMEOUT after this many seconds (None: never).
@@ -209,7 +232,7 @@ def watch(fetch: Fetch, *, split: str | None = None, follow: bool = True,
     Returns:
         The exit code and the last snapshot of the rollout (None if never seen).
     """
-    watcher = Watcher(split)
+    watcher = Watcher(split, expect_id)
     start = clock()
     failing_since: float | None = None
     while True:
@@ -264,6 +287,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --watch: exit 4 after S seconds without a verdict")
     p.add_argument("--split", help="the rollout's split key (a route, or route:adapter); "
                                    "default: the only rollout")
+    p.add_argument("--config", metavar="CONFIG",
+                   help="the Serve config just deployed: follow the rollout it declares, "
+                        "and wait until the mesh runs that one (its rollout.id)")
     p.add_argument("--report", metavar="DIR",
                    help="at the end, write the rollout report (PNG + Markdown) into DIR")
     p.add_argument("--interval", type=float, default=2.0, metavar="S",
@@ -282,8 +308,19 @@ def status_command(args: argparse.Namespace) -> int:
     if (args.timeout is not None and args.timeout <= 0) or args.interval <= 0:
         print("meshctl rollout status: --timeout and --interval must be > 0", file=sys.stderr)
         return USAGE
-    code, rollout = watch(http_fetch(args.router_url, args.admin_key), split=args.split,
-                          follow=args.watch, timeout_s=args.timeout, interval_s=args.interval,
+    split, expect_id = args.split, None
+    if args.config:
+        declared = declared_rollouts(load_yaml(args.config))
+        if split is None and len(declared) == 1:
+            split = next(iter(declared))
+        if split not in declared:
+            print(f"meshctl rollout status: {args.config} declares no rollout"
+                  + (f" of split {split!r}" if split else "") + f" (it declares: "
+                  f"{', '.join(declared) or 'none'})", file=sys.stderr)
+            return USAGE
+        expect_id = declared[split]
+    code, rollout = watch(http_fetch(args.router_url, args.admin_key), split=split,
+                          expect_id=expect_id, follow=args.watch, timeout_s=args.timeout, interval_s=args.interval,
                           out=lambda line: print(line, flush=True))
     if args.report and rollout is not None:
         try:
