@@ -318,15 +318,16 @@ def test_cli_diff_and_validate_against(tmp_path):
 def test_top_level_logging_config_is_each_applications_default():
     """Serve writes the top-level logging_config into every application of the live config:
     the shipped file and the live config it became are the same config."""
+    default = {"additional_log_standard_attrs": ["name"]}
+    given = {**copy.deepcopy(LOCAL), "logging_config": default}
     live = copy.deepcopy(LOCAL)
-    default = live.pop("logging_config")
     for app in live["applications"]:
         app["logging_config"] = copy.deepcopy(default)
-    assert diff_configs(LOCAL, live) == {} and diff_configs(live, LOCAL) == {}
-    own = copy.deepcopy(LOCAL)
+    assert diff_configs(given, live) == {} and diff_configs(live, given) == {}
+    own = copy.deepcopy(given)
     variant(own)["logging_config"] = {"log_level": "DEBUG"}  # an application's own wins
     bare = {"applications": [{"name": "a", "import_path": "x:y"}]}  # none anywhere
     assert diff_configs(bare, copy.deepcopy(bare)) == {}
-    changes = diff_configs(LOCAL, own)["smollm-v1"]
+    changes = diff_configs(given, own)["smollm-v1"]
     assert changes and all(c.field.startswith("logging_config") and c.kind == IN_PLACE
                            for c in changes), changes
