@@ -29,6 +29,8 @@ from serve_app.observability.stats import percentile
 
 #: Stable-arm requests kept as the baseline, most recent first out.
 STABLE_WINDOW = 2000
+#: States a rollout never leaves (its verdict).
+FINAL_STATES = ("promoted", "rolled_back", "aborted")
 #: Fewest stable samples a p95 ratio gate needs; with fewer the ratio is not judged.
 MIN_BASELINE = 5
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from serve_app.control.rollout import FINAL_STATES
 from serve_app.tools.prometheus import PrometheusError, query_range
 
 #: Reasons of the router's own overload refusals (503 before the request ran).
@@ -149,7 +150,7 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
 
     history = rollout["history"]
     start = history[0]["at"] - 30
-    finished = rollout["state"] in ("promoted", "rolled_back", "aborted")
+    finished = rollout["state"] in FINAL_STATES
     end = now or (history[-1]["at"] + 30 if finished else time.time())
     data = series(prometheus, rollout, start, end)
     name = rollout["key"].replace(":", "-")
