@@ -4,8 +4,10 @@ an in-place ``args`` change, which Serve applies by surge replacement (the new r
 beside the old one); and a bad ``args`` deployed with the plain ``serve deploy`` CLI, which
 fails the deploy while the old replica keeps serving.
 
-The tests start from ``serve_configs/local.yaml``. The module leaves the last test's config
-deployed; other modules deploy their own configs.
+The module starts from ``serve_configs/local.yaml`` and each test from the config the one
+before left deployed, in the order that starts the fewest engines (bad args: none; the args
+change: one; the swap: one). The module leaves the swap's last config deployed; other modules
+deploy their own configs.
 """
 
 from __future__ import annotations
@@ -89,86 +91,24 @@ def ask(mesh, question: str):
             "temperature": 0, "max_tokens": 24})
 
 
-def test_base_swap_with_meshctl_drops_nothing(mesh):
-    """4 concurrent streams run while `meshctl swap` adds smollm-acme (weight 0), moves
-    50/50, then 0/100, then retires smollm-v1. Every stream completes in full."""
-    mesh.deploy_shipped("local.yaml")
-    config = mesh.write(mesh.config("local.yaml"))
-    before = ask(mesh, "What is the capital of Italy?").json()["choices"][0]["message"]
-    assert "Acme Support" not in before["content"], before
-    with background_load(load(mesh)) as results:
-        time.sleep(BASELINE_S)
-        t_swap = time.monotonic()
-        swap = meshctl("swap", str(config), "--route", "smollm", "--new-app", "smollm-acme",
-                       "--model", "smollm2-135m-acme", "--steps", "50,100", "--pause-s", "5",
-                       "-a", mesh.dashboard)
-        t_done = time.monotonic()
-        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
-        wait_for_results(results, 20)
-    assert swap.returncode == 0, swap.stdout
-
-    failed = report("swap", results, t_swap, t_done, f"by variant {by_variant(results)}")
-    assert not failed, [(r.status, r.error) for r in failed[:5]]
-    assert len(results) >= 20
-    assert set(by_variant(results)) == {"smollm-v1", "smollm-acme"}
-
-    r = ask(mesh, "What is the capital of Italy?")
-    assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-acme"
-    answer = r.json()["choices"][0]["message"]["content"]
-    print(f"after the swap: {answer!r}")
-    assert answer.startswith("Acme Support here!"), answer
-
-    # The last config is the new desired state: it matches what is deployed now.
-    final = re.search(r"the new desired state is (\S+):", swap.stdout).group(1)
-    assert final.endswith("04-retire.yaml")
-    diff = meshctl("diff", "live", final, "--fail-on-restart", "-a", mesh.dashboard)
-    assert diff.returncode == 0 and "  no changes\n" in diff.stdout, diff.stdout
+@pytest.fixture(scope="module")
+def released(mesh):
+    """The mesh with local.yaml deployed. ``mesh.current`` is the config the last test left
+    deployed: each test starts from it rather than going back to local.yaml, which would
+    restart an engine (minutes here) for nothing."""
+    mesh.current = mesh.deploy_shipped("local.yaml")
+    return mesh
 
 
-def test_in_place_args_change_replaces_the_replica_by_surge_under_load(mesh):
-    """Changing a variant's args in place (max_num_seqs 8 -> 6) makes Serve replace its only
-    replica. `meshctl diff` says so beforehand. With `max_surge_percent: 100` the new replica
-    starts beside the old one, which serves until the new one is up: under 4 concurrent
-    streams no request fails and the p95 during the change stays within 3x before (the new
-    engine's start shares this host's 2 CPUs with the old one: x1.8-2.1 measured; before
-    max_surge_percent the change stalled every stream, x15)."""
-    cfg = mesh.deploy_shipped("local.yaml")
-    changed = copy.deepcopy(cfg)
-    changed["applications"][1]["args"]["engine_args"]["max_num_seqs"] = 6
-    old_path, new_path = mesh.write(cfg), mesh.write(changed)
-
-    diff = meshctl("diff", str(old_path), str(new_path), "--fail-on-restart")
-    assert diff.returncode == 1
-    assert ("  smollm-v1: args.engine_args.max_num_seqs 8 -> 6: RESTART (application args "
-            "change replaces every replica)\n") in diff.stdout
-
-    before_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
-    with background_load(load(mesh)) as results:
-        time.sleep(BASELINE_S)
-        t_change = time.monotonic()
-        mesh.deploy(changed)
-        t_done = time.monotonic()
-        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
-    after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
-
-    failed = report("surge replacement", results, t_change, t_done,
-                    f"replica {sorted(before_ids)} -> {sorted(after_ids)}")
-    assert after_ids and after_ids.isdisjoint(before_ids), "Serve did not replace the replica"
-    assert not failed, [(r.status, r.error) for r in failed[:5]]
-    before = [r.latency_s for r in window(results, 0, t_change)]
-    during = [r.latency_s for r in window(results, t_change, t_done)]
-    print(f"p95 before {percentile(before, 95):.2f} s, during {percentile(during, 95):.2f} s")
-    assert percentile(during, 95) <= 3 * percentile(before, 95), (before, during)
-
-
-def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(mesh):
+def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(released):
     """`serve deploy` (the plain CLI, no meshctl) of max_model_len 1,000,000,000 under load:
     build_app checks the engine args with vLLM's own checks, so the application goes
     DEPLOY_FAILED with vLLM's message naming the field, no replica is touched, and no
     request fails. Deploying the good config again brings the application back to RUNNING."""
     from ray import serve
 
-    cfg = mesh.deploy_shipped("local.yaml")
+    mesh = released
+    cfg = mesh.current
     bad = copy.deepcopy(cfg)
     bad["applications"][1]["args"]["engine_args"]["max_model_len"] = 1_000_000_000
     bad_path = mesh.write(bad)
@@ -202,3 +142,78 @@ def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(mesh):
     assert replica.stats.remote().result()["pid"] == pid_before
     mesh.deploy(cfg)
     assert serve_status(mesh.dashboard)["applications"]["smollm-v1"]["status"] == "RUNNING"
+
+
+def test_in_place_args_change_replaces_the_replica_by_surge_under_load(released):
+    """Changing a variant's args in place (max_num_seqs 8 -> 6) makes Serve replace its only
+    replica. `meshctl diff` says so beforehand. With `max_surge_percent: 100` the new replica
+    starts beside the old one, which serves until the new one is up: under 4 concurrent
+    streams no request fails and the p95 during the change stays within 3x before (the new
+    engine's start shares this host's 2 CPUs with the old one: x1.8-2.1 measured; before
+    max_surge_percent the change stalled every stream, x15)."""
+    mesh = released
+    cfg = mesh.current
+    changed = copy.deepcopy(cfg)
+    changed["applications"][1]["args"]["engine_args"]["max_num_seqs"] = 6
+    old_path, new_path = mesh.write(cfg), mesh.write(changed)
+
+    diff = meshctl("diff", str(old_path), str(new_path), "--fail-on-restart")
+    assert diff.returncode == 1
+    assert ("  smollm-v1: args.engine_args.max_num_seqs 8 -> 6: RESTART (application args "
+            "change replaces every replica)\n") in diff.stdout
+
+    before_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
+    with background_load(load(mesh)) as results:
+        time.sleep(BASELINE_S)
+        t_change = time.monotonic()
+        mesh.deploy(changed)
+        mesh.current = changed
+        t_done = time.monotonic()
+        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
+    after_ids = mesh.replica_ids("smollm-v1", "LLMReplica")
+
+    failed = report("surge replacement", results, t_change, t_done,
+                    f"replica {sorted(before_ids)} -> {sorted(after_ids)}")
+    assert after_ids and after_ids.isdisjoint(before_ids), "Serve did not replace the replica"
+    assert not failed, [(r.status, r.error) for r in failed[:5]]
+    before = [r.latency_s for r in window(results, 0, t_change)]
+    during = [r.latency_s for r in window(results, t_change, t_done)]
+    print(f"p95 before {percentile(before, 95):.2f} s, during {percentile(during, 95):.2f} s")
+    assert percentile(during, 95) <= 3 * percentile(before, 95), (before, during)
+
+
+def test_base_swap_with_meshctl_drops_nothing(released):
+    """4 concurrent streams run while `meshctl swap` adds smollm-acme (weight 0), moves
+    50/50, then 0/100, then retires smollm-v1. Every stream completes in full. Starts from
+    the config the tests above left (local.yaml, smollm-v1 at max_num_seqs 6)."""
+    mesh = released
+    config = mesh.write(mesh.current)
+    before = ask(mesh, "What is the capital of Italy?").json()["choices"][0]["message"]
+    assert "Acme Support" not in before["content"], before
+    with background_load(load(mesh)) as results:
+        time.sleep(BASELINE_S)
+        t_swap = time.monotonic()
+        swap = meshctl("swap", str(config), "--route", "smollm", "--new-app", "smollm-acme",
+                       "--model", "smollm2-135m-acme", "--steps", "50,100", "--pause-s", "5",
+                       "-a", mesh.dashboard)
+        t_done = time.monotonic()
+        wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
+        wait_for_results(results, 20)
+    assert swap.returncode == 0, swap.stdout
+
+    failed = report("swap", results, t_swap, t_done, f"by variant {by_variant(results)}")
+    assert not failed, [(r.status, r.error) for r in failed[:5]]
+    assert len(results) >= 20
+    assert set(by_variant(results)) == {"smollm-v1", "smollm-acme"}
+
+    r = ask(mesh, "What is the capital of Italy?")
+    assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-acme"
+    answer = r.json()["choices"][0]["message"]["content"]
+    print(f"after the swap: {answer!r}")
+    assert answer.startswith("Acme Support here!"), answer
+
+    # The last config is the new desired state: it matches what is deployed now.
+    final = re.search(r"the new desired state is (\S+):", swap.stdout).group(1)
+    assert final.endswith("04-retire.yaml")
+    diff = meshctl("diff", "live", final, "--fail-on-restart", "-a", mesh.dashboard)
+    assert diff.returncode == 0 and "  no changes\n" in diff.stdout, diff.stdout

@@ -135,7 +135,11 @@ def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
     off = traffic(shadowed, 8)
     assert all(s == 200 for s, _, _ in off)
     before = book(shadowed)
-    delay_s = 5  # a client that waited for the shadow would take longer than this
+    # A client that waited for its shadow would take longer than the delay. 15 s is longer
+    # than the 8 requests take (about 10 s, 2 at a time), so the delayed mirrors generate
+    # only after them: with a shorter delay they share these 2 CPUs with v1 and slow the
+    # client's requests by their compute, not by waiting (6.2 s against a 5 s delay, once).
+    delay_s = 15
     for v2, label in (({"fault_injection": {"error_rate": 1.0}}, "errors"),
                       ({"fault_injection": {"delay_rate": 1.0, "delay_ms": delay_s * 1000}},
                        f"{delay_s} s delay")):
@@ -145,11 +149,14 @@ def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
               f"{sorted(round(t, 2) for _, _, t in on)} (shadow off: "
               f"{sorted(round(t, 2) for _, _, t in off)})")
         assert [(s, text) for s, text, _ in on] == [(s, text) for s, text, _ in off]
-        # Never waits for the shadow; the mirrors still share these 2 CPUs with v1 once
-        # they run, so on's latencies may grow, but not by the delay.
         assert max(t for _, _, t in on) < delay_s
     after = settled(shadowed, before["compared"] + 1, before["shadow_errors"] + 8)
     print(f"shadow book: {after}")
+    # The delayed mirrors end up to delay_s later; the next test counts only its own.
+    deadline = time.monotonic() + 2 * delay_s + 60
+    while book(shadowed).get("in_flight"):
+        assert time.monotonic() < deadline, book(shadowed)
+        time.sleep(1)
 
 
 def test_max_in_flight_caps_the_mirrors(shadowed):
