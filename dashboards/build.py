@@ -74,6 +74,13 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "{{route}} {{reason}}")]),
         ("Wait for an admission slot p95", "s", [
             (p95("ray_mesh_queue_time_seconds"), "{{variant}}")]),
+        ("Token budgets: reserved at admission vs used (tokens/s)", "short", [
+            ("sum by (tenant) (rate(ray_mesh_tenant_tokens_reserved_total[5m]))",
+             "reserved {{tenant}}"),
+            ("sum by (tenant) (rate(ray_mesh_tenant_tokens_used_total[5m]))",
+             "used {{tenant}}")]),
+        ("Token budget left (tokens)", "short", [
+            ("min by (tenant) (ray_mesh_tenant_tokens_remaining)", "{{tenant}}")]),
     ]),
     ("Engines (vLLM's own metrics, per variant)", [
         ("Requests running / waiting in vLLM", "short", [

@@ -19,12 +19,13 @@ Workloads:
 Usage:
   python scripts/bench.py [--config serve_configs/local.yaml] [--concurrency 1 8 32]
                           [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
-  python scripts/bench.py --limits [--concurrency 1 8]
+  python scripts/bench.py --limits [--concurrency 1 8 64] [--limit-calls 2000]
 
 --limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
-against serve_configs/tenants.yaml): (a) the router's call to the shared counts
-(``TenantLimiter.acquire`` against the running mesh's ``SharedTenantCounts`` actor, from a
-Ray driver on this node), p50/p95 ms at each concurrency; (b) end to end, TTFT p50 of a
+against serve_configs/tenants.yaml): (a) the router's asks to the shared counts
+(``TenantLimiter.acquire`` + release against the running mesh's ``SharedTenantCounts`` actor,
+from a Ray driver on this node), p50/p95 ms and asks/s at each concurrency, batched (the
+default) and unbatched (one call per ask) side by side; (b) end to end, TTFT p50 of a
 tenant with limits (acme) against one without (ops), the same load run alternately.
 """
 
@@ -151,41 +152,48 @@ def ratios(mesh: dict, direct: dict) -> dict:
 LIMITED, UNLIMITED = "sk-acme-demo", "sk-mesh-ops-demo"  # tenants.yaml: acme has limits
 
 
-def shared_count_latency(concurrency: int, calls: int = 400) -> dict:
-    """Time ``TenantLimiter.acquire`` against the running mesh's shared counts, ms."""
+def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | None = None
+                         ) -> dict:
+    """Time ``TenantLimiter.acquire`` + release against the running mesh's shared counts:
+    p50/p95 ms per ask, and asks per second, at ``concurrency`` asks in flight.
+    ``max_batch`` 1 sends each ask in a call of its own (unbatched)."""
     import ray
 
     from serve_app.common.config import Tenant
+    from serve_app.ingress.call_batcher import MAX_BATCH
     from serve_app.ingress.limits import TenantLimiter
     from serve_app.observability.stats import percentile
 
     if not ray.is_initialized():
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     tenant = Tenant(id="bench-limits", api_keys_sha256=["0" * 64],
-                    max_concurrent_requests=10**6)
-    limiter = TenantLimiter()
+                    max_concurrent_requests=10**6, tokens_per_minute=10**9)
+    limiter = TenantLimiter(max_batch=max_batch or MAX_BATCH)
 
-    async def run() -> list[float]:
+    async def run() -> tuple[list[float], float]:
         times: list[float] = []
         left = iter(range(calls))
 
         async def worker() -> None:
             for _ in left:
                 t0 = time.perf_counter()
-                lease = await limiter.acquire(tenant)
+                lease = await limiter.acquire(tenant, 100)
                 times.append((time.perf_counter() - t0) * 1000)
-                limiter.release(lease)
+                limiter.release(lease, 80)
         limiter.release(await limiter.acquire(tenant))  # warm up: look up the actor
+        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return times
-    times = asyncio.run(run())
-    return {"p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95)}
+        return times, time.perf_counter() - t0
+    times, wall_s = asyncio.run(run())
+    return {"p50_ms": percentile(times, 50), "p95_ms": percentile(times, 95),
+            "per_s": calls / wall_s}
 
 
 def bench_limits(a) -> None:
     rows = []
     for c in a.concurrency:
-        rt = shared_count_latency(c)
+        counts = {"unbatched": shared_count_latency(c, calls=a.limit_calls, max_batch=1),
+                  "batched": shared_count_latency(c, calls=a.limit_calls)}
         common = dict(base_url=a.mesh_url, model="smollm", requests=a.requests,
                       concurrency=c, max_tokens=a.max_tokens)
         runs = {"limited": [], "unlimited": []}
@@ -193,16 +201,22 @@ def bench_limits(a) -> None:
             runs["unlimited"].append(measure("no limits", LoadSpec(api_key=UNLIMITED, **common)))
             runs["limited"].append(measure("with limits", LoadSpec(api_key=LIMITED, **common)))
         ttft = {k: sum(r["ttft_p50_ms"] for r in v) / len(v) for k, v in runs.items()}
-        rows.append({"concurrency": c, "shared_count": rt, "ttft_p50_ms": ttft})
-    print(f"\ncluster-wide tenant limits, {a.requests} streamed requests per run, "
-          f"max_tokens {a.max_tokens}")
-    print(f"{'conc':>4} {'shared count p50':>17} {'p95':>7} {'TTFT p50 no limits':>19} "
-          f"{'with limits':>12} {'added':>8}")
+        rows.append({"concurrency": c, "shared_count": counts, "ttft_p50_ms": ttft})
+    print(f"\ncluster-wide tenant limits: {a.limit_calls} asks to the shared counts per run "
+          f"(one router's driver); {a.requests} streamed requests per run, max_tokens "
+          f"{a.max_tokens}")
+    print(f"{'conc':>4} {'asks':>10} {'p50':>9} {'p95':>9} {'asks/s':>8}")
+    for r in rows:
+        for kind, f in r["shared_count"].items():
+            print(f"{r['concurrency']:>4} {kind:>10} {f['p50_ms']:>6.2f} ms {f['p95_ms']:>6.2f} ms "
+                  f"{f['per_s']:>8.0f}")
+        ratio = r["shared_count"]["batched"]["per_s"] / r["shared_count"]["unbatched"]["per_s"]
+        print(f"concurrency {r['concurrency']}: batched/unbatched asks/s {ratio:.2f}x")
+    print(f"{'conc':>4} {'TTFT p50 no limits':>19} {'with limits':>12} {'added':>8}")
     for r in rows:
         t = r["ttft_p50_ms"]
-        print(f"{r['concurrency']:>4} {r['shared_count']['p50_ms']:>14.2f} ms "
-              f"{r['shared_count']['p95_ms']:>4.2f} ms {t['unlimited']:>16.1f} ms "
-              f"{t['limited']:>9.1f} ms {t['limited'] - t['unlimited']:>+6.1f} ms")
+        print(f"{r['concurrency']:>4} {t['unlimited']:>16.1f} ms {t['limited']:>9.1f} ms "
+              f"{t['limited'] - t['unlimited']:>+6.1f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
                                             "limits": rows}, indent=2))
@@ -223,6 +237,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--limits", action="store_true",
                         help="measure what cluster-wide tenant limits add (see above)")
+    parser.add_argument("--limit-calls", type=int, default=2000,
+                        help="--limits: asks to the shared counts per run")
     a = parser.parse_args()
 
     try:

@@ -43,6 +43,7 @@ from serve_app.ingress.rollouts import RolloutClient
 from serve_app.ingress.shadow import ShadowMirror, effective_shadow
 from serve_app.ingress.split import splits_of
 from serve_app.ingress.tenancy import authenticate
+from serve_app.ingress.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 from serve_app.control.rollout_controller import RolloutController
 
@@ -186,12 +187,15 @@ class MeshRouter:
                                       session_id=request.headers.get(SESSION_HEADER),
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
-            await account.hold_tenant_slot(self.limiter, tenant)
+            quota_headers = await account.hold_tenant_slot(self.limiter, tenant,
+                                                           Reservation.of(endpoint, body))
             # From here on only the plan is read: a deploy during the await above may have
             # changed (or removed) the route in self.config.
             account.capture = self.shadows.maybe_mirror(plan, effective_shadow(
                 plan.shadow, self.rollouts.shadow_phase(plan.route)), plan.identity, request_id)
-            return await self.dispatcher.dispatch(plan, account)
+            response = await self.dispatcher.dispatch(plan, account)
+            response.headers.update(quota_headers)  # OpenAI's x-ratelimit-* headers
+            return response
         except MeshError as e:
             # The router's own refusals (overloaded, queue_timeout, shed, no_healthy_variant,
             # internal_error) are counted by their code; the rest by status.

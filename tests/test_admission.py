@@ -227,3 +227,82 @@ def test_the_best_priority_gets_headroom_beyond_the_engines_capacity():
         for s in slots:
             q.release(s)
     run(main())
+
+
+def test_token_fair_order_serves_the_tenant_with_less_service_first_and_fifo_does_not():
+    """One slot; a heavy tenant has 4 requests queued before a light one's 2. With
+    ``fairness: tokens`` the light tenant's requests start as soon as its counter is the
+    least; with ``fifo`` they wait behind all of the heavy's."""
+    async def order_of(fairness: str) -> list[str]:
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100,
+                             fairness=fairness)
+        q.set_capacity(1)
+        running = await q.acquire(0, False, "heavy", cost=300)
+        started: list[str] = []
+
+        async def one(name: str, tenant: str, cost: float):
+            slot = await q.acquire(0, False, tenant, cost)
+            started.append(name)
+            await asyncio.sleep(0)
+            q.release(slot, cost)
+
+        tasks = [asyncio.create_task(one(f"heavy-{i}", "heavy", 300)) for i in range(4)]
+        await settle()
+        tasks += [asyncio.create_task(one(f"light-{i}", "light", 30)) for i in range(2)]
+        await settle()
+        q.release(running, 300)
+        await asyncio.gather(*tasks)
+        return started
+
+    assert run(order_of("fifo")) == ["heavy-0", "heavy-1", "heavy-2", "heavy-3",
+                                     "light-0", "light-1"]
+    # The light tenant arrives lifted to the heavy's counter (300: its running request's
+    # charge; no credit for having been idle). The tie goes to the earlier arrival, then
+    # every heavy start adds 300 and every light one 30.
+    assert run(order_of("tokens")) == ["heavy-0", "light-0", "light-1", "heavy-1",
+                                       "heavy-2", "heavy-3"]
+
+
+def test_priority_still_goes_first_under_token_fairness():
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
+        q.set_capacity(1)
+        q.service["cheap"] = 0.0
+        running = await q.acquire(0, False, "x")
+        started = []
+
+        async def one(name, priority, tenant):
+            slot = await q.acquire(priority, False, tenant, 10)
+            started.append(name)
+            q.release(slot)
+        tasks = [asyncio.create_task(one("worse-priority-less-service", 5, "cheap")),
+                 asyncio.create_task(one("better-priority", 0, "busy"))]
+        q.service["busy"] = 1e9
+        await settle()
+        q.release(running)
+        await asyncio.gather(*tasks)
+        assert started == ["better-priority", "worse-priority-less-service"]
+    run(main())
+
+
+def test_a_tenant_back_from_idle_gets_no_burst_of_credit_and_usage_corrects_the_charge():
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
+        q.set_capacity(1)
+        running = await q.acquire(0, False, "busy", cost=100)
+        assert q.service == {"busy": 100}
+        queued = asyncio.create_task(q.acquire(0, False, "busy", cost=100))
+        await settle()
+        q.service["idle"] = 10.0  # it was served long ago
+        late = asyncio.create_task(q.acquire(0, False, "idle", cost=1))
+        await settle()
+        assert q.service["idle"] == 100.0  # lifted to the least queued counter
+        q.release(running, cost=40)  # it really cost 40 of the 100 charged
+        await settle()
+        assert queued.done() and not late.done()  # the tie goes to the earlier arrival
+        assert q.service["busy"] == 40 + 100  # corrected, plus the next one's charge
+        q.release(queued.result(), cost=0)  # ended before it ran: charged nothing
+        await settle()
+        assert q.service["busy"] == 40 and late.done()
+        q.release(late.result())
+    run(main())

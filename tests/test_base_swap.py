@@ -122,7 +122,10 @@ def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(released)
         proc = subprocess.run([serve_cli(), "deploy", "-a", mesh.dashboard, str(bad_path)],
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
-        deadline = time.monotonic() + 180
+        # Serve builds an application in a task it retries 3 times on an exception
+        # (`build_serve_application`, max_retries=3): 4 builds, each importing vLLM and
+        # checking the engine config, 35-50 s each on this host.
+        deadline = time.monotonic() + 480
         while (app := serve_status(mesh.dashboard)["applications"]["smollm-v1"])[
                 "status"] != "DEPLOY_FAILED":
             assert time.monotonic() < deadline, app["status"]

@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 import serve_app.ingress.limits as limits
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.ingress.limits import TenantCounts, TenantLimiter
+from serve_app.ingress.limits import Limits, TenantCounts, TenantLimiter
 
 
 def tenant(id: str = "t", **kw) -> Tenant:
@@ -33,18 +33,21 @@ class FakeShared:
     def __init__(self, delay_s: float = 0.0, fail: bool = False):
         self.counts, self.incarnation = TenantCounts(), "one"
         self.delay_s, self.fail = delay_s, fail
-        self.acquire = _Method(self._acquire)
-        self.release = _Method(self._release)
+        self.acquire_many = _Method(self._acquire_many)
+        self.release_many = _Method(self._release_many)
+        self.calls = 0
 
-    async def _acquire(self, *limits_):
+    async def _acquire_many(self, requests):
+        self.calls += 1
         if self.fail:
             raise RayActorError()
         await asyncio.sleep(self.delay_s)
-        return self.incarnation, self.counts.acquire(*limits_)
+        return [(self.incarnation, *self.counts.acquire(*r)) for r in requests]
 
-    def _release(self, tenant_id, incarnation):
-        if incarnation == self.incarnation:
-            self.counts.release(tenant_id)
+    async def _release_many(self, releases):
+        for tenant_id, incarnation, reserved, used in releases:
+            if incarnation == self.incarnation:
+                self.counts.release(tenant_id, reserved, used)
 
 
 def test_concurrency_limit_and_release():
@@ -55,24 +58,26 @@ def test_concurrency_limit_and_release():
         with pytest.raises(MeshError) as e:
             await limiter.acquire(t)
         assert (e.value.status, e.value.code) == (429, "concurrency_limit_exceeded")
-        assert e.value.headers == {"Retry-After": "1"}
+        assert e.value.headers == {"Retry-After": "1"}  # no rate limits: no x-ratelimit-*
         limiter.release(a)
         await limiter.acquire(t)  # a slot is free again
     asyncio.run(main())
 
 
-def test_requests_per_minute_is_a_token_bucket(monkeypatch):
+def test_requests_per_minute_is_a_token_bucket():
     now = [1000.0]
-    monkeypatch.setattr(limits.time, "monotonic", lambda: now[0])
-    counts = TenantCounts()
+    counts, rpm3 = TenantCounts(clock=lambda: now[0]), Limits(requests_per_minute=3)
     for _ in range(3):  # a full bucket: a burst of 3
-        assert counts.acquire("t", None, 3) is None
+        assert counts.acquire("t", rpm3)[0] is None
         counts.release("t")
-    refusal = counts.acquire("t", None, 3)
+    refusal, quota = counts.acquire("t", rpm3)
     assert (refusal.status, refusal.code, refusal.retry_after_s) == (429, "rate_limit_exceeded",
                                                                      20)  # 60 / 3 s a token
+    assert quota.headers() == {"x-ratelimit-limit-requests": "3",
+                               "x-ratelimit-remaining-requests": "0",
+                               "x-ratelimit-reset-requests": "1m0s"}
     now[0] += 20
-    assert counts.acquire("t", None, 3) is None
+    assert counts.acquire("t", rpm3)[0] is None
 
 
 def test_open_mode_and_unlimited_tenants_cost_no_call():
@@ -97,10 +102,12 @@ def test_two_routers_share_one_count():
                 await r.acquire(t)
             assert e.value.status == 429 and "2 requests in flight" in e.value.message
         r1.release(a)
+        await asyncio.sleep(0.01)  # give-backs go out in the background
         assert shared.counts.in_flight("t") == 1
         await r2.acquire(t)
         shared.incarnation = "two"  # Ray restarted the actor: an older lease frees nothing
         r1.release(a)
+        await asyncio.sleep(0.01)
         assert shared.counts.in_flight("t") == 2
     asyncio.run(main())
 
@@ -151,4 +158,22 @@ def test_a_client_leaving_while_the_router_asks_frees_its_count():
         asking.cancel()
         await asyncio.sleep(0.2)  # the shared counts answered after the client left
         assert shared.counts.in_flight("t") == 0
+    asyncio.run(main())
+
+
+def test_asks_are_batched_while_one_call_is_in_flight():
+    """200 concurrent asks of one router go out in a few calls (one in flight, the rest
+    collect); one ask alone goes out at once, in a call of its own."""
+    async def main():
+        shared, t = FakeShared(delay_s=0.01), tenant(max_concurrent_requests=10**6)
+        limiter = TenantLimiter(shared=shared)
+        await limiter.acquire(t)
+        assert shared.calls == 1
+        leases = await asyncio.gather(*(limiter.acquire(t) for _ in range(200)))
+        assert shared.calls <= 3, shared.calls
+        assert shared.counts.in_flight("t") == 201
+        for lease in leases:
+            limiter.release(lease)
+        await asyncio.sleep(0.05)
+        assert shared.counts.in_flight("t") == 1
     asyncio.run(main())

@@ -33,7 +33,8 @@ TENANTS = [
         "f2c14c156be11e6f4c5e602ef6f7bda53877e8f5c0b22fa44753765bc318a1b1"]},
     {"id": "acme", "adapters": ["acme-support"], "api_keys_sha256": [
         "953d0ab8229abd463060e52204c8cb44e32297002500258c1181e18379c54626"]},
-    {"id": "initech", "max_concurrent_requests": 1, "api_keys_sha256": [
+    {"id": "initech", "max_concurrent_requests": 1, "tokens_per_minute": 100_000,
+     "api_keys_sha256": [
         "02dc44b9a095b685642f28c22d7a820047ce4afb3da04d6803da3388d9ecdc17"]},
 ]
 

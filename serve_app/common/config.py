@@ -241,6 +241,11 @@ class Tenant(Strict):
         max_concurrent_requests: requests in flight at once, across every router replica
             (429 above; :mod:`serve_app.ingress.limits`).
         requests_per_minute: request rate, across every router replica (429 above).
+        tokens_per_minute / tokens_per_day: token budgets (prompt + completion tokens),
+            across every router replica: a request reserves its estimated prompt plus its
+            ``max_tokens`` at admission and settles with its real usage when it ends (429
+            ``tokens_exhausted`` when the reservation does not fit;
+            :mod:`serve_app.ingress.token_budget`).
         limits_fail_mode: what a router does with a limited tenant's request while the
             cluster-wide counts do not answer: ``open`` counts it on that router replica
             alone (the limits then hold per router), ``closed`` refuses it (503
@@ -258,6 +263,8 @@ class Tenant(Strict):
     adapters: list[str] = Field(default_factory=list)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
     limits_fail_mode: Literal["open", "closed"] = "open"
     priority: int = Field(default=0, ge=-1000, le=1000)
     shadow: bool = True

@@ -3,6 +3,8 @@ load, how a canary is rolled out, and how a variant is shadowed. Pure schemas (p
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -21,11 +23,15 @@ class Admission(Strict):
             requests start at once while worse ones fill the variant (0: none).
         max_queued_per_slot: requests that may wait for one variant, per slot (its engines'
             ``max_num_seqs`` in all); 503 beyond.
+        fairness: the order among queued requests of one priority: ``tokens`` serves the
+            tenant with the least recent service first (weighted prompt and completion
+            tokens, the VTC scheduler's idea), ``fifo`` in arrival order.
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
     reserved_slots: int = Field(default=1, ge=0)
     max_queued_per_slot: float = Field(default=4.0, ge=0)
+    fairness: Literal["tokens", "fifo"] = "tokens"
 
 
 class RolloutGates(Strict):

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
-from serve_app.ingress.admission import Slot, VariantAdmission
+from serve_app.ingress.admission import Slot, VariantAdmission, service_cost
 from serve_app.ingress.limits import Lease, TenantLimiter
+from serve_app.ingress.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 
 logger = get_logger(__name__)
@@ -71,13 +72,29 @@ class RequestAccount:
         self.arms: tuple[tuple[str, str], ...] = ()
         self.capture = None  # a PrimaryCapture when the request is mirrored (ingress.shadow)
         self._tenant: tuple[TenantLimiter, Lease | None] | None = None
+        self.reservation = Reservation()
+        self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
         self._slot: tuple[VariantAdmission, Slot] | None = None
         self.finished = False
 
-    async def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None) -> None:
-        """Take the tenant's slot (raises MeshError 429 at its limit, see
-        :meth:`TenantLimiter.acquire`); released by finish."""
-        self._tenant = (limiter, await limiter.acquire(tenant))
+    async def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None,
+                               reservation: Reservation = Reservation()) -> dict[str, str]:
+        """Take the tenant's slot and reserve ``reservation``'s tokens (raises MeshError 429
+        at a limit, see :meth:`TenantLimiter.acquire`); released and settled by finish.
+        Returns the rate-limit headers for the response (empty: no limits)."""
+        self.reservation = reservation
+        lease = await limiter.acquire(tenant, reservation.total)
+        self._tenant = (limiter, lease)
+        if lease is None:
+            return {}
+        self.metrics.record_quota(self.tags["tenant"], lease.quota)
+        return lease.quota.headers()
+
+    @property
+    def service_charge(self) -> float:
+        """What this request is charged in its tenant's service when it starts (the
+        token-fair order of :mod:`serve_app.ingress.admission`): its reservation, weighted."""
+        return service_cost(self.reservation.prompt, self.reservation.completion)
 
     def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
                           waited_s: float) -> None:
@@ -92,7 +109,7 @@ class RequestAccount:
         """The variant failed before its first byte: free its slot for the next candidate."""
         if self._slot is not None:
             admission, slot = self._slot
-            admission.release(slot)
+            admission.release(slot, cost=0.0)  # it did not run there
             self._slot = None
         self.tags["variant"] = ""
 
@@ -126,12 +143,16 @@ class RequestAccount:
             return
         self.finished = True
         latency = time.monotonic() - self.t0
+        used = self.reservation.used(usage.prompt_tokens, usage.completion_tokens,
+                                     self.streamed_chunks)
         if self._tenant is not None:
             limiter, lease = self._tenant
-            limiter.release(lease)
+            limiter.release(lease, sum(used))
+            if lease is not None:
+                self.metrics.record_tokens(self.tags["tenant"], lease.reserved, sum(used))
         if self._slot is not None:
             admission, slot = self._slot
-            admission.release(slot)
+            admission.release(slot, cost=service_cost(*used))
         if self.capture is not None:
             self.capture.finish(ttft_s=ttft_s, latency_s=latency, error=error_kind or (
                 f"http_{status}" if status >= 400 else None))

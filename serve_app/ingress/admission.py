@@ -24,6 +24,16 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   worse ones it pushes past their deadline are rejected at once (``shed``): low-priority
   work is shed first. ``reserved_slots`` slots are kept for the best priority configured,
   so its requests start at once even while worse ones fill the variant.
+- **Token-fair within a priority** (``fairness: tokens``, the default). Among queued
+  requests of one priority, the tenant with the least service so far goes first (FIFO
+  within a tenant). A tenant's service is its virtual token counter, as in the VTC
+  scheduler (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
+  ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion`` tokens. A request is charged
+  its reservation when it starts (so a tenant's long streams count while they run) and
+  corrected to its real usage when it ends. A tenant that arrives with nothing queued or
+  running has its counter lifted to the least counter among the tenants that are
+  queued, so time spent idle earns no burst of credit. ``fairness: fifo`` keeps arrival
+  order (the baseline the fair order is measured against).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 
 Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
@@ -33,7 +43,6 @@ Admission holds per router replica. Rejections are 503 (the tenant's own limits,
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 import time
@@ -51,6 +60,14 @@ HEADROOM = 0.25
 UNKNOWN_CAPACITY = 1_000_000
 #: Bounds of the Retry-After a rejection suggests, s.
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 10
+#: Weights of prompt and completion tokens in a tenant's service (VTC's, OSDI 2024 §4:
+#: a generated token costs the engine about twice a prompt token).
+PROMPT_WEIGHT, COMPLETION_WEIGHT = 1.0, 2.0
+
+
+def service_cost(prompt_tokens: int, completion_tokens: int) -> float:
+    """A request's weighted service, tokens."""
+    return PROMPT_WEIGHT * prompt_tokens + COMPLETION_WEIGHT * completion_tokens
 
 
 class Rejected(Exception):
@@ -70,13 +87,15 @@ class Rejected(Exception):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(order=True)
+@dataclass
 class _Waiter:
     priority: int
     seq: int
-    deadline: float = field(compare=False)
-    top: bool = field(compare=False)
-    future: asyncio.Future = field(compare=False)
+    deadline: float
+    top: bool
+    future: asyncio.Future
+    tenant: str = ""
+    cost: float = 0.0  # service charged when it starts
 
 
 @dataclass
@@ -84,6 +103,8 @@ class Slot:
     """A granted slot; give it back with :meth:`VariantAdmission.release`."""
 
     granted_at: float
+    tenant: str = ""
+    charged: float = 0.0  # service charged at the start (its reservation)
     released: bool = False
 
 
@@ -100,16 +121,19 @@ class VariantAdmission:
     """
 
     def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
-                 max_queued_per_slot: float = 4.0, headroom: float = HEADROOM,
-                 clock=time.monotonic) -> None:
+                 max_queued_per_slot: float = 4.0, fairness: str = "tokens",
+                 headroom: float = HEADROOM, clock=time.monotonic) -> None:
         self.variant = variant
         self.headroom = headroom
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
+        self.fairness = fairness
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
         self.service_s = PRIOR_SERVICE_S
+        self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
+        self._running: dict[str, int] = {}  # tenant -> slots held
         self._clock = clock
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
@@ -117,10 +141,11 @@ class VariantAdmission:
     # -- settings -----------------------------------------------------------------------------
 
     def configure(self, *, queue_timeout_s: float, reserved_slots: int,
-                  max_queued_per_slot: float) -> None:
+                  max_queued_per_slot: float, fairness: str = "tokens") -> None:
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
+        self.fairness = fairness
         self._grant()
 
     def set_capacity(self, slots: int | None) -> None:
@@ -149,12 +174,16 @@ class VariantAdmission:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def acquire(self, priority: int, top: bool) -> Slot:
-        """Wait for a slot, in priority order.
+    async def acquire(self, priority: int, top: bool, tenant: str = "",
+                      cost: float = 0.0) -> Slot:
+        """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority.
 
         Args:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
+            tenant: the tenant id ("" in open mode).
+            cost: the service charged to ``tenant`` when it starts (:func:`service_cost` of
+                its reservation, tokens); :meth:`release` corrects it.
 
         Raises:
             Rejected: it cannot start in time (see the module docstring).
@@ -164,10 +193,11 @@ class VariantAdmission:
                            MIN_RETRY_AFTER_S)
         now = self._clock()
         slots = self.slots_for(top)
-        ahead = sum(1 for w in self._queue if not w.future.done() and w.priority <= priority)
+        self._lift(tenant)
+        key = self._key(priority, tenant, math.inf)
+        ahead = sum(1 for w in self._waiting() if self._order(w) <= key)
         if ahead == 0 and self.in_flight < slots:
-            self.in_flight += 1
-            return Slot(now)
+            return self._start(tenant, cost, now)
         wait_s = self._estimate(ahead + 1, slots)
         if wait_s > self.queue_timeout_s or self.queued >= self.max_queued:
             raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
@@ -175,8 +205,8 @@ class VariantAdmission:
                            f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
                            "later", self._retry_after(wait_s - self.queue_timeout_s))
         waiter = _Waiter(priority, next(self._seq), now + self.queue_timeout_s, top,
-                         asyncio.get_running_loop().create_future())
-        heapq.heappush(self._queue, waiter)
+                         asyncio.get_running_loop().create_future(), tenant, cost)
+        self._queue.append(waiter)
         self._shed_behind(waiter, now)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
@@ -189,18 +219,23 @@ class VariantAdmission:
                            "later", self._retry_after(self.service_s)) from None
         except asyncio.CancelledError:  # the client left while queued
             if _granted(waiter.future):
-                self.release(waiter.future.result())
+                self.release(waiter.future.result(), cost=0.0)  # it never ran
             waiter.future.cancel()
             raise
         finally:
             self._prune()
 
-    def release(self, slot: Slot) -> None:
-        """Give a slot back (once; later calls do nothing) and learn its service time."""
+    def release(self, slot: Slot, cost: float | None = None) -> None:
+        """Give a slot back (once; later calls do nothing) and learn its service time.
+        ``cost``: the request's real service (:func:`service_cost` of its usage), which
+        replaces what it was charged at the start; None keeps that."""
         if slot.released:
             return
         slot.released = True
         self.in_flight -= 1
+        self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
+        if cost is not None:
+            self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
         held = self._clock() - slot.granted_at
         self.service_s += EWMA_ALPHA * (held - self.service_s)
         self._grant()
@@ -216,29 +251,55 @@ class VariantAdmission:
     def _retry_after(seconds: float) -> int:
         return int(min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(seconds))))
 
+    def _key(self, priority: int, tenant: str, seq: float) -> tuple:
+        """Queue order: priority, then (``fairness: tokens``) the tenant's service, then
+        arrival."""
+        return (priority, self.service.get(tenant, 0.0) if self.fairness == "tokens" else 0.0,
+                seq)
+
+    def _order(self, w: _Waiter) -> tuple:
+        return self._key(w.priority, w.tenant, w.seq)
+
+    def _waiting(self) -> list[_Waiter]:
+        return [w for w in self._queue if not w.future.done()]
+
+    def _lift(self, tenant: str) -> None:
+        """A tenant with nothing queued or running starts from the least counter of those
+        queued: idle time earns no credit (VTC's counter lift)."""
+        waiting = self._waiting()
+        if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
+            return
+        backlogged = [self.service.get(w.tenant, 0.0) for w in waiting]
+        if backlogged:
+            self.service[tenant] = max(self.service.get(tenant, 0.0), min(backlogged))
+
+    def _start(self, tenant: str, cost: float, now: float) -> Slot:
+        self.in_flight += 1
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        self.service[tenant] = self.service.get(tenant, 0.0) + cost
+        return Slot(now, tenant, cost)
+
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
         self._prune()
-        while self._queue:
-            best = self._queue[0]
+        while waiting := self._waiting():
+            best = min(waiting, key=self._order)
             if self.in_flight >= self.slots_for(best.top):
                 return
-            heapq.heappop(self._queue)
-            self.in_flight += 1
-            best.future.set_result(Slot(self._clock()))
-            self._prune()
+            best.future.set_result(self._start(best.tenant, best.cost, self._clock()))
+        self._prune()
 
     def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
         deadline."""
-        if any(w.priority > newcomer.priority for w in self._queue if not w.future.done()):
+        if any(self._order(w) > self._order(newcomer) for w in self._waiting()):
             self._shed_late(now)
 
     def _shed_late(self, now: float | None = None) -> None:
         """Reject the queued requests whose estimated start is past their deadline, worst
         priority first to go."""
         now = self._clock() if now is None else now
-        waiting = sorted(w for w in self._queue if not w.future.done())
+        waiting = sorted(self._waiting(), key=self._order)
         for position, w in enumerate(waiting, start=1):
             if now + self._estimate(position, self.slots_for(w.top)) > w.deadline:
                 w.future.set_exception(Rejected(
@@ -249,9 +310,8 @@ class VariantAdmission:
         self._prune()
 
     def _prune(self) -> None:
-        """Drop finished waiters (granted, timed out, shed, cancelled) from the queue top."""
-        while self._queue and self._queue[0].future.done():
-            heapq.heappop(self._queue)
+        """Drop finished waiters (granted, timed out, shed, cancelled)."""
+        self._queue = self._waiting()
 
 
 def _granted(future: asyncio.Future) -> bool:

@@ -81,7 +81,8 @@ class Dispatcher:
         admission = self.admission_for(variant)
         asked_at = time.monotonic()
         try:
-            slot = await admission.acquire(plan.priority, plan.top_priority)
+            slot = await admission.acquire(plan.priority, plan.top_priority,
+                                           account.tags["tenant"], account.service_charge)
         except Rejected as r:
             if r.reason == "unavailable":  # no running replica: the next candidate
                 return None

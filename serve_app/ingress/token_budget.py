@@ -1,0 +1,159 @@
+"""Token budgets: what a request reserves, the bucket it draws from, and OpenAI's headers.
+
+A tenant's ``tokens_per_minute`` and ``tokens_per_day`` count prompt plus completion tokens.
+Each is a token bucket (the usual rate limiter, as for ``requests_per_minute``): it holds at
+most the limit, starts full, and refills at ``limit / window`` tokens per second, so a
+window "resets" continuously and is full again one window after it was last drawn from.
+
+A request **reserves** before it runs, when its real size is not known yet:
+
+- prompt tokens: an estimate, ``ceil(UTF-8 bytes of the prompt text / PROMPT_BYTES_PER_TOKEN)``,
+  and for a chat, :data:`MESSAGE_OVERHEAD_TOKENS` per message (role markers) plus
+  :data:`CHAT_TEMPLATE_TOKENS` (what a chat template adds around them: SmolLM2's inserts a
+  default system prompt of about 30 tokens when a request has none). English averages about
+  4 bytes per token on BPE tokenizers, so 3 reserves a little more than English costs; text
+  denser than that (e.g. CJK, ~1.5 bytes/token) may settle above its reservation.
+- completion tokens: the request's ``max_completion_tokens`` / ``max_tokens``, or
+  :data:`DEFAULT_MAX_TOKENS` when it states none.
+
+It **settles** when it ends, however it ends, with the tokens it really cost: vLLM's usage
+when the answer carried it, else (a stream the client left, or one that failed) the prompt
+estimate plus one token per streamed chunk (vLLM streams a chunk per generated token), and 0
+when nothing ran. Settling returns the unused part of the reservation, or draws the excess;
+a bucket never goes below 0 (an excess it cannot cover is forgiven, at most one request's
+misestimate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: Prompt bytes (UTF-8) per reserved token.
+PROMPT_BYTES_PER_TOKEN = 3
+#: Reserved tokens per chat message, for the role markers around it.
+MESSAGE_OVERHEAD_TOKENS = 4
+#: Reserved tokens per chat request, for what the chat template adds (a default system prompt).
+CHAT_TEMPLATE_TOKENS = 48
+#: Completion tokens reserved for a request that states no ``max_tokens``.
+DEFAULT_MAX_TOKENS = 512
+#: Window of each budget, s.
+WINDOW_S = {"tokens_per_minute": 60.0, "tokens_per_day": 86400.0}
+
+
+def _text_bytes(content: Any) -> int:
+    """UTF-8 bytes of the text in a prompt or message ``content`` (str, list of parts, or
+    token ids: one reserved token each)."""
+    if isinstance(content, str):
+        return len(content.encode())
+    if isinstance(content, list):
+        if content and all(isinstance(t, int) for t in content):  # token ids
+            return len(content) * PROMPT_BYTES_PER_TOKEN
+        return sum(_text_bytes(part.get("text", "") if isinstance(part, dict) else part)
+                   for part in content)
+    return 0
+
+
+def prompt_estimate(endpoint: str, body: dict[str, Any]) -> int:
+    """Estimated prompt tokens of a ``chat`` or ``completion`` body (see the module
+    docstring)."""
+    if endpoint == "chat":
+        messages = body.get("messages") or []
+        nbytes = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
+        return (math.ceil(nbytes / PROMPT_BYTES_PER_TOKEN) + CHAT_TEMPLATE_TOKENS
+                + MESSAGE_OVERHEAD_TOKENS * len(messages))
+    return math.ceil(_text_bytes(body.get("prompt")) / PROMPT_BYTES_PER_TOKEN)
+
+
+def completion_reservation(body: dict[str, Any]) -> int:
+    """Completion tokens a body may generate: its ``max_completion_tokens`` or
+    ``max_tokens``, else :data:`DEFAULT_MAX_TOKENS`."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens one request reserves: ``prompt`` (estimated) + ``completion`` (its maximum)."""
+
+    prompt: int = 0
+    completion: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+    @classmethod
+    def of(cls, endpoint: str, body: dict[str, Any]) -> Reservation:
+        return cls(prompt_estimate(endpoint, body), completion_reservation(body))
+
+    def used(self, prompt_tokens: int, completion_tokens: int,
+             streamed_chunks: int) -> tuple[int, int]:
+        """(prompt, completion) tokens the request cost: vLLM's usage when known, else the
+        prompt estimate and one token per streamed chunk, else (0, 0): nothing ran."""
+        if prompt_tokens or completion_tokens:
+            return prompt_tokens, completion_tokens
+        return (self.prompt, streamed_chunks) if streamed_chunks else (0, 0)
+
+
+class TokenBucket:
+    """One budget: at most ``limit`` tokens, refilled at ``limit / window_s`` per second.
+
+    Args:
+        limit: the budget, tokens.
+        window_s: the window it is spread over, s.
+        now: the clock reading it starts full at, s (monotonic).
+    """
+
+    def __init__(self, limit: int, window_s: float, now: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.level = float(limit)
+        self._at = now
+
+    @property
+    def rate(self) -> float:
+        """Refill rate, tokens/s."""
+        return self.limit / self.window_s
+
+    def refill(self, now: float) -> None:
+        self.level = min(float(self.limit), self.level + max(0.0, now - self._at) * self.rate)
+        self._at = now
+
+    def wait_s(self, tokens: int, now: float) -> float:
+        """Seconds until ``tokens`` fit (0: they fit now; inf: never, more than the limit)."""
+        self.refill(now)
+        if tokens > self.limit:
+            return math.inf
+        return max(0.0, (tokens - self.level) / self.rate)
+
+    def take(self, tokens: int) -> None:
+        """Draw ``tokens`` (after :meth:`wait_s` said they fit)."""
+        self.level = max(0.0, self.level - tokens)
+
+    def settle(self, reserved: int, used: int, now: float) -> None:
+        """Give back ``reserved - used`` tokens (or draw the excess, down to 0 at most)."""
+        self.refill(now)
+        self.level = min(float(self.limit), max(0.0, self.level + reserved - used))
+
+    def reset_s(self, now: float) -> float:
+        """Seconds until the bucket is full again."""
+        self.refill(now)
+        return (self.limit - self.level) / self.rate
+
+
+def duration_header(seconds: float) -> str:
+    """A duration as OpenAI's ``x-ratelimit-reset-*`` headers write it: ``"20ms"``,
+    ``"1s"``, ``"6m0s"``, ``"1h2m3s"`` (whole seconds above 1 s, rounded up)."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"

@@ -1,0 +1,222 @@
+"""Tokens as the unit of tenancy on the real stack (serve_configs/tenants.yaml): token-fair
+admission against FIFO in one run; then, with two router replicas, a budget that holds
+across both routers under concurrent streams, a stream the client abandons settling to what
+it really streamed, and a window that refills on time. Budgets are given to globex and acme
+here; what they reserve is computed as the router does (:mod:`serve_app.ingress.token_budget`)."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serve_app.ingress.token_budget import Reservation
+from serve_app.observability.stats import percentile
+from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
+
+pytestmark = pytest.mark.integration
+
+KEYS = {"globex": "sk-globex-demo", "acme": "sk-acme-demo"}
+STREAM = {"model": "smollm", "max_tokens": 48, "ignore_eos": True, "stream": True,
+          "stream_options": {"include_usage": True},
+          "messages": [{"role": "user", "content": "Count to fifty."}]}
+SMALL = {"model": "smollm", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def budgeted(cfg: dict, routers: int = 2, **limits: dict) -> dict:
+    """``cfg`` with ``routers`` router replicas and ``limits`` per tenant id (None removes
+    one)."""
+    cfg = copy.deepcopy(cfg)
+    router = cfg["applications"][0]["deployments"][0]
+    router["num_replicas"] = routers
+    for tenant in router["user_config"]["tenants"]:
+        for key, value in limits.get(tenant["id"], {}).items():
+            if value is None:
+                tenant.pop(key, None)
+            else:
+                tenant[key] = value
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def budgets(mesh):
+    mesh.tenants_cfg = mesh.config("tenants.yaml")
+    yield mesh
+    mesh.deploy(mesh.tenants_cfg)  # one router replica and the shipped tenants again
+
+
+def stream(http: httpx.Client, tenant: str, body: dict, request_id: str,
+           read_chunks: int | None = None) -> dict:
+    """One streamed chat: status, headers, the error code, and the tokens its usage chunk
+    reports (0 when refused, or when the client stops after ``read_chunks`` chunks)."""
+    headers = {"authorization": f"Bearer {KEYS[tenant]}", "x-request-id": request_id}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "headers": r.headers,
+                    "code": r.json()["error"]["code"], "tokens": 0}
+        tokens, chunks = 0, 0
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks += 1
+            if read_chunks is not None and chunks >= read_chunks:
+                break  # the client leaves: closing the stream drops the connection
+            if '"usage":{' in line:
+                usage = httpx.Response(200, content=line[6:]).json()["usage"]
+                tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"status": 200, "headers": r.headers, "code": None, "tokens": tokens}
+
+
+def small(http: httpx.Client, tenant: str) -> tuple[int, int]:
+    """A 1-token chat: the tokens left after its reservation (header), and what it cost."""
+    r = http.post("/v1/chat/completions", json=SMALL,
+                  headers={"authorization": f"Bearer {KEYS[tenant]}"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return int(r.headers["x-ratelimit-remaining-tokens"]), usage["total_tokens"]
+
+
+def fairness(cfg: dict, mode: str) -> dict:
+    cfg = copy.deepcopy(cfg)
+    route = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
+    route["admission"] = {**route.get("admission", {}), "fairness": mode}
+    return cfg
+
+
+def contention(mesh, light_requests: int) -> dict:
+    """globex keeps 16 64-token streams going (the engine takes 8 at once, the router 10:
+    the rest queue) while acme sends 8-token streams one at a time: acme's TTFT, and each
+    tenant's completion tokens over the requests that ended meanwhile."""
+    url = f"{mesh.base_url}/v1"
+    heavy = LoadSpec(base_url=url, model="smollm", api_key=KEYS["globex"], concurrency=16,
+                     max_tokens=64, duration_s=1800, timeout_s=300)
+    light = LoadSpec(base_url=url, model="smollm", api_key=KEYS["acme"], concurrency=1,
+                     max_tokens=8, duration_s=1800, timeout_s=300, prompt="Say hi.")
+    with background_load(heavy) as heavy_results:
+        wait_for_results(heavy_results, 10)  # the heavy tenant has filled the engine and queue
+        t0 = time.monotonic()
+        with background_load(light) as light_results:
+            wait_for_results(light_results, light_requests)
+        t1 = time.monotonic()
+    ended = [r for r in heavy_results if t0 <= r.started_at + r.latency_s <= t1]
+    light_ok = [r for r in light_results if r.ok]
+    assert len(light_ok) == len(light_results) and all(r.ok for r in heavy_results)
+    light_tokens = sum(r.completion_tokens for r in light_ok)
+    return {"light_ttft_p50_s": percentile([r.ttft_s for r in light_ok], 50),
+            "light_ttft_p95_s": percentile([r.ttft_s for r in light_ok], 95),
+            "light_share": light_tokens / (light_tokens + sum(r.completion_tokens
+                                                              for r in ended)),
+            "light_requests_per_min": 60 * len(light_ok) / (t1 - t0)}
+
+
+def test_token_fair_admission_serves_a_light_tenant_behind_a_heavy_ones_queue(budgets):
+    """At one priority, a heavy tenant's queued streams do not hold a light tenant's short
+    requests behind them: with ``fairness: tokens`` the light request takes the next free
+    slot, with ``fifo`` (same run, deployed in place) it waits behind the heavy's queue."""
+    cfg = budgets.tenants_cfg
+    budgets.deploy(fairness(cfg, "tokens"))
+    idle = LoadSpec(base_url=f"{budgets.base_url}/v1", model="smollm", api_key=KEYS["acme"],
+                    concurrency=1, requests=5, max_tokens=8, prompt="Say hi.")
+    with background_load(idle) as idle_results:
+        wait_for_results(idle_results, 5)
+    idle_p95 = percentile([r.ttft_s for r in idle_results], 95)
+    fair = contention(budgets, 6)
+    budgets.deploy(fairness(cfg, "fifo"))
+    fifo = contention(budgets, 4)
+    budgets.deploy(cfg)
+    print(f"\nlight tenant TTFT p95: idle {idle_p95:.2f} s; behind a heavy tenant's queue: "
+          f"token-fair {fair['light_ttft_p95_s']:.2f} s, FIFO {fifo['light_ttft_p95_s']:.2f} s "
+          f"(x{fifo['light_ttft_p95_s'] / fair['light_ttft_p95_s']:.1f})")
+    print(f"light tenant's share of completion tokens: token-fair {fair['light_share']:.1%}, "
+          f"FIFO {fifo['light_share']:.1%}; light requests/min: token-fair "
+          f"{fair['light_requests_per_min']:.1f}, FIFO {fifo['light_requests_per_min']:.1f}")
+    assert fair["light_ttft_p95_s"] * 2 <= fifo["light_ttft_p95_s"], (fair, fifo)
+    assert fair["light_share"] > fifo["light_share"]
+
+
+def test_a_window_refills_on_time(budgets):
+    """tokens_per_minute 600 (10 tokens/s): 1-token requests until the budget is spent,
+    then 429 tokens_exhausted with Retry-After; after that many seconds the same request
+    is served."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, globex={"tokens_per_minute": 600}))
+    with budgets.http() as http:
+        headers = {"authorization": f"Bearer {KEYS['globex']}"}
+        for sent in range(1, 40):
+            r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+            if r.status_code != 200:
+                break
+            assert r.headers["x-ratelimit-limit-tokens"] == "600"
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+        retry_after = int(r.headers["retry-after"])
+        print(f"\nspent after {sent - 1} requests; Retry-After {retry_after} s, "
+              f"reset {r.headers['x-ratelimit-reset-tokens']}, "
+              f"remaining {r.headers['x-ratelimit-remaining-tokens']}")
+        assert 1 <= retry_after <= 6  # (one reservation - what is left) / 10 tokens/s
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) < Reservation.of("chat", SMALL).total
+        time.sleep(retry_after)
+        again = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+        assert again.status_code == 200, again.text
+
+
+def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
+    """tokens_per_day 600 (refills 0.007 tokens/s: a fixed budget here): waves of 6
+    concurrent 48-token streams until every one is refused. The tokens served (vLLM's own
+    usage) stay within the budget plus one request's reservation, and reach the budget
+    minus one. Both router replicas served some (their access logs)."""
+    budgets.deploy(budgeted(budgets.tenants_cfg,
+                            globex={"tokens_per_minute": None, "tokens_per_day": 600}))
+    assert len(budgets.replica_ids("mesh", "MeshRouter")) == 2
+    reservation = Reservation.of("chat", STREAM).total
+    prefix = f"budget-{uuid.uuid4().hex[:8]}"
+    served, refused, waves = 0, [], 0
+    with budgets.http() as http, ThreadPoolExecutor(6) as pool:
+        too_big = http.post("/v1/chat/completions", json={**SMALL, "max_tokens": 1000},
+                            headers={"authorization": f"Bearer {KEYS['globex']}"})
+        assert too_big.status_code == 400, too_big.text
+        assert too_big.json()["error"]["code"] == "reservation_exceeds_budget"
+        while waves < 10:
+            waves += 1
+            results = list(pool.map(lambda i: stream(http, "globex", STREAM,
+                                                     f"{prefix}-{waves}-{i}"), range(6)))
+            served += sum(r["tokens"] for r in results if r["status"] == 200)
+            refused += [r for r in results if r["status"] != 200]
+            if all(r["status"] == 429 for r in results):
+                break
+    print(f"\n{waves} waves: {served} tokens served of a 600 budget (reservation "
+          f"{reservation} each), {len(refused)} refused")
+    assert {r["code"] for r in refused} == {"tokens_exhausted"}
+    assert all(r["headers"]["retry-after"] and r["headers"]["x-ratelimit-limit-tokens"] == "600"
+               for r in refused)
+    assert 600 - reservation < served <= 600 + reservation
+    routers = [f for f in glob.glob(
+        "/tmp/ray/session_latest/logs/serve/replica_mesh_MeshRouter_*.log")
+        if any(prefix in line for line in open(f))]
+    assert len(routers) == 2, routers
+
+
+def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
+    """A 400-token stream (reserving 400 + its prompt estimate) that the client leaves after
+    10 chunks is charged its prompt estimate plus the chunks the router relayed, not its
+    reservation."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    long = {**STREAM, "max_tokens": 400}
+    reservation = Reservation.of("chat", long)
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        r = stream(http, "acme", long, f"abandon-{uuid.uuid4().hex[:8]}", read_chunks=10)
+        assert r["status"] == 200
+        time.sleep(3)  # the router sees the disconnect and settles
+        left_after, _ = small(http, "acme")
+    # left_after = left_before + the probe's refund - the abandoned cost - a probe's reservation
+    probe_reservation = Reservation.of("chat", SMALL).total
+    abandoned = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt estimate "
+          f"{reservation.prompt}, reservation {reservation.total})")
+    assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
+    assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left

@@ -1,0 +1,133 @@
+"""Unit tests of token budgets (no Ray): reservations, buckets, settlement on every ending,
+OpenAI's rate-limit headers, and a limiter whose budget holds across two routers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
+from serve_app.ingress.limits import Limits, TenantCounts, TenantLimiter
+from serve_app.ingress.token_budget import (CHAT_TEMPLATE_TOKENS, DEFAULT_MAX_TOKENS, Reservation, TokenBucket,
+                                            completion_reservation, duration_header,
+                                            prompt_estimate)
+from tests.test_limits import FakeShared
+
+TPM = Limits(tokens_per_minute=600)
+
+
+def test_a_reservation_is_the_prompt_estimate_plus_max_tokens():
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
+            "max_tokens": 16}
+    # ceil((9 + 8) bytes / 3) + the template's allowance + 4 per message
+    assert prompt_estimate("chat", chat) == 6 + CHAT_TEMPLATE_TOKENS + 8
+    assert Reservation.of("chat", chat) == Reservation(14 + CHAT_TEMPLATE_TOKENS, 16)
+    assert prompt_estimate("completion", {"prompt": "é" * 6}) == 4  # 12 UTF-8 bytes
+    assert prompt_estimate("completion", {"prompt": [1, 2, 3]}) == 3  # token ids
+    assert completion_reservation({"max_completion_tokens": 7, "max_tokens": 9}) == 7
+    assert completion_reservation({}) == DEFAULT_MAX_TOKENS
+    assert completion_reservation({"max_tokens": None}) == DEFAULT_MAX_TOKENS
+
+
+def test_settled_cost_on_every_ending():
+    r = Reservation(prompt=20, completion=100)
+    assert r.used(18, 40, streamed_chunks=41) == (18, 40)  # usage known: it wins
+    assert r.used(0, 0, streamed_chunks=12) == (20, 12)  # stream left: estimate + chunks
+    assert r.used(0, 0, streamed_chunks=0) == (0, 0)  # nothing ran (refused, 400, failed over)
+
+
+def test_bucket_refills_over_its_window_and_never_goes_negative():
+    b = TokenBucket(600, 60.0, now=0.0)
+    assert b.wait_s(600, 0.0) == 0 and b.wait_s(601, 0.0) == float("inf")
+    b.take(600)
+    assert b.wait_s(100, 0.0) == pytest.approx(10.0)  # 10 tokens/s
+    assert b.reset_s(30.0) == pytest.approx(30.0)  # 300 back after 30 s, 30 s to full
+    b.settle(reserved=0, used=10_000, now=30.0)  # an excess past what is left
+    assert b.level == 0.0
+    b.settle(reserved=10_000, used=0, now=30.0)  # a refund past the limit
+    assert b.level == 600.0
+
+
+def test_duration_header_is_openais_format():
+    assert [duration_header(s) for s in (0.0064, 0.5, 1, 59.2, 360, 3723)] == [
+        "7ms", "500ms", "1s", "1m0s", "6m0s", "1h2m3s"]
+
+
+def test_over_budget_is_429_tokens_exhausted_with_retry_after_from_the_window():
+    now = [0.0]
+    counts = TenantCounts(clock=lambda: now[0])
+    refusal, quota = counts.acquire("t", TPM, 500)
+    assert refusal is None and quota.tokens == (600, 100, pytest.approx(50.0))
+    refusal, _ = counts.acquire("t", TPM, 200)
+    assert (refusal.status, refusal.code, refusal.retry_after_s) == (429, "tokens_exhausted", 10)
+    assert refusal.error().headers == {"Retry-After": "10", "x-ratelimit-limit-tokens": "600",
+                                       "x-ratelimit-remaining-tokens": "100",
+                                       "x-ratelimit-reset-tokens": "50s"}
+    assert "set a smaller max_tokens" in refusal.message
+    assert counts.in_flight("t") == 1  # the refused one was not counted
+    counts.release("t", reserved=500, used=120)  # settled: 380 back
+    assert counts.remaining("t") == {"tokens_per_minute": 480}
+    now[0] += 6  # and 60 more from the window
+    assert counts.acquire("t", TPM, 540)[0] is None
+
+
+def test_a_reservation_larger_than_the_whole_budget_is_the_clients_400():
+    refusal, _ = TenantCounts().acquire("t", Limits(tokens_per_day=100), 101)
+    assert (refusal.status, refusal.code, refusal.retry_after_s) == (
+        400, "reservation_exceeds_budget", None)
+    assert "Retry-After" not in refusal.error().headers
+
+
+def test_every_budget_must_fit_and_a_refusal_draws_from_none():
+    counts = TenantCounts(clock=lambda: 0.0)
+    both = Limits(requests_per_minute=10, tokens_per_minute=1000, tokens_per_day=300)
+    assert counts.acquire("t", both, 250)[0] is None
+    refusal, quota = counts.acquire("t", both, 100)  # fits the minute, not the day
+    assert refusal.code == "tokens_exhausted" and "tokens_per_day" in refusal.message
+    assert counts.remaining("t") == {"requests_per_minute": 9, "tokens_per_minute": 750,
+                                     "tokens_per_day": 50}
+    assert quota.tokens[0] == 1000  # the headers show the per-minute budget
+
+
+def test_a_lower_limit_after_a_config_change_keeps_what_was_left_up_to_it():
+    counts = TenantCounts(clock=lambda: 0.0)
+    counts.acquire("t", Limits(tokens_per_minute=1000), 100)
+    counts.acquire("t", Limits(tokens_per_minute=500), 0)
+    assert counts.remaining("t") == {"tokens_per_minute": 500}
+    counts.acquire("t", Limits(tokens_per_minute=2000), 0)
+    assert counts.remaining("t") == {"tokens_per_minute": 500}  # no free credit from a raise
+
+
+def tenant(**kw) -> Tenant:
+    return Tenant(id="t", api_keys_sha256=["0" * 64], **kw)
+
+
+def test_two_routers_share_one_budget_and_settle_it():
+    async def main():
+        shared, t = FakeShared(), tenant(tokens_per_day=1000)
+        r1, r2 = TenantLimiter(shared=shared), TenantLimiter(shared=shared)
+        a = await r1.acquire(t, 600)
+        assert a.reserved == 600 and a.quota.headers()["x-ratelimit-remaining-tokens"] == "400"
+        with pytest.raises(MeshError) as e:
+            await r2.acquire(t, 600)
+        assert (e.value.status, e.value.code) == (429, "tokens_exhausted")
+        assert e.value.headers["x-ratelimit-limit-tokens"] == "1000"
+        r1.release(a, used=100)  # the request cost 100 of its 600
+        await asyncio.sleep(0.01)  # give-backs go out in the background
+        b = await r2.acquire(t, 600)
+        assert b.quota.tokens[1] == 300
+    asyncio.run(main())
+
+
+def test_a_late_answer_gives_its_reservation_back():
+    async def main():
+        shared, t = FakeShared(delay_s=0.1), tenant(tokens_per_day=1000)
+        asking = asyncio.ensure_future(TenantLimiter(shared=shared).acquire(t, 700))
+        await asyncio.sleep(0.02)
+        asking.cancel()
+        await asyncio.sleep(0.2)
+        assert shared.counts.remaining("t") == {"tokens_per_day": 1000}
+    asyncio.run(main())
