@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.common.adapters import (AdapterError, AdapterSpec, load_manifest, resolve_uri,
-                                sha256_file, verify_adapter)
-from serve_app.common.paths import REPO_ROOT
+from serve_app.common.adapters import (AdapterError, AdapterSpec, fit_problem, load_manifest,
+                                       resolve_uri, sha256_file, verify_adapter)
+from serve_app.common.paths import REPO_ROOT, models_dir
 
 BASE = "smollm2-135m-instruct"
 SHIPPED = {"acme-support@v1", "acme-support@v2", "globex-report@v1"}
@@ -79,8 +79,16 @@ def test_pickle_weights_refused(acme_copy):
 
 def test_wrong_base_model_refused(acme):
     with pytest.raises(AdapterError) as e:
-        verify_adapter(acme, base_model="other-model", max_lora_rank=8)
-    assert f"trained for {BASE!r}, but this variant serves 'other-model'" in str(e.value)
+        verify_adapter(acme, base_model="/srv/models/other-model", max_lora_rank=8)
+    assert (f"trained for {BASE!r}, but this variant serves 'other-model' "
+            "(/srv/models/other-model)") in str(e.value)
+
+
+def test_a_base_model_named_by_its_path_is_the_same_model(acme):
+    """Images and KubeRay pods name models by absolute path: the adapter still fits."""
+    for named in (str(models_dir() / BASE), f"{models_dir() / BASE}/", f"models/{BASE}"):
+        assert fit_problem(acme, base_model=named, max_lora_rank=8) is None, named
+    verify_adapter(acme, base_model=str(models_dir() / BASE), max_lora_rank=8)
 
 
 def test_rank_over_max_refused(acme):

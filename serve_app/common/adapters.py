@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.common.paths import REPO_ROOT, resolve_repo_path
+from serve_app.common.paths import REPO_ROOT, model_identity, resolve_repo_path
 
 #: Default registry location.
 MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -147,14 +147,17 @@ def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> st
     :func:`verify_adapter` and by the replica (from the running engine).
 
     Args:
-        base_model: the variant's ``args.model``.
+        base_model: the variant's ``args.model``, compared with the adapter's by
+            :func:`~serve_app.common.paths.model_identity` (a path or a name).
         max_lora_rank: the engine's ``max_lora_rank``; 0 when LoRA is off.
     """
     if not max_lora_rank:
         return ("the variant's engine has LoRA off; set engine_args.enable_lora: true (an "
                 "args change: do it blue/green)")
-    if spec.base_model != base_model:
-        return (f"trained for {spec.base_model!r}, but this variant serves {base_model!r}; "
+    served = model_identity(base_model)
+    if model_identity(spec.base_model) != served:
+        named = f" ({base_model})" if base_model != served else ""
+        return (f"trained for {spec.base_model!r}, but this variant serves {served!r}{named}; "
                 f"declare it on a variant of {spec.base_model!r}")
     if spec.rank > max_lora_rank:
         return (f"rank {spec.rank} is over this variant's max_lora_rank={max_lora_rank}; raise "

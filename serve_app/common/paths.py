@@ -21,6 +21,14 @@ def models_dir() -> Path:
     return Path(os.environ.get("MESH_MODELS_DIR", REPO_ROOT / "models"))
 
 
+def model_identity(model: str) -> str:
+    """What a base model is, whatever the config calls it: the name of its directory.
+    ``smollm2-135m-instruct``, ``models/smollm2-135m-instruct`` and
+    ``/srv/models/smollm2-135m-instruct/`` are one model (images and KubeRay pods name
+    models by absolute path). Adapters and variants are matched by it."""
+    return Path(model.rstrip("/")).name or model
+
+
 def resolve_model_path(model: str) -> str:
     """Map a config's ``model`` value to a local directory.
 
