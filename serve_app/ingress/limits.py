@@ -43,8 +43,10 @@ from serve_app.ingress.token_budget import DEFAULT_MAX_TOKENS, WINDOW_S, TokenBu
 
 logger = get_logger(__name__)
 
-#: The shared counts' actor: name and namespace (one per Ray cluster).
-SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts", "model-mesh"
+#: The shared counts' actor: name and namespace (one per Ray cluster). The actor is detached:
+#: it outlives `serve shutdown`, so its name carries the version of its calls' protocol, and
+#: routers of a new version never call an older actor (2: batched calls and token budgets).
+SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts-2", "model-mesh"
 #: Seconds a router waits for the shared counts before using the tenant's fail mode.
 SHARED_TIMEOUT_S = 0.5
 #: Seconds a router stops asking after the shared counts did not answer.
@@ -396,8 +398,8 @@ class TenantLimiter:
             return self._unavailable(f"no answer in {SHARED_TIMEOUT_S} s")
         try:
             incarnation, refusal, quota = answer.result()
-        except RayError as e:
-            return self._unavailable(type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - a dead actor, or one that cannot answer this
+            return self._unavailable(f"{type(e).__name__}: {e}"[:200])
         if refusal is not None:
             raise refusal.error()
         return Lease(limits[0], shared, incarnation, limits[2], quota)
