@@ -306,3 +306,18 @@ def test_a_tenant_back_from_idle_gets_no_burst_of_credit_and_usage_corrects_the_
         assert q.service["busy"] == 40 and late.done()
         q.release(late.result())
     run(main())
+
+
+def test_no_credit_for_idle_time_even_when_nothing_is_queued():
+    """A tenant that has only running requests still sets the floor a returning tenant is
+    lifted to."""
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
+        q.set_capacity(2)
+        running = await q.acquire(0, False, "busy", cost=500)
+        q.service["idle"] = 3.0
+        mine = await q.acquire(0, False, "idle", cost=1)
+        assert q.service["idle"] == 500 + 1  # lifted to busy's 500, then charged
+        q.release(running)
+        q.release(mine)
+    run(main())

@@ -31,8 +31,8 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion`` tokens. A request is charged
   its reservation when it starts (so a tenant's long streams count while they run) and
   corrected to its real usage when it ends. A tenant that arrives with nothing queued or
-  running has its counter lifted to the least counter among the tenants that are
-  queued, so time spent idle earns no burst of credit. ``fairness: fifo`` keeps arrival
+  running has its counter lifted to the least counter among the tenants that have
+  requests queued or running, so time spent idle earns no burst of credit. ``fairness: fifo`` keeps arrival
   order (the baseline the fair order is measured against).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 
@@ -264,14 +264,15 @@ class VariantAdmission:
         return [w for w in self._queue if not w.future.done()]
 
     def _lift(self, tenant: str) -> None:
-        """A tenant with nothing queued or running starts from the least counter of those
-        queued: idle time earns no credit (VTC's counter lift)."""
+        """A tenant with nothing queued or running starts from the least counter of the
+        tenants that have: idle time earns no credit (VTC's counter lift)."""
         waiting = self._waiting()
         if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
             return
-        backlogged = [self.service.get(w.tenant, 0.0) for w in waiting]
-        if backlogged:
-            self.service[tenant] = max(self.service.get(tenant, 0.0), min(backlogged))
+        active = {w.tenant for w in waiting} | {t for t, n in self._running.items() if n}
+        if active:
+            self.service[tenant] = max(self.service.get(tenant, 0.0),
+                                       min(self.service.get(t, 0.0) for t in active))
 
     def _start(self, tenant: str, cost: float, now: float) -> Slot:
         self.in_flight += 1
