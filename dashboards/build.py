@@ -29,6 +29,12 @@ BY = "route, variant"
 SEL = 'route=~"$route"'  # the route picker (every series of the router carries `route`)
 
 
+#: Each tenant's service rate (tokens/s), weighted as token-fair admission weighs it
+#: (serve_app/ingress/admission.py: PROMPT_WEIGHT 1, COMPLETION_WEIGHT 2).
+SERVICE = ("(sum by (tenant) (rate(ray_mesh_prompt_tokens_total[5m])) + 2 * sum by (tenant) "
+           "(rate(ray_mesh_completion_tokens_total[5m])))")
+
+
 def p95(metric: str, by: str = BY, selector: str = SEL, q: float = 0.95) -> str:
     return (f"histogram_quantile({q}, sum by (le, {by}) "
             f"(rate({metric}_bucket{{{selector}}}[1m])))")
@@ -81,6 +87,9 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "used {{tenant}}")]),
         ("Token budget left (tokens)", "short", [
             ("min by (tenant) (ray_mesh_tenant_tokens_remaining)", "{{tenant}}")]),
+        ("Share of service per tenant (prompt + 2 x completion tokens, the fair order's "
+         "weights)", "percentunit", [
+            (f"{SERVICE} / scalar(sum({SERVICE}))", "{{tenant}}")]),
     ]),
     ("Engines (vLLM's own metrics, per variant)", [
         ("Requests running / waiting in vLLM", "short", [

@@ -172,3 +172,21 @@ def test_the_dashboard_panel_computes_the_same_rates():
         (failures, {v("smollm-v1"): 0, v("smollm-v2"): 0.2857, v("smollm-v3"): 1}),
         (refused, {v("smollm-v1"): 0.1818, v("smollm-v2"): 0}),
     ])
+
+
+def test_the_dashboards_share_of_service_weighs_tokens_as_fair_admission_does():
+    """Tenant a: 10 prompt + 10 completion tokens/s (service 30); b: 30 + 10 (service 50),
+    over two router replicas: shares 0.375 and 0.625."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "build", Path(__file__).resolve().parents[1] / "dashboards" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    [share] = [e for title, e in build.queries() if title.startswith("Share of service")]
+    per_15s = {'ray_mesh_prompt_tokens_total{tenant="a",WorkerId="x"}': "0+150x20",
+               'ray_mesh_prompt_tokens_total{tenant="b",WorkerId="x"}': "0+300x20",
+               'ray_mesh_prompt_tokens_total{tenant="b",WorkerId="y"}': "0+150x20",
+               'ray_mesh_completion_tokens_total{tenant="a",WorkerId="y"}': "0+150x20",
+               'ray_mesh_completion_tokens_total{tenant="b",WorkerId="x"}': "0+150x20"}
+    promtool_check(per_15s, [(share, {'{tenant="a"}': 0.375, '{tenant="b"}': 0.625})])
