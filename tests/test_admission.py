@@ -321,3 +321,32 @@ def test_no_credit_for_idle_time_even_when_nothing_is_queued():
         q.release(running)
         q.release(mine)
     run(main())
+
+
+def test_on_an_idle_variant_past_service_is_forgotten():
+    """A tenant served a lot earlier and one that was away meet on an idle variant: the one
+    that arrives first is lifted to the greatest counter, so the other, arriving second,
+    does not wait behind a debt from before."""
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
+        q.set_capacity(1)
+        q.service.update({"was-busy": 25_000.0, "was-away": 0.0})
+        heavy = await q.acquire(0, False, "was-away", cost=190)
+        assert q.service["was-away"] == 25_000 + 190
+        queued = [asyncio.create_task(q.acquire(0, False, "was-away", cost=190))
+                  for _ in range(3)]
+        light = asyncio.create_task(q.acquire(0, False, "was-busy", cost=70))
+        await settle()
+        q.release(heavy, cost=190)
+        await settle()
+        # Equal counters (the light one was lifted to the heavy's): the earlier arrival
+        # first, then the heavy one is charged and the light one goes before the rest.
+        assert queued[0].done() and not light.done()
+        q.release(queued[0].result(), cost=190)
+        await settle()
+        assert light.done() and not queued[1].done() and not queued[2].done()
+        q.release(light.result())
+        for t in queued[1:]:
+            await settle()
+            q.release(await t)
+    run(main())

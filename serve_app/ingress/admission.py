@@ -32,7 +32,9 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   its reservation when it starts (so a tenant's long streams count while they run) and
   corrected to its real usage when it ends. A tenant that arrives with nothing queued or
   running has its counter lifted to the least counter among the tenants that have
-  requests queued or running, so time spent idle earns no burst of credit. ``fairness: fifo`` keeps arrival
+  requests queued or running, so time spent idle earns no burst of credit; on an idle
+  variant, to the greatest counter, so the contention of an hour ago (a tenant that was
+  served a lot then, one that was away) does not decide the next one. ``fairness: fifo`` keeps arrival
   order (the baseline the fair order is measured against).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 
@@ -265,14 +267,15 @@ class VariantAdmission:
 
     def _lift(self, tenant: str) -> None:
         """A tenant with nothing queued or running starts from the least counter of the
-        tenants that have: idle time earns no credit (VTC's counter lift)."""
+        tenants that have, so idle time earns no credit (VTC's counter lift); on an idle
+        variant, from the greatest counter, so no one's history from before counts."""
         waiting = self._waiting()
         if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
             return
         active = {w.tenant for w in waiting} | {t for t, n in self._running.items() if n}
-        if active:
-            self.service[tenant] = max(self.service.get(tenant, 0.0),
-                                       min(self.service.get(t, 0.0) for t in active))
+        floor = (min(self.service.get(t, 0.0) for t in active) if active
+                 else max(self.service.values(), default=0.0))
+        self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
     def _start(self, tenant: str, cost: float, now: float) -> Slot:
         self.in_flight += 1
