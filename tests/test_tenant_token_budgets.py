@@ -123,11 +123,18 @@ def contention(mesh, light_requests: int) -> dict:
 
 def test_token_fair_admission_serves_a_light_tenant_behind_a_heavy_ones_queue(budgets):
     """At one priority, a heavy tenant's queued streams do not hold a light tenant's short
-    requests behind them: with ``fairness: tokens`` the light request takes one of the next
-    free slots and is always served; with ``fifo`` (same run, deployed in place) it waits
+    requests behind them, even when the light tenant was the busy one earlier: with
+    ``fairness: tokens`` the light request takes one of the next free slots and is always
+    served; with ``fifo`` (same run, deployed in place) it waits
     behind the heavy tenant's queue, or is refused for waiting too long."""
     cfg = budgets.tenants_cfg
     budgets.deploy(fairness(cfg, "tokens"))
+    # acme was served a lot before (as in the tenants tests) and the heavy tenant was away:
+    # that past must not put acme behind it once both are back.
+    before = LoadSpec(base_url=f"{budgets.base_url}/v1", model="smollm", api_key=KEYS["acme"],
+                      concurrency=4, requests=24, max_tokens=32, prompt="Say hi.")
+    with background_load(before) as before_results:
+        wait_for_results(before_results, 24)
     idle = LoadSpec(base_url=f"{budgets.base_url}/v1", model="smollm", api_key=KEYS["acme"],
                     concurrency=1, requests=5, max_tokens=8, prompt="Say hi.")
     with background_load(idle) as idle_results:
