@@ -85,8 +85,6 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "reserved {{tenant}}"),
             ("sum by (tenant) (rate(ray_mesh_tenant_tokens_used_total[5m]))",
              "used {{tenant}}")]),
-        ("Token budget left (tokens)", "short", [
-            ("min by (tenant) (ray_mesh_tenant_tokens_remaining)", "{{tenant}}")]),
         ("Share of service per tenant (prompt + 2 x completion tokens, the fair order's "
          "weights)", "percentunit", [
             (f"{SERVICE} / scalar(sum({SERVICE}))", "{{tenant}}")]),

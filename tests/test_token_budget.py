@@ -32,6 +32,15 @@ def test_a_reservation_is_the_prompt_estimate_plus_max_tokens():
     assert completion_reservation({"max_tokens": None}) == DEFAULT_MAX_TOKENS
 
 
+def test_any_body_gets_an_estimate_and_vllm_judges_it():
+    """The estimate never fails a request: malformed bodies are vLLM's 400s to give."""
+    for body in ({"messages": 5}, {"messages": "hi"}, {"messages": [{"content": {"a": 1}}]},
+                 {"messages": [{"content": "\ud800 lone surrogate"}]},
+                 {"messages": [{"content": [{"text": None}, 7, "x"]}]}, {"max_tokens": "9"}):
+        assert Reservation.of("chat", body).total >= DEFAULT_MAX_TOKENS
+    assert Reservation.of("completion", {"prompt": {"x": 1}}) == Reservation(0, DEFAULT_MAX_TOKENS)
+
+
 def test_settled_cost_on_every_ending():
     r = Reservation(prompt=20, completion=100)
     assert r.used(18, 40, streamed_chunks=41) == (18, 40)  # usage known: it wins

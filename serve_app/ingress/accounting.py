@@ -85,10 +85,7 @@ class RequestAccount:
         self.reservation = reservation
         lease = await limiter.acquire(tenant, reservation.total)
         self._tenant = (limiter, lease)
-        if lease is None:
-            return {}
-        self.metrics.record_quota(self.tags["tenant"], lease.quota)
-        return lease.quota.headers()
+        return lease.quota.headers() if lease is not None else {}
 
     @property
     def service_charge(self) -> float:

@@ -45,8 +45,8 @@ WINDOW_S = {"tokens_per_minute": 60.0, "tokens_per_day": 86400.0}
 def _text_bytes(content: Any) -> int:
     """UTF-8 bytes of the text in a prompt or message ``content`` (str, list of parts, or
     token ids: one reserved token each)."""
-    if isinstance(content, str):
-        return len(content.encode())
+    if isinstance(content, str):  # surrogatepass: a lone surrogate is vLLM's 400, not ours
+        return len(content.encode("utf-8", "surrogatepass"))
     if isinstance(content, list):
         if content and all(isinstance(t, int) for t in content):  # token ids
             return len(content) * PROMPT_BYTES_PER_TOKEN
@@ -59,7 +59,8 @@ def prompt_estimate(endpoint: str, body: dict[str, Any]) -> int:
     """Estimated prompt tokens of a ``chat`` or ``completion`` body (see the module
     docstring)."""
     if endpoint == "chat":
-        messages = body.get("messages") or []
+        messages = body.get("messages")
+        messages = messages if isinstance(messages, list) else []  # vLLM answers the 400
         nbytes = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
         return (math.ceil(nbytes / PROMPT_BYTES_PER_TOKEN) + CHAT_TEMPLATE_TOKENS
                 + MESSAGE_OVERHEAD_TOKENS * len(messages))

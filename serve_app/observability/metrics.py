@@ -17,7 +17,7 @@ cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``va
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Histogram
 
 TAGS = ("route", "variant", "tenant", "adapter")
 SHADOW_TAGS = ("route", "shadow")
@@ -73,10 +73,6 @@ class MeshMetrics:
         self.tokens_used = Counter("mesh_tenant_tokens_used", "Tokens the same requests cost "
                                    "when they ended (what their budgets were settled with).",
                                    tag_keys=("tenant",))
-        self.tokens_remaining = Gauge("mesh_tenant_tokens_remaining", "Tokens left in the "
-                                      "tenant's budget (per minute, or per day when only that "
-                                      "is set) at this router's last admission.",
-                                      tag_keys=("tenant",))
 
     def record(self, tags: dict[str, str], status: int, latency_s: float, *,
                ttft_s: float | None = None, prompt_tokens: int = 0, completion_tokens: int = 0,
@@ -104,11 +100,6 @@ class MeshMetrics:
             self.tokens_reserved.inc(reserved, {"tenant": tenant})
         if used:
             self.tokens_used.inc(used, {"tenant": tenant})
-
-    def record_quota(self, tenant: str, quota) -> None:
-        """The tenant's budget left after an admission (:class:`~serve_app.ingress.limits.Quota`)."""
-        if quota.tokens is not None:
-            self.tokens_remaining.set(quota.tokens[1], {"tenant": tenant})
 
     def record_shadow(self, comparison) -> None:
         """Account for one compared mirror (:class:`serve_app.ingress.shadow.Comparison`)."""
