@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ def stream(http: httpx.Client, tenant: str, body: dict, request_id: str,
             if read_chunks is not None and chunks >= read_chunks:
                 break  # the client leaves: closing the stream drops the connection
             if '"usage":{' in line:
-                usage = httpx.Response(200, content=line[6:]).json()["usage"]
+                usage = json.loads(line[6:])["usage"]
                 tokens = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"status": 200, "headers": r.headers, "code": None, "tokens": tokens}
 

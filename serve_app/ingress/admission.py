@@ -48,7 +48,7 @@ import asyncio
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: Slot-holding time assumed before the first request of a variant finished, s.
 PRIOR_SERVICE_S = 2.0

@@ -53,8 +53,15 @@ SHARED_TIMEOUT_S = 0.5
 RETRY_SHARED_S = 5.0
 
 
-#: The tenant's limits that are token buckets, with their windows (s).
-BUCKET_WINDOWS_S = {"requests_per_minute": 60.0, **WINDOW_S}
+#: The tenant's limits that are token buckets, with their windows (s). The requests bucket
+#: draws 1 per request, the token buckets a request's reserved tokens (:func:`_draw`).
+REQUESTS = "requests_per_minute"
+BUCKET_WINDOWS_S = {REQUESTS: 60.0, **WINDOW_S}
+
+
+def _draw(bucket_name: str, tokens: int) -> int:
+    """What one request reserving ``tokens`` draws from the bucket ``bucket_name``."""
+    return 1 if bucket_name == REQUESTS else tokens
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,7 @@ class TenantCounts:
         refusal = self._refusal(tenant_id, st, limits, tokens, now)
         if refusal is None:
             for name, bucket in st.buckets.items():
-                bucket.take(1 if name == "requests_per_minute" else tokens)
+                bucket.take(_draw(name, tokens))
             st.in_flight += 1
         quota = self._quota(st, now)
         return (replace(refusal, quota=quota) if refusal else None), quota
@@ -176,11 +183,10 @@ class TenantCounts:
                            f"the limit is {limits.max_concurrent_requests}",
                            "concurrency_limit_exceeded", 1)
         for name, bucket in st.buckets.items():
-            need = 1 if name == "requests_per_minute" else tokens
-            wait_s = bucket.wait_s(need, now)
+            wait_s = bucket.wait_s(_draw(name, tokens), now)
             if wait_s == 0:
                 continue
-            if name == "requests_per_minute":
+            if name == REQUESTS:
                 return Refusal(429, f"tenant {tenant_id!r} is over its limit of "
                                f"{bucket.limit} requests per minute", "rate_limit_exceeded",
                                math.ceil(wait_s))
@@ -200,7 +206,7 @@ class TenantCounts:
         def figures(name: str) -> tuple[int, int, float] | None:
             b = st.buckets.get(name)
             return None if b is None else (b.limit, int(b.level), b.reset_s(now))
-        return Quota(requests=figures("requests_per_minute"),
+        return Quota(requests=figures(REQUESTS),
                      tokens=figures("tokens_per_minute") or figures("tokens_per_day"))
 
     def release(self, tenant_id: str, reserved: int = 0, used: int = 0) -> None:
@@ -212,7 +218,7 @@ class TenantCounts:
             st.in_flight -= 1
         now = self._clock()
         for name, bucket in st.buckets.items():
-            if name != "requests_per_minute":
+            if name != REQUESTS:  # a request stays counted; its tokens are settled
                 bucket.settle(reserved, used, now)
 
     def in_flight(self, tenant_id: str) -> int:
