@@ -33,7 +33,6 @@ class CallBatcher:
         self._max_batch = max_batch
         self._pending: list[tuple[Any, asyncio.Future]] = []
         self._sending = False
-        self.calls = 0  # calls sent (tests and benchmarks)
 
     def submit(self, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -48,7 +47,6 @@ class CallBatcher:
             while self._pending:
                 batch = self._pending[:self._max_batch]
                 self._pending = self._pending[self._max_batch:]
-                self.calls += 1
                 try:
                     results = await self._send([item for item, _ in batch])
                 except Exception as e:  # noqa: BLE001 - each caller gets it
