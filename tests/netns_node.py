@@ -57,11 +57,14 @@ class NamespacedNode:
         _ip(*inside, "link", "set", "lo", "up")
         _ip(*inside, "route", "add", "default", "via", HOST_IP)
         ray = str(Path(sys.executable).parent / "ray")
-        subprocess.run(["ip", "netns", "exec", self.name, ray, "start",
-                        f"--address={self.gcs_address}", f"--node-ip-address={NODE_IP}",
-                        "--num-cpus=0", f"--resources={json.dumps(self.resources)}",
-                        "--object-store-memory=200000000", "--disable-usage-stats"],
-                       check=True, env=self.env, capture_output=True, text=True)
+        started = subprocess.run(["ip", "netns", "exec", self.name, ray, "start",
+                                  f"--address={self.gcs_address}", f"--node-ip-address={NODE_IP}",
+                                  "--num-cpus=0", f"--resources={json.dumps(self.resources)}",
+                                  "--object-store-memory=200000000", "--disable-usage-stats"],
+                                 env=self.env, capture_output=True, text=True)
+        if started.returncode != 0:
+            raise RuntimeError(f"`ray start` of the worker node exited {started.returncode}:\n"
+                               f"{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
 
     def processes(self) -> list[psutil.Process]:
         """Every process in the namespace (Ray's, and the engines its replicas started)."""
