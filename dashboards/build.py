@@ -109,6 +109,18 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("sum by (variant, finished_reason) (rate(ray_vllm_request_success_total[5m]))",
              "{{variant}} {{finished_reason}}")]),
     ]),
+    ("Replicas of a variant (the affinity router, serve_app/ingress/replica_router.py)", [
+        ("Replica routing decisions", "reqps", [
+            ("sum by (variant, decision) (rate(ray_mesh_replica_routing_decisions_total[5m]))",
+             "{{variant}} {{decision}}")]),
+        ("Prefix cache hit rate per replica", "percentunit", [
+            ("sum by (variant, ReplicaId) (rate(ray_vllm_prefix_cache_hits_total[5m]) or "
+             "rate(ray_vllm_prefix_cache_queries_total[5m]) * 0) / sum by (variant, ReplicaId) "
+             "(rate(ray_vllm_prefix_cache_queries_total[5m]))", "{{variant}} {{ReplicaId}}")]),
+        ("Requests finished per replica", "reqps", [
+            ("sum by (variant, ReplicaId) (rate(ray_vllm_request_success_total[5m]))",
+             "{{variant}} {{ReplicaId}}")]),
+    ]),
 ]
 
 #: Rollout decisions as annotations on every time series.

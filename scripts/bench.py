@@ -5,9 +5,12 @@ Runs the same streaming chat load (``serve_app.tools.loadgen``) against
   (a) the mesh (must be running: ./scripts/demo.sh [CONFIG]), and
   (b) ``python -m vllm.entrypoints.openai.api_server`` started here with the same model,
       engine args and LoRA adapters as the variant in the Serve config (--config),
-one after the other for each workload and concurrency, and prints tokens/s, TTFT p50/p95,
-latency p50/p95, errors, and the mesh/direct ratios. The mesh's engine idles while the
-direct one runs.
+alternating, ``--rounds`` times (default 3) for each workload and concurrency, and prints
+the medians of tokens/s, TTFT p50/p95, latency p50/p95 and errors, the mesh/direct ratios,
+and the tokens/s ratio of every round (its spread says what a difference is worth on a noisy
+host). The mesh's engine idles while the direct one runs. vLLM's server runs at nice 15 by
+default (``--direct-nice``), as Ray runs every process of the mesh (``RAY_worker_niceness``),
+so the client, at nice 0, takes CPU from both sides alike.
 
 Workloads:
   base  every request asks for the base model (the route).
@@ -20,6 +23,10 @@ Usage:
   python scripts/bench.py [--config serve_configs/local.yaml] [--concurrency 1 8 32]
                           [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
   python scripts/bench.py --limits [--concurrency 1 8 64] [--limit-calls 2000]
+  python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
+
+--sessions compares cache-aware replica routing with Serve's default router on a variant of
+two replicas, in one run, starting its own Ray cluster (scripts/bench_sessions.py).
 
 --limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
 against serve_configs/tenants.yaml): (a) the router's asks to the shared counts
@@ -37,6 +44,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -91,9 +99,9 @@ def variant_adapters(app: dict) -> dict[str, Path]:
     return out
 
 
-def start_direct(config_path: str, variant: str | None):
-    """Start vLLM's own server like the variant; returns (process, base url, served name,
-    adapters served)."""
+def start_direct(config_path: str, variant: str | None, nice: int = 0):
+    """Start vLLM's own server like the variant, at niceness ``nice``; returns (process,
+    base url, served name, adapters served)."""
     parts = mesh_parts(load_yaml(config_path))
     name = variant or next(iter(parts.variant_apps))
     app = parts.variant_apps[name]
@@ -110,7 +118,8 @@ def start_direct(config_path: str, variant: str | None):
     print(f"[bench] starting vLLM's own server (same args as {name}): {' '.join(cmd[2:])}",
           flush=True)
     log = open("/tmp/bench-vllm-direct.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(proc, f"{url}/health", what="vLLM's server",
@@ -141,6 +150,11 @@ def parse_mix(text: str, route: str, served: set[str]) -> list[tuple[str, str, s
                      f"(it declares: {', '.join(sorted(served)) or 'none'})")
         out.append((f"{route}:{adapter}" if adapter else route, adapter or route, key))
     return out
+
+
+def median_of(runs: list[dict]) -> dict:
+    """Each figure's median over the rounds of one row."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def ratios(mesh: dict, direct: dict) -> dict:
@@ -229,6 +243,13 @@ def main() -> None:
     parser.add_argument("--variant", help="variant application to mirror (default: first)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="direct and mesh alternate this many times per row; the row "
+                        "shows each figure's median and the spread of the tokens/s ratio")
+    parser.add_argument("--direct-nice", type=int, default=15,
+                        help="niceness of vLLM's own server: 15, as Ray runs the mesh's "
+                        "processes (RAY_worker_niceness), so both share the CPU alike with "
+                        "the client; 0 to compare with vLLM as it runs by default")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--api-key", default="sk-mesh-ops-demo",
                         help="key for the base workload (ignored by a mesh in open mode)")
@@ -239,7 +260,21 @@ def main() -> None:
                         help="measure what cluster-wide tenant limits add (see above)")
     parser.add_argument("--limit-calls", type=int, default=2000,
                         help="--limits: asks to the shared counts per run")
+    parser.add_argument("--sessions", type=int, metavar="N",
+                        help="cache-aware replica routing vs Serve's default router on two "
+                        "replicas (scripts/bench_sessions.py; starts its own Ray and mesh)")
+    parser.add_argument("--turns", type=int, default=4, help="--sessions: turns per session")
+    parser.add_argument("--prefix-tokens", type=int, default=1500,
+                        help="--sessions: system prompt + document tokens per session")
+    parser.add_argument("--tenants", type=int, default=4,
+                        help="--sessions: tenants (one system prompt each)")
+    parser.add_argument("--workdir", default=".mesh/bench",
+                        help="--sessions: where the deployed configs are written")
     a = parser.parse_args()
+    if a.sessions:
+        import bench_sessions
+
+        return bench_sessions.run(a)
 
     try:
         httpx.get(a.mesh_url + "/models", timeout=5,
@@ -250,7 +285,7 @@ def main() -> None:
     if a.limits:
         return bench_limits(a)
 
-    proc, direct_url, route, served = start_direct(a.config, a.variant)
+    proc, direct_url, route, served = start_direct(a.config, a.variant, a.direct_nice)
     workloads = {"base": [(route, route, a.api_key)]}
     if a.mix:
         workloads["mix"] = parse_mix(a.mix, route, served)
@@ -259,20 +294,27 @@ def main() -> None:
         for workload, entries in workloads.items():
             for c in a.concurrency:
                 common = dict(requests=a.requests, concurrency=c, max_tokens=a.max_tokens)
-                direct = measure(f"direct {workload}", LoadSpec(
-                    base_url=direct_url, model=route, mix=tuple((d, "none") for _, d, _ in
-                                                               entries), **common))
-                mesh = measure(f"mesh {workload}", LoadSpec(
-                    base_url=a.mesh_url, model=route, mix=tuple((m, k) for m, _, k in entries),
-                    **common))
+                meshes, directs = [], []
+                for i in range(a.rounds):  # alternate, so a noisy minute hits both sides
+                    directs.append(measure(f"direct {workload} {i + 1}/{a.rounds}", LoadSpec(
+                        base_url=direct_url, model=route, mix=tuple(
+                            (d, "none") for _, d, _ in entries), **common)))
+                    meshes.append(measure(f"mesh {workload} {i + 1}/{a.rounds}", LoadSpec(
+                        base_url=a.mesh_url, model=route, mix=tuple(
+                            (m, k) for m, _, k in entries), **common)))
+                per_round = [m["tokens_per_s"] / d["tokens_per_s"] if d["tokens_per_s"] else
+                             float("nan") for m, d in zip(meshes, directs)]
+                mesh, direct = median_of(meshes), median_of(directs)
                 rows.append({"workload": workload, "concurrency": c, "mesh": mesh,
-                             "direct": direct, "ratio": ratios(mesh, direct)})
+                             "direct": direct, "ratio": ratios(mesh, direct),
+                             "tokens_ratio_rounds": per_round})
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
-    print(f"\nstreaming chat, {a.requests} requests per row, max_tokens {a.max_tokens} "
-          f"(ignore_eos), config {a.config}")
+    print(f"\nstreaming chat, {a.requests} requests per round, {a.rounds} rounds per row "
+          f"(medians), max_tokens {a.max_tokens} (ignore_eos), config {a.config}; vLLM's "
+          f"server at nice {a.direct_nice}, the mesh's processes at Ray's")
     print(f"{'workload':>8} {'conc':>4} {'target':>6} {'tok/s':>7} {'TTFT p50':>9} "
           f"{'TTFT p95':>9} {'lat p50':>8} {'lat p95':>8} {'errors':>6}")
     for r in rows:
@@ -287,6 +329,9 @@ def main() -> None:
               f"{q['ttft_p50_ms']:>9.2f} {q['ttft_p95_ms']:>9.2f} {q['latency_p50_ms']:>8.2f} "
               f"{q['latency_p95_ms']:>8.2f}   TTFT p50 overhead "
               f"{r['mesh']['ttft_p50_ms'] - r['direct']['ttft_p50_ms']:+.0f} ms")
+        rr = r["tokens_ratio_rounds"]
+        print(f"{r['workload']:>8} {r['concurrency']:>4} mesh/direct tok/s median "
+              f"{statistics.median(rr):.2f} (rounds: {', '.join(f'{x:.2f}' for x in rr)})")
     if "mix" in workloads:
         base = {r["concurrency"]: r for r in rows if r["workload"] == "base"}
         for r in (r for r in rows if r["workload"] == "mix"):

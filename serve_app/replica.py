@@ -53,7 +53,8 @@ class LLMReplica:
             max_lora_rank=self.engine.max_lora_rank,
             on_event=lambda key, event: events.inc(
                 1, {"variant": variant, "adapter": key, "event": event}))
-        self.server = ReplicaServer(variant, self.engine, adapters)
+        self.server = ReplicaServer(variant, self.engine, adapters,
+                                    replica=serve.get_replica_context().replica_id.unique_id)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""

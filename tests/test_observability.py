@@ -22,6 +22,7 @@ import pytest
 
 from conftest import free_port
 from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_configs import load_yaml
 from serve_app.tools import prometheus
 from serve_app.tools.loadgen import LoadSpec, background_load
 
@@ -37,6 +38,10 @@ TENANTS = [
      "api_keys_sha256": [
         "02dc44b9a095b685642f28c22d7a820047ce4afb3da04d6803da3388d9ecdc17"]},
 ]
+
+
+AFFINITY_ROUTER = load_yaml(REPO_ROOT / "serve_configs" / "affinity.yaml")["applications"][1][
+    "deployments"][0]["request_router_config"]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -58,6 +63,10 @@ def observed_config(base):
     for app in cfg["applications"][1:]:
         app["deployments"][0]["user_config"]["adapters"] = [{"name": "acme-support",
                                                              "version": 1}]
+    # The replica router's panel: smollm-v1 through the affinity router (one replica: its
+    # decisions are "single"), as in the whole suite, where test_replica_routing ran first.
+    cfg["applications"][1]["deployments"][0]["request_router_config"] = copy.deepcopy(
+        AFFINITY_ROUTER)
     return cfg
 
 

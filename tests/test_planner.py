@@ -82,7 +82,10 @@ def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
     assert p.candidates == (first, "v2" if first == "v1" else "v1")
     assert (p.route, p.adapter, p.version) == ("smollm", "", None)
     # What every candidate's replica is sent, built once.
-    assert p.request == GenerateRequest("chat", body, None, 0, "req-1")
+    assert p.request == GenerateRequest("chat", body, None, 0, "req-1", session="ops/user-7")
+    # The replica router's conversation: the header, else the OpenAI user; never the tenant.
+    assert plan({"model": "smollm", "user": "u1"}).request.session == "ops/u1"
+    assert plan({"model": "smollm"}).request.session is None
     # The route's settings travel in the plan: a deploy that changes or removes the route
     # while the request waits for its tenant slot cannot reach it.
     assert (p.shadow.application, p.shadow.percent) == ("v2", 5)

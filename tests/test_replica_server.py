@@ -17,9 +17,12 @@ from pydantic import BaseModel
 
 from serve_app.common.failures import Failure
 from serve_app.common.paths import DEFAULT_MODEL_NAME
-from serve_app.common.wire import ADAPTER_HEADER, Accepted, GenerateRequest, Head, Tail, Usage
+from serve_app.common.wire import (ADAPTER_HEADER, REPLICA_HEADER, Accepted, GenerateRequest,
+                                   Head, Tail, Usage)
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import EngineAnswer, EngineError, ReplicaServer
+
+SERVED_BY = {REPLICA_HEADER: "r1"}  # every head names the replica
 
 
 class FakeEngine:
@@ -61,7 +64,7 @@ class FakeLoRAModels:
 def server(engine: FakeEngine, user_config: dict | None = None) -> ReplicaServer:
     adapters = AdapterSet(FakeLoRAModels(), SimpleNamespace(remove_lora=_noop),
                           base_model=DEFAULT_MODEL_NAME, max_lora_rank=16)
-    s = ReplicaServer("smollm-v1", engine, adapters)
+    s = ReplicaServer("smollm-v1", engine, adapters, replica="r1")
     asyncio.run(s.reconfigure(user_config or {"stream_batching_interval_ms": 0}))
     return s
 
@@ -90,7 +93,7 @@ def test_whole_answer_body_rewrites_and_usage():
     engine = FakeEngine(EngineAnswer('{"id":"x"}', Usage(5, 2)))
     s = server(engine, {"system_prompt": "Be brief.", "stream_batching_interval_ms": 0})
     items = collect(s, chat())
-    assert items == [Accepted(), Head(200, '{"id":"x"}', usage=Usage(5, 2))]
+    assert items == [Accepted(), Head(200, '{"id":"x"}', headers=SERVED_BY, usage=Usage(5, 2))]
     endpoint, body = engine.bodies[0]
     assert endpoint == "chat"
     assert body["priority"] == 3 and body["request_id"] == "req-9"
@@ -123,7 +126,7 @@ def test_stream_usage_goes_to_the_tail_and_to_the_client_only_if_asked(asked):
     options = {"stream_options": {"include_usage": True}} if asked else {}
     items = collect(server(engine), chat(stream=True, **options))
     assert engine.bodies[0][1]["stream_options"] == {"include_usage": True}  # always asked
-    assert items[0] == Head(200, stream=True)
+    assert items[0] == Head(200, stream=True, headers=SERVED_BY)
     assert items[1:-1] == (lines if asked else [lines[0], lines[2]])
     assert items[-1] == Tail(Usage(7, 1))
 

@@ -18,6 +18,8 @@ from serve_app.common.failures import Failure
 
 #: Response header naming the adapter version that served (``name@vN``).
 ADAPTER_HEADER = "x-mesh-adapter"
+#: Response header naming the replica that served (Serve's replica id, 8 characters).
+REPLICA_HEADER = "x-mesh-replica"
 
 
 def sse_error(body: dict[str, Any]) -> str:
@@ -41,6 +43,9 @@ class GenerateRequest:
             vLLM when the engine runs ``scheduling_policy: priority``.
         request_id: the router's ``x-request-id``; it becomes vLLM's request id
             (``chatcmpl-<id>``).
+        session: the caller's conversation, ``<tenant>/<x-session-id or user>``; None when
+            the caller gave neither. The replica router keeps a session on one replica
+            (:mod:`serve_app.ingress.replica_affinity`).
     """
 
     endpoint: Literal["chat", "completion"]
@@ -48,6 +53,7 @@ class GenerateRequest:
     adapter_version: str | None = None
     priority: int = 0
     request_id: str | None = None
+    session: str | None = None
 
 
 @dataclass(frozen=True)

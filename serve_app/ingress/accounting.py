@@ -74,6 +74,7 @@ class RequestAccount:
         self._tenant: tuple[TenantLimiter, Lease | None] | None = None
         self.reservation = Reservation()
         self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
+        self.replica = ""  # the replica that answered (its x-mesh-replica), for the access log
         self._slot: tuple[VariantAdmission, Slot] | None = None
         self.finished = False
 
@@ -159,6 +160,7 @@ class RequestAccount:
         logger.info("access %s", json.dumps({
             "request_id": self.request_id, **{k: self.tags[k] for k in
                                               ("tenant", "route", "variant", "adapter")},
+            "replica": self.replica,
             "status": status, "ttft_ms": round(ttft_s * 1000, 1) if ttft_s is not None else None,
             "latency_ms": round(latency * 1000, 1), "queue_ms": round(self.queue_s * 1000, 1),
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,

@@ -20,7 +20,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
                                        nested_too_deeply, replica_gone)
-from serve_app.common.wire import Accepted, Head, Usage
+from serve_app.common.wire import REPLICA_HEADER, Accepted, Head, Usage
 from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
@@ -60,6 +60,7 @@ class Dispatcher:
                 continue
             head, stream = head_and_stream
             headers = {VARIANT_HEADER: variant, **head.headers}
+            account.replica = head.headers.get(REPLICA_HEADER, "")
             if head.stream:
                 return RelayResponse(stream, variant, account, headers,
                                      on_replica_lost=self.availability.replica_lost)

@@ -112,6 +112,15 @@ def caller_identity(session_id: str | None, body: dict[str, Any], tenant: Tenant
             or (tenant.id if tenant else None))
 
 
+def conversation(session_id: str | None, body: dict[str, Any], tenant: Tenant | None
+                 ) -> str | None:
+    """The caller's conversation for replica affinity: ``<tenant>/<x-session-id>``, else
+    ``<tenant>/<user>``; None without either (a tenant is many conversations, not one)."""
+    user = body.get("user")
+    session = session_id or (user if isinstance(user, str) and user else None)
+    return f"{tenant.id if tenant else ''}/{session}" if session else None
+
+
 class RequestPlanner:
     """Plans requests for one router config.
 
@@ -221,7 +230,8 @@ class RequestPlanner:
             arms.append((f"{route}:{adapter}", version))
         rc = self.config.routes[route]
         return RequestPlan(
-            request=GenerateRequest(endpoint, body, version, priority, request_id),
+            request=GenerateRequest(endpoint, body, version, priority, request_id,
+                                    session=conversation(session_id, body, tenant)),
             route=route, adapter=adapter, candidates=tuple(candidates), arms=tuple(arms),
             tenant=tenant, top_priority=priority <= self.top_priority,
             queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow)

@@ -58,6 +58,20 @@ def config_warnings(config: dict[str, Any]) -> list[str]:
     return warnings
 
 
+def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
+    """The mesh's AffinityRouter keywords (Serve itself checks only that they are JSON)."""
+    from serve_app.ingress.replica_router import AFFINITY_ROUTER, affinity_settings
+
+    rr = (dep or {}).get("request_router_config") or {}
+    if rr.get("request_router_class") != AFFINITY_ROUTER:
+        return []
+    try:
+        affinity_settings(rr.get("request_router_kwargs") or {})
+    except ValueError as e:
+        return [f"{at}.request_router_kwargs: {e}"]
+    return []
+
+
 def validate_config(config: dict[str, Any]) -> list[str]:
     """All problems found in a Serve config dict; an empty list means it is valid."""
     from ray.serve.schema import ServeDeploySchema
@@ -99,6 +113,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                 variant_adapters[name] = {a.key for a in replica.adapters}
             if replica and args:
                 problems += _adapter_problems(replica, args, uc_at)
+        problems += _replica_router_problems(
+            dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}].request_router_config")
         if app.get("route_prefix", "/") is not None:
             problems.append(f"{at}.route_prefix: variant {name!r} must not be exposed over HTTP; "
                             "set `route_prefix: null` (clients go through the router)")

@@ -23,6 +23,7 @@ import asyncio
 import json
 import random
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -35,8 +36,8 @@ from serve_app.common.errors import (MeshError, error_body, format_validation_er
 from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
 from serve_app.common.logs import get_logger
 from serve_app.common.paths import resolve_repo_path
-from serve_app.common.wire import (Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage,
-                                   sse_error)
+from serve_app.common.wire import (REPLICA_HEADER, Accepted, GenerateRequest, Head, ReplicaInfo,
+                                   Tail, Usage, sse_error)
 from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import AdapterSet
 from serve_app.server.openai_body import (engine_body, for_client, in_band_error, usage_chunk,
@@ -97,12 +98,14 @@ class ReplicaServer:
         variant: the variant's application name (for messages and logs).
         engine: the engine (:class:`ServingEngine`).
         adapters: the replica's adapter set (declared adapters, loaded in ``engine``).
+        replica: the Serve replica id, sent back on every head (``x-mesh-replica``).
         rng: the random source of fault injection (seeded in tests).
     """
 
     def __init__(self, variant: str, engine: ServingEngine, adapters: AdapterSet, *,
-                 rng: random.Random | None = None) -> None:
+                 replica: str = "", rng: random.Random | None = None) -> None:
         self.variant = variant
+        self.replica = replica
         self.engine = engine
         self.adapters = adapters
         self.config: ReplicaConfig | None = None
@@ -151,10 +154,18 @@ class ReplicaServer:
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:
         """Serve one request; the stream the router reads (:mod:`serve_app.common.wire`):
-        :class:`Accepted` (non-streams), a :class:`Head` (with ``x-mesh-adapter: name@vN``
-        for an adapter request), then, for a stream, SSE lines and a :class:`Tail`.
-        Raises nothing: every failure is an error head, or mid-stream an in-band error
-        event and a failed tail."""
+        :class:`Accepted` (non-streams), a :class:`Head` (with ``x-mesh-replica`` and, for
+        an adapter request, ``x-mesh-adapter: name@vN``), then, for a stream, SSE lines
+        and a :class:`Tail`. Raises nothing: every failure is an error head, or mid-stream
+        an in-band error event and a failed tail."""
+        async with aclosing(self._serve(request)) as answer:
+            async for item in answer:
+                if isinstance(item, Head):
+                    item = replace(item, headers={**item.headers, REPLICA_HEADER: self.replica})
+                yield item
+
+    async def _serve(self, request: GenerateRequest
+                     ) -> AsyncIterator[Accepted | Head | str | Tail]:
         self.in_flight += 1
         live = None
         try:

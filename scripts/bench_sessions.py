@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Cache-aware replica routing against Serve's default router, in one run (``bench.py --sessions``).
+
+Starts its own Ray cluster (free ports, 127.0.0.1) and deploys serve_configs/affinity.yaml
+(smollm-v1 with two replicas) twice with the real ``serve deploy``: with the mesh's
+AffinityRouter, then without ``request_router_config`` (Serve's power-of-two-choices), with a
+``serve shutdown`` between so the router's handle is made anew. Each set-up gets the same
+multi-turn load: ``--sessions`` conversations of ``--turns`` turns, all at once, each turn
+resending the history. Conversations belong to ``--tenants`` tenants; each starts with its
+tenant's system prompt and a document of its own, ``--prefix-tokens`` tokens in all, so the
+sessions' KV (~45 KB per token here in float32) outgrows one replica's
+``VLLM_CPU_KVCACHE_SPACE`` but fits in two. Then, affinity only, one hot prefix: every request
+with the same system prompt, no sessions, to see it spread.
+
+Prints TTFT p50/p95 of the turns after the first (the ones a cache can serve), tokens/s, the
+prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits`` / ``_queries``),
+and each replica's share of the requests (``x-mesh-replica``); the headline on its own line,
+``TTFT p50 affinity/default 0.42x``.
+
+    python scripts/bench.py --sessions 16 --turns 4 --prefix-tokens 1500
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serve_app.common.paths import REPO_ROOT  # noqa: E402
+from serve_app.common.serve_configs import load_yaml  # noqa: E402
+from serve_app.common.wire import REPLICA_HEADER  # noqa: E402
+from serve_app.observability.stats import percentile  # noqa: E402
+from serve_app.common.serve_env import SERVE_ENV  # noqa: E402
+from serve_app.release.deploy import deploy, replica_ids  # noqa: E402
+
+CHARS_PER_TOKEN = 4  # English text and this model's tokenizer, roughly
+WORDS = ("order invoice parcel refund account ticket router engine replica cache tenant "
+         "adapter token stream window budget canary rollout mirror shadow").split()
+
+
+def document(seed: str, tokens: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(tokens * CHARS_PER_TOKEN // 7))
+
+
+async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
+               session: str | None) -> dict:
+    """One streamed chat: TTFT (s), completion tokens, the replica, ok."""
+    t0 = time.monotonic()
+    out = {"ttft_s": None, "tokens": 0, "replica": None, "ok": False}
+    body = {"model": "smollm", "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"x-session-id": session} if session else {}) as r:
+        out["replica"] = r.headers.get(REPLICA_HEADER)
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and out["ttft_s"] is None and '"content"' in line:
+                out["ttft_s"] = time.monotonic() - t0
+            if '"usage":{' in line:
+                out["tokens"] = int(line.split('"completion_tokens":')[1].split(",")[0]
+                                    .split("}")[0])
+        out["ok"] = r.status_code == 200 and out["tokens"] == max_tokens
+    return out
+
+
+async def sessions_load(url: str, a) -> tuple[list[dict], float]:
+    systems = [f"You are the assistant of tenant {t}. " + document(f"tenant-{t}", 200)
+               for t in range(a.tenants)]
+
+    async def conversation(http, s: int) -> list[dict]:
+        history = [{"role": "system", "content": systems[s % a.tenants]},
+                   {"role": "user", "content": "Read this: " + document(
+                       f"session-{s}", a.prefix_tokens - 200) + " What is it about?"}]
+        results = []
+        for t in range(a.turns):
+            r = await chat(http, history, a.max_tokens, f"bench-{s}")
+            results.append({**r, "turn": t})
+            history += [{"role": "assistant", "content": "It is about orders."},
+                        {"role": "user", "content": f"And point {t + 1}?"}]
+        return results
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        t0 = time.monotonic()
+        done = await asyncio.gather(*(conversation(http, s) for s in range(a.sessions)))
+        return [r for c in done for r in c], time.monotonic() - t0
+
+
+async def hot_load(url: str, a) -> list[dict]:
+    system = "You are the one assistant everybody uses. " + document("hot", a.prefix_tokens)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async def one(i: int) -> dict:
+            return await chat(http, [{"role": "system", "content": system},
+                                     {"role": "user", "content": f"Question {i}?"}],
+                              a.max_tokens, None)
+        sem = asyncio.Semaphore(8)
+
+        async def bounded(i: int) -> dict:
+            async with sem:
+                return await one(i)
+        return await asyncio.gather(*(bounded(i) for i in range(4 * a.sessions)))
+
+
+def prefix_counters(metrics_url: str) -> tuple[float, float]:
+    """vLLM's prefix-cache (hits, queries), summed over every engine, in tokens."""
+    hits = queries = 0.0
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("ray_vllm_prefix_cache_hits_total{"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ray_vllm_prefix_cache_queries_total{"):
+            queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def figures(results: list[dict], wall_s: float, hit_rate: float, replicas: set[str]) -> dict:
+    later = [r["ttft_s"] * 1000 for r in results if r["ok"] and r["turn"] > 0 and r["ttft_s"]]
+    return {"ttft_p50_ms": percentile(later, 50), "ttft_p95_ms": percentile(later, 95),
+            "tokens_per_s": sum(r["tokens"] for r in results if r["ok"]) / wall_s,
+            "hit_rate": hit_rate, "errors": sum(not r["ok"] for r in results),
+            "share": per_replica(results, replicas)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def warm_up(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await chat(http, [{"role": "user", "content": "warm up"}], 2, None)
+
+
+def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
+    """Requests each replica served, busiest first (0 for one that served none)."""
+    served = Counter(r["replica"] for r in results)
+    return sorted((served[r] for r in replicas), reverse=True)
+
+
+def run(a) -> None:
+    """The whole benchmark (see the module docstring); ``a``: bench.py's arguments."""
+    import ray
+    from ray import serve
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(SERVE_ENV)
+    dash, http_port, metrics_port = free_port(), free_port(), free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=dash, configure_logging=False, log_to_driver=False,
+             _metrics_export_port=metrics_port)
+    dashboard, url = f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{http_port}"
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    base = load_yaml(REPO_ROOT / "serve_configs" / "affinity.yaml")
+    base["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    rows = {}
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        for setup in ("affinity", "default"):
+            cfg = copy.deepcopy(base)
+            if setup == "default":
+                cfg["applications"][1]["deployments"][0].pop("request_router_config")
+            path = workdir / f"bench-{setup}.yaml"
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            print(f"[bench] {setup}: serve deploy (two engines start)", flush=True)
+            deploy(path, dashboard, log=lambda m: None)
+            replicas = replica_ids(dashboard, "smollm-v1", "LLMReplica")
+            asyncio.run(warm_up(url))
+            time.sleep(6)  # the metrics export catches up
+            h0, q0 = prefix_counters(metrics)
+            results, wall = asyncio.run(sessions_load(url, a))
+            time.sleep(6)
+            h1, q1 = prefix_counters(metrics)
+            rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
+            print(f"[bench] {setup}: {rows[setup]}", flush=True)
+            if setup == "affinity":
+                hot = asyncio.run(hot_load(url, a))
+                rows["hot"] = per_replica(hot, replicas)
+                print(f"[bench] one hot prefix, {len(hot)} requests: per replica {rows['hot']}",
+                      flush=True)
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+    aff, dflt = rows["affinity"], rows["default"]
+    print(f"\n{a.sessions} sessions x {a.turns} turns, {a.tenants} tenants, ~{a.prefix_tokens} "
+          f"prefix tokens each, {a.max_tokens} tokens per answer, 2 replicas")
+    print("| router | TTFT p50 ms | TTFT p95 ms | tokens/s | prefix-cache hit rate | "
+          "requests per replica | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("affinity (mesh)", aff), ("Serve default", dflt)):
+        print(f"| {name} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+              f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.2f} | {r['share']} | {r['errors']} |")
+    print(f"\nTTFT p50 affinity/default {aff['ttft_p50_ms'] / dflt['ttft_p50_ms']:.2f}x")
+    print(f"tokens/s affinity/default {aff['tokens_per_s'] / dflt['tokens_per_s']:.2f}x")
+    print(f"prefix-cache hit rate affinity {aff['hit_rate']:.2f}, default {dflt['hit_rate']:.2f}")
+    hot = rows["hot"]
+    print(f"one hot prefix busiest/least busy replica {hot[0] / max(1, hot[-1]):.2f}x {hot}")

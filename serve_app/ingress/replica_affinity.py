@@ -1,0 +1,190 @@
+"""Which replica of a variant serves a request: prefix and session affinity under a load bound.
+
+vLLM's automatic prefix caching keeps the KV blocks of the prompts an engine has computed; a
+request that starts like an earlier one reuses them, but only on the replica that served the
+earlier one. Serve's default router (power of two choices on queue length) ignores content,
+so with N replicas a tenant's system prompt or a conversation's history is computed and
+cached N times. This module is the pure decision; :mod:`serve_app.ingress.replica_router`
+plugs it into Serve's request-router API.
+
+Keys (:func:`prefix_keys`): the prompt's text (chat: each message's role and text; completion:
+the prompt) cut into blocks of ``block_chars`` characters; a block's key hashes all the text up
+to its end, seeded with the adapter, as vLLM's block hashes chain and carry the LoRA (a block
+cached under one adapter is no hit for another). Only whole blocks count.
+
+Rules, for the replicas Serve offers (``loads``: requests in flight on each):
+
+1. *session*: a session (``x-session-id``, else the OpenAI ``user``) seen before goes back to
+   the replica that served it last;
+2. *prefix*: else the replicas that hold the longest run of the prompt's leading blocks;
+3. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
+   least-loaded replica's; past it the request *spills* to the least-loaded replica, which then
+   holds the prefix too, so one hot prefix spreads over every replica instead of queueing
+   behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound);
+4. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
+   new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
+   hashing of the first key, so routers agree and a new replica takes only new prefixes.
+
+Each router process learns from what it routes (no shared state, no call on the request
+path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
+``max_blocks`` block keys and ``max_sessions`` sessions per router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Decision = Literal["session", "hit", "spill", "new"]
+
+#: Defaults (request_router_kwargs override them): 128 characters are ~40 tokens of English.
+BLOCK_CHARS = 128
+IMBALANCE_BOUND = 4  # requests in flight
+MAX_BLOCKS = 200_000  # block keys per router process (~30 MB at most)
+MAX_SESSIONS = 100_000
+
+
+def _text(content: Any) -> str:
+    """The text of an OpenAI message ``content``: a string, or the ``text`` of its parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return ""
+
+
+def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
+    """The text a request's prompt starts with: for ``"chat"`` each message as
+    ``role: text`` on its own line, for ``"completion"`` the ``prompt`` (its first item when
+    it is a list). An unusable body gives ``""`` (no affinity; vLLM answers it)."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "".join(f"{m.get('role')}: {_text(m.get('content'))}\n"
+                       for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    return prompt if isinstance(prompt, str) else ""
+
+
+def prefix_keys(text: str, adapter: str | None = None, block_chars: int = BLOCK_CHARS
+                ) -> list[bytes]:
+    """Chained keys of ``text``'s whole blocks: key ``i`` identifies the first
+    ``(i + 1) * block_chars`` characters under ``adapter``. 8-byte BLAKE2b digests."""
+    h = hashlib.blake2b(f"{adapter or ''}\0".encode(), digest_size=8)
+    keys = []
+    for end in range(block_chars, len(text) + 1, block_chars):
+        h.update(text[end - block_chars:end].encode("utf-8", "surrogatepass"))
+        keys.append(h.copy().digest())
+    return keys
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A routing decision: ``ranks`` of replica ids, most preferred first (Serve tries each
+    rank in turn and takes its least-loaded replica that has room), and why."""
+
+    ranks: list[list[Hashable]]
+    decision: Decision
+
+
+def _rendezvous(key: bytes, replica: Hashable) -> bytes:
+    return hashlib.blake2b(key + str(replica).encode(), digest_size=8).digest()
+
+
+class ReplicaAffinity:
+    """The affinity table of one router process for one variant (see the module docstring).
+
+    Args:
+        imbalance_bound: requests in flight a preferred replica may carry above the
+            least-loaded one before a request spills (>= 0).
+        max_blocks, max_sessions: LRU bounds of the table.
+
+    Raises:
+        ValueError: a negative ``imbalance_bound``, or an LRU bound below 1.
+    """
+
+    def __init__(self, imbalance_bound: int = IMBALANCE_BOUND, max_blocks: int = MAX_BLOCKS,
+                 max_sessions: int = MAX_SESSIONS) -> None:
+        if imbalance_bound < 0 or max_blocks < 1 or max_sessions < 1:
+            raise ValueError("imbalance_bound must be >= 0, max_blocks and max_sessions >= 1 "
+                             f"(got {imbalance_bound}, {max_blocks}, {max_sessions})")
+        self.imbalance_bound = imbalance_bound
+        self.max_blocks, self.max_sessions = max_blocks, max_sessions
+        self._blocks: OrderedDict[bytes, set[Hashable]] = OrderedDict()
+        self._sessions: OrderedDict[str, Hashable] = OrderedDict()
+        self.held: Counter[Hashable] = Counter()  # block keys each replica holds
+        self.conversations: Counter[Hashable] = Counter()  # sessions last served by each
+
+    def choose(self, keys: list[bytes], session: str | None,
+               loads: Mapping[Hashable, int]) -> Choice:
+        """Rank ``loads``' replicas for a request with prefix ``keys`` and ``session``.
+
+        Raises:
+            ValueError: ``loads`` is empty.
+        """
+        if not loads:
+            raise ValueError("no replica to choose from")
+        least = min(loads.values())
+        by_load = sorted(loads, key=lambda r: (loads[r], str(r)))
+        preferred, decision = self._preferred(keys, session, loads)
+        if preferred:
+            within = [r for r in preferred if loads[r] - least <= self.imbalance_bound]
+            if within:
+                return Choice([within, [r for r in by_load if r not in within]], decision)
+            spill = [r for r in by_load if loads[r] == least]
+            return Choice([spill, [r for r in by_load if r not in spill]], "spill")
+        coolest = [r for r in by_load if loads[r] == least]
+        seed = keys[0] if keys else (session or "").encode()
+        coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
+        return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
+
+    def _preferred(self, keys: list[bytes], session: str | None,
+                   loads: Mapping[Hashable, int]) -> tuple[list[Hashable], Decision]:
+        if session is not None and self._sessions.get(session) in loads:
+            return [self._sessions[session]], "session"
+        for key in reversed(keys):  # the longest held run of leading blocks
+            holders = [r for r in self._blocks.get(key, ()) if r in loads]
+            if holders:
+                return holders, "hit"
+        return [], "new"
+
+    def record(self, keys: list[bytes], session: str | None, replica: Hashable) -> None:
+        """``replica`` served the request: it now holds its blocks and its session."""
+        for key in keys:
+            holders = self._blocks.setdefault(key, set())
+            if replica not in holders:
+                holders.add(replica)
+                self.held[replica] += 1
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.max_blocks:
+            _, gone = self._blocks.popitem(last=False)
+            for r in gone:
+                self.held[r] -= 1
+        if session is not None:
+            before = self._sessions.get(session)
+            if before != replica:
+                if before is not None:
+                    self.conversations[before] -= 1
+                self.conversations[replica] += 1
+            self._sessions[session] = replica
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self.max_sessions:
+                self.conversations[self._sessions.popitem(last=False)[1]] -= 1
+
+    def forget(self, replica: Hashable) -> None:
+        """``replica`` left: drop its blocks and sessions (and nothing else)."""
+        for key in [k for k, holders in self._blocks.items() if replica in holders]:
+            holders = self._blocks[key]
+            holders.discard(replica)
+            if not holders:
+                del self._blocks[key]
+        for s in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[s]
+        self.held.pop(replica, None)
+        self.conversations.pop(replica, None)

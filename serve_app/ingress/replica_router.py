@@ -1,0 +1,148 @@
+"""``AffinityRouter``: the Serve request router that picks a variant's replica by prefix and
+session affinity (:mod:`serve_app.ingress.replica_affinity`), for ``LLMReplica`` deployments.
+
+Configured per variant in the Serve config, on the ``LLMReplica`` deployment::
+
+    request_router_config:
+      request_router_class: serve_app.ingress.replica_router:AffinityRouter
+      request_router_kwargs: {imbalance_bound: 4, block_chars: 128}
+
+It runs inside every process that holds a handle to the variant (the mesh router's replicas),
+on Serve's request-router API (Ray 2.60: ``RequestRouter``, ``FIFOMixin``): Serve asks it for
+ranks of replicas and then takes the least-loaded replica with room in the first rank that has
+one, so a full preferred replica falls through to the next rank by Serve's own rules.
+
+Why not Ray's ``PrefixCacheAffinityRouter``: its prefix matcher reads a ``.messages`` or
+``.prompt`` attribute of the call's arguments (ours is one
+:class:`~serve_app.common.wire.GenerateRequest` holding the OpenAI body), it keeps its prefix
+tree in a detached actor that it calls with a blocking ``ray.get`` on every request, inside
+the router's event loop, and its default imbalance bound is infinite (one hot prefix queues
+behind one engine). Kept from Serve: the queue-length cache and probes (loads), the FIFO
+order of pending requests, the rank fall-through, replica-set updates.
+
+Calls other than ``generate`` (availability polls, stats) go to any replica, least-loaded
+first, as with Serve's default router.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.util.metrics import Counter
+
+from serve_app.common.wire import GenerateRequest
+from serve_app.ingress.replica_affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
+                                                MAX_SESSIONS, ReplicaAffinity, prefix_keys,
+                                                prompt_text)
+
+#: ``request_router_class`` of a variant that routes with :class:`AffinityRouter`.
+AFFINITY_ROUTER = "serve_app.ingress.replica_router:AffinityRouter"
+
+_decisions = None  # the process's one Counter (Ray metrics: one object per name)
+
+
+def _decision_counter() -> Counter:
+    global _decisions
+    if _decisions is None:
+        _decisions = Counter("mesh_replica_routing_decisions",
+                             "Replica choices of the affinity router: session, hit (a replica "
+                             "holding the prompt's prefix), spill (that replica was past the "
+                             "imbalance bound), new (no replica held it), single (one replica).",
+                             tag_keys=("variant", "decision"))
+    return _decisions
+
+
+def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
+    """The affinity table and ``block_chars`` for ``request_router_kwargs`` (``meshctl
+    validate`` checks a config with this too).
+
+    Raises:
+        ValueError: an unknown keyword or a bad value (the message names it).
+    """
+    known = {"imbalance_bound": IMBALANCE_BOUND, "block_chars": BLOCK_CHARS,
+             "max_blocks": MAX_BLOCKS, "max_sessions": MAX_SESSIONS}
+    if unknown := sorted(set(kwargs) - set(known)):
+        raise ValueError(f"unknown AffinityRouter keyword {', '.join(unknown)} "
+                         f"(known: {', '.join(known)})")
+    s = {**known, **kwargs}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in s.values()):
+        raise ValueError(f"AffinityRouter keywords are integers, got {kwargs}")
+    if s["block_chars"] < 1:
+        raise ValueError(f"block_chars must be >= 1, not {s['block_chars']}")
+    return ReplicaAffinity(s["imbalance_bound"], s["max_blocks"], s["max_sessions"]), \
+        s["block_chars"]
+
+
+def affinity_inputs(request: GenerateRequest, block_chars: int) -> tuple[list[bytes],
+                                                                          str | None]:
+    """The prefix keys and session of one ``generate`` call."""
+    _, _, adapter = str(request.body.get("model", "")).partition(":")
+    text = prompt_text(request.endpoint, request.body)
+    return prefix_keys(text, request.adapter_version or adapter or None, block_chars), \
+        request.session
+
+
+class AffinityRouter(FIFOMixin, RequestRouter):
+    """Serve request router with prefix and session affinity under a load bound.
+
+    ``request_router_kwargs``: ``imbalance_bound`` (requests in flight, default 4),
+    ``block_chars`` (characters per prefix block, default 128), ``max_blocks``,
+    ``max_sessions`` (LRU bounds of the table).
+
+    Raises:
+        ValueError: a bad keyword (:func:`affinity_settings`), when Serve makes the handle.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.affinity, self.block_chars = affinity_settings(kwargs)
+        self._chosen: OrderedDict[str, str] = OrderedDict()  # request id -> decision
+        self._variant = self._deployment_id.app_name if self._deployment_id else ""
+
+    def _request(self, pending) -> GenerateRequest | None:
+        if pending is None or pending.metadata.call_method != "generate" or not pending.args:
+            return None
+        request = pending.args[0]
+        return request if isinstance(request, GenerateRequest) else None
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        request = self._request(pending_request)
+        if request is None:
+            return [candidate_replicas]
+        if len(candidate_replicas) < 2:
+            self._remember(pending_request, "single")
+            return [candidate_replicas]
+        keys, session = affinity_inputs(request, self.block_chars)
+        loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
+                 for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
+        choice = self.affinity.choose(keys, session, loads)
+        self._remember(pending_request, choice.decision)
+        return [[self._replicas[rid] for rid in rank if rid in self._replicas]
+                for rank in choice.ranks]
+
+    def _remember(self, pending_request, decision: str) -> None:
+        """The decision of the request's latest routing attempt, counted once it is routed."""
+        self._chosen[pending_request.metadata.internal_request_id] = decision
+        while len(self._chosen) > 10_000:  # requests cancelled before they were routed
+            self._chosen.popitem(last=False)
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        request = self._request(pending_request)
+        if request is None:
+            return
+        keys, session = affinity_inputs(request, self.block_chars)
+        self.affinity.record(keys, session, replica_id)
+        decision = self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        if decision is not None:
+            _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
+
+    def update_replicas(self, replicas) -> None:
+        gone = set(self._replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for rid in gone:
+            self.affinity.forget(rid)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.affinity.forget(replica_id)

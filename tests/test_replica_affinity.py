@@ -1,0 +1,172 @@
+"""The replica router's decision (serve_app/ingress/replica_affinity.py): prefix and session
+affinity under a load bound, pure logic. The real router on real replicas:
+tests/test_replica_routing.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from serve_app.common.wire import GenerateRequest
+from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys, prompt_text
+from serve_app.ingress.replica_router import affinity_inputs
+
+SYSTEM = "You are the support assistant of ACME. " * 20  # ~800 characters
+
+
+def chat(*contents: str) -> dict:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return {"model": "smollm", "messages": [{"role": r, "content": c}
+                                            for r, c in zip(roles, contents)]}
+
+
+def keys(*contents: str, adapter=None) -> list[bytes]:
+    return prefix_keys(prompt_text("chat", chat(*contents)), adapter, block_chars=64)
+
+
+def route(table: ReplicaAffinity, k, session, loads) -> tuple[str, str]:
+    """What Serve does with the ranks: the least-loaded replica of the first rank."""
+    choice = table.choose(k, session, loads)
+    replica = min(choice.ranks[0], key=lambda r: loads[r])
+    table.record(k, session, replica)
+    return replica, choice.decision
+
+
+def test_keys_chain_whole_blocks_and_carry_the_adapter():
+    text = "x" * 130
+    assert len(prefix_keys(text, block_chars=64)) == 2  # the 2 trailing characters: no key
+    assert prefix_keys("a" * 64 + "b" * 64, block_chars=64)[0] == prefix_keys(
+        "a" * 64 + "c" * 64, block_chars=64)[0]  # a shared first block, then they part
+    assert prefix_keys("a" * 64 + "b" * 64, block_chars=64)[1] != prefix_keys(
+        "a" * 64 + "c" * 64, block_chars=64)[1]
+    assert prefix_keys(text, "acme-support@v1", 64) != prefix_keys(text, None, 64)
+    assert prefix_keys("short", block_chars=64) == []
+
+
+def test_prompt_text_reads_chat_parts_and_completion_prompts():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prompt_text("chat", body) == "user: hi\n"
+    assert prompt_text("completion", {"prompt": ["once upon", "x"]}) == "once upon"
+    assert prompt_text("chat", {"messages": "not a list"}) == ""
+    assert prompt_text("completion", {"prompt": 5}) == ""
+
+
+def test_a_conversation_stays_on_the_replica_that_holds_its_history():
+    table = ReplicaAffinity(imbalance_bound=4)
+    loads = {"a": 0, "b": 0}
+    first, decision = route(table, keys(SYSTEM, "Where is my order?"), None, loads)
+    assert decision == "new"
+    later = keys(SYSTEM, "Where is my order?", "It shipped.", "When does it arrive?")
+    assert route(table, later, None, {"a": 1, "b": 1}) == (first, "hit")
+    # A session goes back to its replica even when its prompt shares nothing held.
+    table.record([], "acme/s1", first)
+    assert route(table, keys("unrelated " * 30), "acme/s1", loads) == (first, "session")
+
+
+def test_two_new_prefixes_go_to_different_replicas():
+    table = ReplicaAffinity()
+    a, _ = route(table, keys("Tenant one's long system prompt. " * 10, "q"), None,
+                 {"a": 0, "b": 0})
+    b, decision = route(table, keys("Tenant two's other system prompt! " * 10, "q"), None,
+                        {"a": 0, "b": 0})
+    assert decision == "new" and {a, b} == {"a", "b"}  # the emptier cache takes the new one
+
+
+def test_a_busy_holder_spills_and_a_hot_prefix_spreads_over_every_replica():
+    table = ReplicaAffinity(imbalance_bound=2)
+    hot = keys(SYSTEM, "question")
+    holder, _ = route(table, hot, None, {"a": 0, "b": 0, "c": 0})
+    busy = {"a": 0, "b": 0, "c": 0, holder: 3}
+    spilled, decision = route(table, hot, None, busy)
+    assert decision == "spill" and spilled != holder
+    # Simulated steady load: each request stays in flight for 4 routings.
+    table, in_flight, served = ReplicaAffinity(imbalance_bound=2), [], Counter()
+    for _ in range(300):
+        loads = {r: in_flight.count(r) for r in "abc"}
+        replica, _ = route(table, hot, None, loads)
+        served[replica] += 1
+        in_flight = (in_flight + [replica])[-4 * 3:]
+    assert max(served.values()) <= 2 * min(served[r] for r in "abc"), served
+
+
+def test_within_the_bound_affinity_holds():
+    table = ReplicaAffinity(imbalance_bound=4)
+    k = keys(SYSTEM, "q")
+    holder, _ = route(table, k, None, {"a": 0, "b": 0})
+    other = "b" if holder == "a" else "a"
+    assert route(table, k, None, {holder: 4, other: 0}) == (holder, "hit")
+    assert route(table, k, None, {holder: 5, other: 0})[1] == "spill"
+
+
+def test_a_replica_that_leaves_loses_only_its_own_prefixes_and_sessions():
+    table = ReplicaAffinity()
+    placed = {}
+    for i in range(6):
+        k = keys(f"tenant {i} system prompt " * 12, "q")
+        placed[i] = (k, route(table, k, f"t/{i}", {"a": 0, "b": 0, "c": 0})[0])
+    gone = placed[0][1]
+    table.forget(gone)
+    for i, (k, replica) in placed.items():
+        loads = {r: 0 for r in "abc" if r != gone}
+        if replica != gone:
+            assert route(table, k, None, loads) == (replica, "hit")
+    assert table.held[gone] == 0
+    # A new replica takes new prefixes only: every held one stays where it is.
+    for i, (k, replica) in placed.items():
+        if replica != gone:
+            assert table.choose(k, None, {"a": 0, "b": 0, "c": 0, "d": 0}).ranks[0] == [replica]
+
+
+def test_the_table_is_bounded():
+    table = ReplicaAffinity(max_blocks=10, max_sessions=2)
+    for i in range(5):
+        table.record(keys(f"prompt {i} " * 40), f"s{i}", "a")
+    assert sum(table.held.values()) == 10
+    assert table.choose([], "s0", {"a": 0, "b": 0}).decision == "new"  # evicted
+    assert table.choose([], "s4", {"a": 0, "b": 0}).decision == "session"
+
+
+def test_bad_bounds_and_no_replicas_are_refused():
+    with pytest.raises(ValueError, match="imbalance_bound must be >= 0"):
+        ReplicaAffinity(imbalance_bound=-1)
+    with pytest.raises(ValueError, match="no replica"):
+        ReplicaAffinity().choose([], None, {})
+
+
+def test_router_inputs_key_an_adapter_version_apart_from_its_base():
+    body = chat(SYSTEM, "q")
+    base = GenerateRequest("chat", body, session="acme/s1")
+    lora = GenerateRequest("chat", {**body, "model": "smollm:acme-support"},
+                           adapter_version="acme-support@v2")
+    assert affinity_inputs(base, 64)[1] == "acme/s1"
+    assert affinity_inputs(base, 64)[0] != affinity_inputs(lora, 64)[0]
+    assert affinity_inputs(base, 64)[0] == keys(SYSTEM, "q")
+
+
+def test_validate_names_a_bad_router_keyword_and_accepts_the_shipped_config():
+    from serve_app.common.paths import REPO_ROOT
+    from serve_app.common.serve_configs import load_yaml
+    from serve_app.release.validate import validate_config
+
+    cfg = load_yaml(REPO_ROOT / "serve_configs" / "affinity.yaml")
+    assert validate_config(cfg) == []
+    kwargs = cfg["applications"][1]["deployments"][0]["request_router_config"][
+        "request_router_kwargs"]
+    kwargs["imbalance"] = 3
+    assert validate_config(cfg) == [
+        "applications[1].deployments[LLMReplica].request_router_config.request_router_kwargs: "
+        "unknown AffinityRouter keyword imbalance (known: imbalance_bound, block_chars, "
+        "max_blocks, max_sessions)"]
+    del kwargs["imbalance"]
+    kwargs["block_chars"] = 0
+    assert "block_chars must be >= 1, not 0" in validate_config(cfg)[0]
+
+
+def test_new_conversations_without_a_whole_block_are_spread_too():
+    table = ReplicaAffinity()
+    table.record(keys(SYSTEM), None, "a")  # "a" holds a system prompt's blocks already
+    sessions = len(keys(SYSTEM)) + 4
+    first = [route(table, [], f"t/s{i}", {"a": 0, "b": 0})[0] for i in range(sessions)]
+    assert first[0] == "b" and set(first) == {"a", "b"}
+    assert abs(table.held["a"] + table.conversations["a"] - table.conversations["b"]) <= 1
