@@ -26,6 +26,37 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def remove_stale_nodes() -> None:
+    """Remove what a killed test run left: its ``mesh-<pid>`` namespace and its host-side
+    veth. Every such veth holds HOST_IP with a route to the namespaces' subnet, and the first
+    route wins: a stale one sends the head's traffic for the new node into a dead namespace
+    (seen in CI: ``ray start`` of the new node failed)."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                           text=True).stdout.split()
+    for name in names:
+        pid = name.removeprefix("mesh-")
+        if name.startswith("mesh-") and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            for p in _processes_in(name):
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"v{int(pid) % 100000}h"], capture_output=True)
+
+
+def _processes_in(name: str) -> list[psutil.Process]:
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                         text=True).stdout.split()
+    procs = []
+    for pid in out:
+        try:
+            procs.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
 class NamespacedNode:
     """``ray start`` of a worker node inside network namespace ``name``.
 
@@ -46,6 +77,7 @@ class NamespacedNode:
 
     def start(self) -> None:
         self.stop()
+        remove_stale_nodes()
         _ip("netns", "add", self.name)
         _ip("link", "add", f"{self.veth}h", "type", "veth", "peer", "name", f"{self.veth}w")
         _ip("link", "set", f"{self.veth}w", "netns", self.name)
@@ -68,15 +100,7 @@ class NamespacedNode:
 
     def processes(self) -> list[psutil.Process]:
         """Every process in the namespace (Ray's, and the engines its replicas started)."""
-        out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True,
-                             text=True).stdout.split()
-        procs = []
-        for pid in out:
-            try:
-                procs.append(psutil.Process(int(pid)))
-            except psutil.NoSuchProcess:
-                pass
-        return procs
+        return _processes_in(self.name)
 
     def force_stop(self) -> None:
         """What ``ray stop --force`` does on this node: SIGKILL every Ray process in it (the

@@ -84,8 +84,8 @@ def two_nodes(mesh):
 
     node = NamespacedNode(f"mesh-{os.getpid()}", ray.get_runtime_context().gcs_address,
                           {WORKER_RESOURCE: 1}, env=dict(os.environ))
-    node.start()
     try:
+        node.start()  # in the try: a half-made namespace is removed too
         deadline = time.monotonic() + 60
         while not (mine := [n for n in ray.nodes()
                             if n["NodeManagerAddress"] == NODE_IP and n["Alive"]]):
