@@ -74,9 +74,9 @@ def test_every_shipped_config_round_trips(path):
         "gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
     # Every shipped variant runs on the default options ({"num_cpus": 0.5}): one CPU group.
     [group] = rc["workerGroupSpecs"]
-    n_variants = sum(a["import_path"] == "serve_app.replica:build_app"
-                     for a in config["applications"])
-    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (n_variants,) * 3
+    engines = sum(a["deployments"][0].get("num_replicas", 1) for a in config["applications"]
+                  if a["import_path"] == "serve_app.replica:build_app")  # one pod per replica
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (engines,) * 3
     assert rc["enableInTreeAutoscaling"] is False
 
 

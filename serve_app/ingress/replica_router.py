@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, RequestRouter  # Serve's public custom-router API
 from ray.util.metrics import Counter
 
 from serve_app.common.wire import GenerateRequest
