@@ -44,15 +44,16 @@ def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):
         assert f["answered"] >= 8 and f["answered"] + sum(f["refused"].values()) == FLOOD
         assert set(f["refused"]) <= {429, 503} and f["refused"], f
         assert f["refusals_with_retry_after"] == sum(f["refused"].values())
-        # No refusal comes after the request's deadline: every one is before queue_timeout_s.
-        assert f["refusal_p95_ms"] < QUEUE_TIMEOUT_MS, f
+        # No refusal waits past the request's deadline (queue_timeout_s), plus the host's cost
+        # of a refusal: those at the deadline are the latest.
+        assert f["refusal_p95_ms"] < QUEUE_TIMEOUT_MS + REFUSAL_P95_BOUND_MS, f
     # Without priorities the refusals came at arrival in every run so far. One costs the
     # proxy, the router and this client about 5 ms of CPU each, on 2 cores shared with the engine
     # (docs/traffic-safety.md): 100 at once came back within 0.4-0.8 s p95 here, and
     # 1.06-1.52 s on a slow CI day; 2 s tells that host cost from a refusal that waited in a
     # queue. With priorities, the high-priority tenant's requests also shed queued flood
-    # requests they push past their deadline, by design, when they arrive: 15 s p95 after
-    # arrival in one CI run (1.2 s in the same run without priorities).
+    # requests they push past their deadline, by design, when they arrive: 15.1 and 26.4 s
+    # p95 after arrival in two runs (1.2 and 0.9 s in the same runs without priorities).
     assert off["refusal_p95_ms"] < REFUSAL_P95_BOUND_MS, off
     # With priorities, the high-priority tenant is served first and never shed; without,
     # it waits behind the flood (or is turned away with it).
