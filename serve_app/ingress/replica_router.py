@@ -97,7 +97,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.affinity, self.block_chars = affinity_settings(kwargs)
-        self._chosen: OrderedDict[str, str] = OrderedDict()  # request id -> decision
+        # request id -> (prefix keys, session, decision) of its latest routing attempt
+        self._chosen: OrderedDict[str, tuple[list[bytes], str | None, str]] = OrderedDict()
         self._variant = self._deployment_id.app_name if self._deployment_id else ""
 
     def _request(self, pending) -> GenerateRequest | None:
@@ -110,20 +111,22 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         request = self._request(pending_request)
         if request is None:
             return [candidate_replicas]
-        if len(candidate_replicas) < 2:
-            self._remember(pending_request, "single")
-            return [candidate_replicas]
         keys, session = affinity_inputs(request, self.block_chars)
+        if len(candidate_replicas) < 2:
+            self._remember(pending_request, keys, session, "single")
+            return [candidate_replicas]
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
         choice = self.affinity.choose(keys, session, loads)
-        self._remember(pending_request, choice.decision)
+        self._remember(pending_request, keys, session, choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
 
-    def _remember(self, pending_request, decision: str) -> None:
-        """The decision of the request's latest routing attempt, counted once it is routed."""
-        self._chosen[pending_request.metadata.internal_request_id] = decision
+    def _remember(self, pending_request, keys: list[bytes], session: str | None,
+                  decision: str) -> None:
+        """The inputs and decision of the request's latest routing attempt, recorded and
+        counted once it is routed (the keys are hashed once per attempt, not again)."""
+        self._chosen[pending_request.metadata.internal_request_id] = (keys, session, decision)
         while len(self._chosen) > 10_000:  # requests cancelled before they were routed
             self._chosen.popitem(last=False)
 
@@ -131,11 +134,13 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         request = self._request(pending_request)
         if request is None:
             return
-        keys, session = affinity_inputs(request, self.block_chars)
+        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        if chosen is None:  # dropped from the bounded table: record it, count no decision
+            self.affinity.record(*affinity_inputs(request, self.block_chars), replica_id)
+            return
+        keys, session, decision = chosen
         self.affinity.record(keys, session, replica_id)
-        decision = self._chosen.pop(pending_request.metadata.internal_request_id, None)
-        if decision is not None:
-            _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
+        _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
 
     def update_replicas(self, replicas) -> None:
         gone = set(self._replicas) - {r.replica_id for r in replicas}
