@@ -107,17 +107,20 @@ def caller_identity(session_id: str | None, body: dict[str, Any], tenant: Tenant
                     ) -> str | None:
     """The identity that keeps a caller on one variant, most specific first:
     ``x-session-id`` header, then the OpenAI ``user`` field, then the tenant id."""
+    return _session(session_id, body) or (tenant.id if tenant else None)
+
+
+def _session(session_id: str | None, body: dict[str, Any]) -> str | None:
+    """The ``x-session-id`` header, else the OpenAI ``user`` field, else None."""
     user = body.get("user")
-    return (session_id or (user if isinstance(user, str) and user else None)
-            or (tenant.id if tenant else None))
+    return session_id or (user if isinstance(user, str) and user else None)
 
 
 def conversation(session_id: str | None, body: dict[str, Any], tenant: Tenant | None
                  ) -> str | None:
     """The caller's conversation for replica affinity: ``<tenant>/<x-session-id>``, else
     ``<tenant>/<user>``; None without either (a tenant is many conversations, not one)."""
-    user = body.get("user")
-    session = session_id or (user if isinstance(user, str) and user else None)
+    session = _session(session_id, body)
     return f"{tenant.id if tenant else ''}/{session}" if session else None
 
 
