@@ -43,7 +43,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,16 +57,10 @@ from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
 from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
-from serve_app.tools.servers import ServerDidNotStart, wait_until_ready  # noqa: E402
+from serve_app.tools.servers import ServerDidNotStart, free_port, wait_until_ready  # noqa: E402
 
 #: Demo keys of serve_configs/tenants.yaml: the adapter each tenant owns ("" = base model).
 DEMO_MIX = "acme-support=sk-acme-demo,globex-report=sk-globex-demo,=sk-mesh-ops-demo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_flags(engine_args: dict) -> list[str]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -42,6 +42,7 @@ from serve_app.common.wire import REPLICA_HEADER  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.common.serve_env import SERVE_ENV  # noqa: E402
 from serve_app.release.deploy import deploy, replica_ids  # noqa: E402
+from serve_app.tools.servers import free_port  # noqa: E402
 
 CHARS_PER_TOKEN = 4  # English text and this model's tokenizer, roughly
 WORDS = ("order invoice parcel refund account ticket router engine replica cache tenant "
@@ -67,8 +68,7 @@ async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
             if line.startswith("data: {") and out["ttft_s"] is None and '"content"' in line:
                 out["ttft_s"] = time.monotonic() - t0
             if '"usage":{' in line:
-                out["tokens"] = int(line.split('"completion_tokens":')[1].split(",")[0]
-                                    .split("}")[0])
+                out["tokens"] = json.loads(line[len("data: "):])["usage"]["completion_tokens"]
         out["ok"] = r.status_code == 200 and out["tokens"] == max_tokens
     return out
 
@@ -128,12 +128,6 @@ def figures(results: list[dict], wall_s: float, hit_rate: float, replicas: set[s
             "tokens_per_s": sum(r["tokens"] for r in results if r["ok"]) / wall_s,
             "hit_rate": hit_rate, "errors": sum(not r["ok"] for r in results),
             "share": per_replica(results, replicas)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def warm_up(url: str) -> None:

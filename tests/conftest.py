@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,9 @@ from serve_app.release.deploy import deploy, replica_ids, serve_status
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_env import SERVE_ENV
 from serve_app.common.serve_configs import load_yaml
+from serve_app.tools.servers import free_port
 
 CONFIGS = REPO_ROOT / "serve_configs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Mesh:

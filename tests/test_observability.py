@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import free_port
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.tools import prometheus
 from serve_app.tools.loadgen import LoadSpec, background_load
+from serve_app.tools.servers import free_port
 
 pytestmark = pytest.mark.integration
 

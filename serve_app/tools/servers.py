@@ -1,12 +1,20 @@
 """Start-up of servers the tools run beside the mesh (vLLM's own server for the benchmark,
-Prometheus for observability): wait until one answers."""
+Prometheus for observability, test clusters): a free port, and waiting until one answers."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 
 import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerDidNotStart(RuntimeError):
