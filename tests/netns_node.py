@@ -26,6 +26,12 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _veth(pid: int) -> str:
+    """The veth pair's name stem of the namespace test run ``pid`` makes (``<stem>h`` on the
+    host, ``<stem>w`` in the namespace; interface names are at most 15 characters)."""
+    return f"v{pid % 100000}"
+
+
 def remove_stale_nodes() -> None:
     """Remove what a killed test run left: its ``mesh-<pid>`` namespace and its host-side
     veth. Every such veth holds HOST_IP with a route to the namespaces' subnet, and the first
@@ -42,7 +48,7 @@ def remove_stale_nodes() -> None:
                 except psutil.NoSuchProcess:
                     pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"v{int(pid) % 100000}h"], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"{_veth(int(pid))}h"], capture_output=True)
 
 
 def _processes_in(name: str) -> list[psutil.Process]:
@@ -73,7 +79,7 @@ class NamespacedNode:
             raise RuntimeError(f"the head's GCS is on {gcs_address}: a namespace cannot "
                                "reach the host's loopback")
         self.name, self.gcs_address, self.resources, self.env = name, gcs_address, resources, env
-        self.veth = f"v{os.getpid() % 100000}"
+        self.veth = _veth(os.getpid())
 
     def start(self) -> None:
         self.stop()
