@@ -11,12 +11,13 @@ engine's (a change restarts replicas); ``user_config`` is applied in place by
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from ray import serve
-from ray.util.metrics import Counter
+from ray.util.metrics import Counter, Gauge, Histogram
 
 from serve_app.common.config import VariantArgs
 from serve_app.common.deployment_options import REPLICA_OPTIONS, options
@@ -46,15 +47,12 @@ class LLMReplica:
         self.engine = await start_engine(checked)
         logger.info("variant %s: engine ready (max_model_len=%d)", variant,
                     self.engine.max_model_len)
-        events = Counter("mesh_adapter_events", "Adapter loads, unloads and refusals.",
-                         tag_keys=("variant", "adapter", "event"))
+        replica = serve.get_replica_context().replica_id.unique_id
         adapters = AdapterSet(
             self.engine.models, self.engine.engine, base_model=checked.model,
-            max_lora_rank=self.engine.max_lora_rank,
-            on_event=lambda key, event: events.inc(
-                1, {"variant": variant, "adapter": key, "event": event}))
-        self.server = ReplicaServer(variant, self.engine, adapters,
-                                    replica=serve.get_replica_context().replica_id.unique_id)
+            max_lora_rank=self.engine.max_lora_rank, max_cpu_loras=self.engine.max_cpu_loras)
+        adapters.on_event = adapter_metrics(variant, replica, lambda: len(adapters.resident))
+        self.server = ReplicaServer(variant, self.engine, adapters, replica=replica)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""
@@ -67,6 +65,11 @@ class LLMReplica:
     async def stats(self) -> dict[str, Any]:
         """``pid`` and :meth:`ReplicaServer.stats` (tests and debugging)."""
         return {"pid": os.getpid(), **self.server.stats()}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the
+        adapters resident here and when (``time.time()``, s), for the replica router."""
+        return {"adapters": self.server.adapters.resident_names(), "at": time.time()}
 
     async def serving_info(self) -> ReplicaInfo:
         """What the router's availability poll reads (:class:`ReplicaInfo`)."""
@@ -83,6 +86,26 @@ class LLMReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def adapter_metrics(variant: str, replica: str, resident_count):
+    """The :class:`AdapterSet` ``on_event`` callback: ``mesh_adapter_events`` (loads,
+    evictions, unloads, refusals, requests that found their adapter resident or waited for
+    it), ``mesh_adapter_load_seconds`` and the ``mesh_adapters_resident`` gauge."""
+    events = Counter("mesh_adapter_events", "Adapter events: loaded, evicted, unloaded, "
+                     "refused, hit (a request found it resident), waited (it had to load).",
+                     tag_keys=("variant", "adapter", "event"))
+    load_s = Histogram("mesh_adapter_load_seconds", "Time to make an adapter resident, s.",
+                       boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], tag_keys=("variant",))
+    resident = Gauge("mesh_adapters_resident", "Adapters loaded on a replica.",
+                     tag_keys=("variant", "replica"))
+
+    def on_event(key: str, event: str, seconds: float | None) -> None:
+        events.inc(1, {"variant": variant, "adapter": key, "event": event})
+        if event == "loaded":
+            load_s.observe(seconds or 0.0, {"variant": variant})
+        resident.set(resident_count(), {"variant": variant, "replica": replica})
+    return on_event
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -48,14 +48,24 @@ class FakeEngine:
 
 
 class FakeLoRAModels:
-    """vLLM's ``OpenAIServingModels`` as :class:`AdapterSet` uses it."""
+    """vLLM's ``OpenAIServingModels`` as :class:`AdapterSet` uses it; counts the loads, takes
+    ``load_s`` per load, and refuses the names in ``broken`` as vLLM would (ErrorResponse)."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_s: float = 0.0, broken: tuple[str, ...] = ()) -> None:
         self.lora_requests: dict[str, SimpleNamespace] = {}
+        self.loads: list[str] = []
+        self.load_s, self.broken = load_s, broken
+        self._ids = 0
 
     async def load_lora_adapter(self, request):
-        self.lora_requests[request.lora_name] = SimpleNamespace(
-            lora_int_id=len(self.lora_requests) + 1)
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+        await asyncio.sleep(self.load_s)
+        if request.lora_name in self.broken:
+            return ErrorResponse(error=ErrorInfo(message="bad tensor shapes", type="x",
+                                                 code=400))
+        self._ids += 1
+        self.loads.append(request.lora_name)
+        self.lora_requests[request.lora_name] = SimpleNamespace(lora_int_id=self._ids)
 
     async def unload_lora_adapter(self, request):
         self.lora_requests.pop(request.lora_name)

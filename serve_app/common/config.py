@@ -109,6 +109,9 @@ class ReplicaConfig(Strict):
             adapter version canary, split by the router's ``routes.<route>.adapters``.
         adapters_manifest: the adapter registry file (repo-relative or absolute); default
             ``adapters/manifest.yaml``.
+        max_adapters_per_replica: adapter versions a replica keeps loaded (resident); the rest
+            of the declared ones load on first use, evicting the least recently used idle one.
+            Default (None): the engine's ``max_cpu_loras``, which is also its ceiling.
         fault_injection: testing only, see :class:`FaultInjection`.
         stream_batching_interval_ms: a stream sends its first chunk at once, then at most one
             message per this many ms with everything that arrived meanwhile (fewer messages
@@ -120,6 +123,7 @@ class ReplicaConfig(Strict):
     stream_batching_interval_ms: int = Field(default=100, ge=0, le=1000)
     adapters: list[AdapterRef] = Field(default_factory=list)
     adapters_manifest: str | None = None
+    max_adapters_per_replica: int | None = Field(default=None, ge=1)
     fault_injection: FaultInjection | None = None
 
     @field_validator("adapters")

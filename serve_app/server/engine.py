@@ -29,6 +29,7 @@ class EngineHandle:
     models: Any  # OpenAIServingModels
     max_model_len: int
     max_lora_rank: int  # 0 when LoRA is off
+    max_cpu_loras: int  # LoRAs vLLM keeps loaded (0 when LoRA is off)
     max_num_seqs: int  # requests the engine runs at once
     priority_scheduling: bool  # scheduling_policy "priority": requests carry a priority
 
@@ -157,6 +158,8 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
                         models=state.openai_serving_models,
                         max_model_len=vllm_config.model_config.max_model_len,
                         max_lora_rank=(vllm_config.lora_config.max_lora_rank
+                                       if vllm_config.lora_config else 0),
+                        max_cpu_loras=(vllm_config.lora_config.max_cpu_loras or 0
                                        if vllm_config.lora_config else 0),
                         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
                         priority_scheduling=vllm_config.scheduler_config.policy == "priority")

@@ -1,81 +1,113 @@
-"""Adapter lifecycle inside one ``LLMReplica``: reconcile the declared adapter set in place.
+"""Adapter lifecycle inside one ``LLMReplica``: declared adapters, resident on first use.
 
-The replica's ``user_config.adapters`` lists ``{name, version}``; specs come from the adapter
-registry (:mod:`serve_app.common.adapters`). :meth:`AdapterSet.reconcile`:
+*Declared* is what the variant may serve: the replica's ``user_config.adapters`` lists
+``{name, version}``, specs come from the adapter registry (:mod:`serve_app.common.adapters`),
+and :meth:`AdapterSet.reconcile` verifies every one (SHA-256, base model, rank, target
+modules, no pickle) without loading it. Hundreds may be declared. *Resident* is what this
+replica holds in vLLM: at most ``max_resident`` (``user_config.max_adapters_per_replica``,
+default the engine's ``max_cpu_loras``) adapter versions, each loaded under its versioned LoRA
+name ``name@vN`` (so prefix-cache blocks of one version are never reused for another).
 
-- a new adapter is verified (SHA-256, base model, rank, target modules, no pickle) and loaded
-  into vLLM under the versioned LoRA name ``name@vN`` (so prefix-cache blocks of one version
-  are never reused for another);
-- a new version of a served name is loaded under its own name; new requests use it at once;
-  requests in flight finish on the old one, which is unloaded when its last request ends;
-- several versions of one name may be listed (an adapter version canary): all are served,
-  the router picks one per caller (``route:name@vN``); a request naming no version gets the
-  first listed;
+- :meth:`AdapterSet.acquire` makes the request's version resident if it is not: a burst of
+  requests for a cold adapter shares one load. When the replica is full, the least recently
+  used resident adapter with **no request in flight** is unloaded first (Serve's own
+  multiplexing LRU, checked in Ray 2.60, evicts without asking whether the model is in use);
+  when every resident adapter is in use, the load waits until one is released.
+- At ``reconcile`` the declared adapters are preloaded in config order while there is room
+  without evicting anything, so a variant with a few adapters serves them all warm, as before.
+- a new version of a served name takes new requests at once; requests in flight finish on the
+  old one, which is unloaded when its last request ends;
+- several versions of one name may be declared (an adapter version canary): the router picks
+  one per caller (``route:name@vN``); a request naming no version gets the first listed;
 - a removed adapter stops taking requests (404) and is unloaded once its requests end;
 - a broken adapter is refused with its reason (see :attr:`AdapterSet.refused`) and changes
   nothing else: the version that served before keeps serving.
 
-vLLM limits: ``max_loras`` adapters can be in one batch; ``max_cpu_loras`` (default
-``max_loras``) stay loaded in memory. Every declared adapter is loaded, plus, during an
-upgrade, the retiring version; beyond ``max_cpu_loras`` vLLM evicts the least recently used
-one and reloads it from disk when asked, so keep ``max_cpu_loras`` >= adapters + 1.
+vLLM limits: ``max_loras`` adapters can be in one batch; ``max_cpu_loras`` stay loaded in
+memory, so ``max_adapters_per_replica`` may not exceed it (vLLM would otherwise evict behind
+our back and reload from disk). Which replica a request for an adapter goes to is the replica
+router's choice (:mod:`serve_app.ingress.replica_affinity`): it prefers replicas that report the
+adapter resident (:meth:`AdapterSet.resident_names`, through Serve's ``record_routing_stats``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from serve_app.common.logs import get_logger
 from serve_app.common.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
-                                load_manifest, verify_adapter)
+                                       load_manifest, verify_adapter)
 from serve_app.common.errors import MeshError
 
 logger = get_logger(__name__)
 
+#: Events passed to ``on_event``: ``loaded`` (made resident; with its load time in s),
+#: ``evicted`` (unloaded to make room), ``unloaded`` (retired and idle), ``refused``,
+#: ``waited`` (a request waited for its adapter to load), ``hit`` (it was resident).
+EVENTS = ("loaded", "evicted", "unloaded", "refused", "waited", "hit")
+
 
 @dataclass
 class LiveAdapter:
-    """An adapter version loaded in vLLM, with the requests currently using it."""
+    """A declared adapter version and the requests using it; ``lora_int_id`` is vLLM's id
+    while it is resident (0 when not)."""
 
     spec: AdapterSpec
-    lora_name: str  # name registered in vLLM's OpenAIServingModels: "name@vN"
-    lora_int_id: int
+    path: Path  # the verified adapter directory
+    lora_int_id: int = 0
     in_flight: int = 0
+
+    @property
+    def lora_name(self) -> str:
+        """Its name in vLLM's ``OpenAIServingModels``: ``name@vN``."""
+        return self.spec.key
 
 
 class AdapterSet:
-    """The adapters one replica serves.
+    """The adapters one replica may serve (declared) and holds (resident).
 
     Args:
         models: vLLM's ``OpenAIServingModels`` of the engine (loads/unloads LoRAs).
         engine: the ``AsyncLLM`` (frees a LoRA from its cache on unload).
         base_model: the variant's model name (adapters must be trained for it).
         max_lora_rank: the engine's ``max_lora_rank``.
-        on_event: callback ``(adapter_key, event)`` for metrics/logs; event in
-            ``loaded | unloaded | refused``.
+        max_cpu_loras: the engine's ``max_cpu_loras``: the default and the ceiling of
+            ``max_resident``.
+        on_event: callback ``(adapter_key, event, seconds)`` for metrics and logs; ``event``
+            is one of :data:`EVENTS`, ``seconds`` the load time for ``loaded``, else None.
     """
 
     def __init__(self, models: Any, engine: Any, *, base_model: str, max_lora_rank: int,
-                 on_event=lambda key, event: None) -> None:
+                 max_cpu_loras: int = 4,
+                 on_event: Callable[[str, str, float | None], None] = lambda *_: None) -> None:
         self.models = models
         self.engine = engine
         self.base_model = base_model
         self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.max_resident = max_cpu_loras
         self.on_event = on_event
-        self.active: dict[str, LiveAdapter] = {}  # "name@vN" -> version taking new requests
+        self.active: dict[str, LiveAdapter] = {}  # declared "name@vN" taking new requests
         self.default: dict[str, str] = {}  # adapter name -> "name@vN" for unversioned requests
-        self.retiring: dict[str, LiveAdapter] = {}  # "name@vN" -> version draining
+        self.resident: OrderedDict[str, LiveAdapter] = OrderedDict()  # LRU first
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
-        self.load_seconds: dict[str, float] = {}  # "name@vN" -> verify + load time, s
+        self.load_seconds: dict[str, float] = {}  # "name@vN" -> last load time, s
+        self._loads: dict[str, asyncio.Future] = {}  # loads under way, shared by a burst
+        self._loading = 0  # loads under way, counted against max_resident
+        self._room = asyncio.Event()  # set when an adapter is released or unloaded
         self._lock = asyncio.Lock()
 
     # -- reconcile ---------------------------------------------------------------------------
 
-    async def reconcile(self, refs: list[tuple[str, int]], manifest: Path | None) -> None:
-        """Make the served set equal ``refs`` (``(name, version)`` pairs, in config order).
+    async def reconcile(self, refs: list[tuple[str, int]], manifest: Path | None,
+                        max_resident: int | None = None) -> None:
+        """Make the declared set equal ``refs`` (``(name, version)`` pairs, in config order),
+        with at most ``max_resident`` adapters resident (None: the engine's ``max_cpu_loras``).
 
         Several versions of one name may be served at once (an adapter version canary; the
         router picks the version per caller). Requests that name no version get the first
@@ -85,17 +117,25 @@ class AdapterSet:
         the set is applied, and the versions of that name that served before keep serving.
 
         Raises:
-            AdapterError: the manifest itself is unreadable (nothing is changed).
+            AdapterError: the manifest is unreadable, or ``max_resident`` is below 1 or above
+                ``max_cpu_loras`` (nothing is changed).
         """
+        limit = self.max_cpu_loras if max_resident is None else max_resident
+        if self.max_cpu_loras and not 1 <= limit <= self.max_cpu_loras:  # 0: LoRA is off
+            raise AdapterError(
+                f"max_adapters_per_replica={limit} must be between 1 and the engine's "
+                f"max_cpu_loras={self.max_cpu_loras}; raise engine_args.max_cpu_loras (an args "
+                "change) or lower max_adapters_per_replica")
         specs = await asyncio.to_thread(load_manifest, manifest) if refs else {}
         async with self._lock:
+            self.max_resident = limit
             wanted = [adapter_key(name, version) for name, version in refs]
             refused_names = set()
             for key in wanted:
                 if key in self.active:
                     continue
-                if key in self.retiring:  # still draining: take it back instead of reloading
-                    self.active[key] = self.retiring.pop(key)
+                if key in self.resident:  # still draining: take it back instead of reloading
+                    self.active[key] = self.resident[key]
                     logger.info("adapter %s serves new requests again", key)
                     continue
                 try:
@@ -103,15 +143,16 @@ class AdapterSet:
                     if spec is None:
                         raise AdapterError(f"adapter {key} is not in the registry "
                                            f"{manifest or 'adapters/manifest.yaml'}; add it there")
-                    self.active[key] = await self._load(spec)
+                    path = await asyncio.to_thread(verify_adapter, spec,
+                                                   base_model=self.base_model,
+                                                   max_lora_rank=self.max_lora_rank)
                 except AdapterError as e:
                     refused_names.add(adapter_name(key))
-                    self.refused[key] = str(e)
-                    self.on_event(key, "refused")
-                    logger.error("adapter %s refused: %s", key, e)
+                    self._refuse(key, str(e))
                     continue
+                self.active[key] = LiveAdapter(spec, path)
                 self.refused.pop(key, None)
-                logger.info("adapter %s now serves new requests", key)
+                logger.info("adapter %s declared: it now takes new requests", key)
             for key in [k for k in self.active if k not in wanted]:
                 if adapter_name(key) in refused_names and not any(
                         adapter_name(k) == adapter_name(key) and k in self.active for k in wanted):
@@ -123,69 +164,155 @@ class AdapterSet:
             self.default = {}
             for key in order:
                 self.default.setdefault(adapter_name(key), key)
+            # Warm what fits without evicting anything; the rest loads on first use.
+            for key in order:
+                if len(self.resident) + self._loading >= self.max_resident:
+                    break
+                live = self.active.get(key)
+                if live is not None and key not in self.resident:
+                    try:
+                        await self._load_shared(live)
+                    except AdapterError:
+                        continue  # refused by vLLM; _make_resident recorded why
 
-    async def _load(self, spec: AdapterSpec) -> LiveAdapter:
+    def _refuse(self, key: str, reason: str) -> None:
+        self.refused[key] = reason
+        self.on_event(key, "refused", None)
+        logger.error("adapter %s refused: %s", key, reason)
+
+    def _retire(self, live: LiveAdapter) -> None:
+        """``live`` takes no new requests; unload it now if it is idle, else on release."""
+        if live.lora_name in self.resident and live.in_flight == 0:
+            self._unload_soon(live, "unloaded")
+
+    # -- residency ---------------------------------------------------------------------------
+
+    async def _load_shared(self, live: LiveAdapter) -> None:
+        """Make ``live`` resident; concurrent callers share one load."""
+        if live.lora_name in self.resident:
+            self.resident.move_to_end(live.lora_name)
+            return
+        load = self._loads.get(live.lora_name)
+        if load is None:
+            load = asyncio.ensure_future(self._make_resident(live))
+            self._loads[live.lora_name] = load
+            load.add_done_callback(lambda _: self._loads.pop(live.lora_name, None))
+        # shield: a caller that leaves (client disconnect) does not cancel the others' load
+        await asyncio.shield(load)
+
+    async def _make_resident(self, live: LiveAdapter) -> None:
+        while len(self.resident) + self._loading >= self.max_resident:
+            victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
+            if victim is not None:
+                await self._unload(victim, "evicted")
+                continue
+            self._room.clear()  # every resident adapter is in use: wait for a release
+            await self._room.wait()
+        self._loading += 1
+        try:
+            await self._load(live)
+        finally:
+            self._loading -= 1
+            self._room.set()
+
+    async def _load(self, live: LiveAdapter) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        t0 = asyncio.get_running_loop().time()
-        path = await asyncio.to_thread(verify_adapter, spec, base_model=self.base_model,
-                                       max_lora_rank=self.max_lora_rank)
+        t0 = time.monotonic()
         result = await self.models.load_lora_adapter(
-            LoadLoRAAdapterRequest(lora_name=spec.key, lora_path=str(path)))
+            LoadLoRAAdapterRequest(lora_name=live.lora_name, lora_path=str(live.path)))
         if isinstance(result, ErrorResponse):
-            raise AdapterError(f"vLLM could not load adapter {spec.key}: {result.error.message}")
-        lora = self.models.lora_requests[spec.key]
-        self.load_seconds[spec.key] = asyncio.get_running_loop().time() - t0
-        self.on_event(spec.key, "loaded")
-        return LiveAdapter(spec=spec, lora_name=spec.key, lora_int_id=lora.lora_int_id)
+            reason = f"vLLM could not load adapter {live.lora_name}: {result.error.message}"
+            self._refuse(live.lora_name, reason)
+            if self.active.get(live.lora_name) is live:  # stop routing it here
+                del self.active[live.lora_name]
+                self.default = {n: k for n, k in self.default.items() if k != live.lora_name}
+            raise AdapterError(reason)
+        live.lora_int_id = self.models.lora_requests[live.lora_name].lora_int_id
+        self.resident[live.lora_name] = live
+        seconds = time.monotonic() - t0
+        self.load_seconds[live.lora_name] = seconds
+        self.on_event(live.lora_name, "loaded", seconds)
+        logger.info("adapter %s resident (%.2f s; %d of %d resident)", live.lora_name,
+                    seconds, len(self.resident), self.max_resident)
 
-    def _retire(self, live: LiveAdapter) -> None:
-        self.retiring[live.lora_name] = live
-        if live.in_flight == 0:
-            asyncio.get_running_loop().create_task(self._unload(live))
+    def _unload_soon(self, live: LiveAdapter, event: str) -> None:
+        asyncio.get_running_loop().create_task(self._unload(live, event))
 
-    async def _unload(self, live: LiveAdapter) -> None:
+    async def _unload(self, live: LiveAdapter, event: str) -> None:
+        """Unload ``live`` from vLLM (``event``: ``evicted`` or ``unloaded``)."""
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
-        if self.retiring.pop(live.lora_name, None) is None:
-            return
-        await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=live.lora_name))
-        await self.engine.remove_lora(live.lora_int_id)
-        self.on_event(live.lora_name, "unloaded")
-        logger.info("adapter %s unloaded (its last request ended)", live.lora_name)
+        if self.resident.get(live.lora_name) is not live or live.in_flight:
+            return  # already gone, or taken again meanwhile
+        del self.resident[live.lora_name]  # before awaiting: no second unload, room is counted
+        lora_int_id, live.lora_int_id = live.lora_int_id, 0
+        try:
+            await self.models.unload_lora_adapter(
+                UnloadLoRAAdapterRequest(lora_name=live.lora_name))
+            await self.engine.remove_lora(lora_int_id)
+        finally:
+            self._room.set()
+        self.on_event(live.lora_name, event, None)
+        logger.info("adapter %s %s (%d of %d resident)", live.lora_name, event,
+                    len(self.resident), self.max_resident)
 
     # -- requests ----------------------------------------------------------------------------
 
-    def acquire(self, adapter: str) -> LiveAdapter:
-        """The version that takes this request; count the request on it.
+    async def acquire(self, adapter: str) -> LiveAdapter:
+        """The version that takes this request, made resident; count the request on it.
 
         Args:
             adapter: ``name@vN`` for one version, or ``name`` for its default version (the
                 first one listed in the config).
 
         Raises:
-            MeshError: 404 if this replica does not serve it.
+            MeshError: 404 if this variant does not declare it; 503 (a variant failure) if
+                vLLM refused to load it (it is then refused here and no longer declared).
         """
         live = self.active.get(self.default.get(adapter, adapter))
         if live is None:
             raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
-        live.in_flight += 1
+        live.in_flight += 1  # before any await: an adapter in use is never evicted
+        if live.lora_name in self.resident:
+            self.resident.move_to_end(live.lora_name)
+            self.on_event(live.lora_name, "hit", None)
+            return live
+        self.on_event(live.lora_name, "waited", None)
+        try:
+            await self._load_shared(live)
+        except BaseException as e:
+            self.release(live)
+            if isinstance(e, AdapterError):
+                raise MeshError(503, str(e), code="adapter_load_failed") from None
+            raise
         return live
 
     def release(self, live: LiveAdapter) -> None:
-        """A request on ``live`` ended; unload it if it is retiring and now idle."""
+        """A request on ``live`` ended; unload it if it is retired and now idle."""
         live.in_flight -= 1
-        if live.in_flight == 0 and live.lora_name in self.retiring:
-            asyncio.get_running_loop().create_task(self._unload(live))
+        if live.in_flight == 0:
+            self._room.set()
+            if live.lora_name not in self.active and live.lora_name in self.resident:
+                self._unload_soon(live, "unloaded")
+
+    def resident_names(self) -> list[str]:
+        """Resident adapter versions (``name@vN``), least recently used first."""
+        return list(self.resident)
 
     def status(self) -> dict[str, Any]:
-        """Served, draining and refused adapters, for the admin endpoint."""
+        """Declared (``active``), draining (``retiring``), ``resident`` (LRU first) and refused
+        adapters, and the load times (s), for the admin endpoint."""
         return {
-            "active": {k: {"in_flight": a.in_flight, "default": k in self.default.values()}
+            "active": {k: {"in_flight": a.in_flight, "default": k in self.default.values(),
+                           "resident": k in self.resident}
                        for k, a in self.active.items()},
-            "retiring": {n: {"in_flight": a.in_flight} for n, a in self.retiring.items()},
+            "retiring": {k: {"in_flight": a.in_flight} for k, a in self.resident.items()
+                         if k not in self.active},
+            "resident": list(self.resident),
+            "max_resident": self.max_resident,
             "refused": dict(self.refused),
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
         }

@@ -8,7 +8,8 @@ with a request happens here, against a :class:`ServingEngine` (vLLM's, from
 1. :class:`~serve_app.common.wire.Accepted` first for a non-stream (the router time-boxes it);
 2. an injected fault, if ``user_config.fault_injection`` says so (tests and drills);
 3. the adapter: take the version the router chose from the :class:`AdapterSet` (404 for one
-   not served), held until the request ends so it is never unloaded under it;
+   not declared), loaded on first use, held until the request ends so it is never unloaded
+   under it;
 4. the engine call on :func:`~serve_app.server.openai_body.engine_body`;
 5. every failure classified (:mod:`serve_app.common.failures`) into a :class:`Head`, or,
    once a stream has started, into its :class:`Tail`; nothing raises to the caller.
@@ -97,7 +98,7 @@ class ReplicaServer:
     Args:
         variant: the variant's application name (for messages and logs).
         engine: the engine (:class:`ServingEngine`).
-        adapters: the replica's adapter set (declared adapters, loaded in ``engine``).
+        adapters: the replica's adapter set (declared adapters, resident in ``engine``).
         replica: the Serve replica id, sent back on every head (``x-mesh-replica``).
         rng: the random source of fault injection (seeded in tests).
     """
@@ -130,7 +131,8 @@ class ReplicaServer:
                                       f"user_config:\n{format_validation_error(e, 'user_config')}")
         manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
         try:
-            await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest)
+            await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest,
+                                          new.max_adapters_per_replica)
         except AdapterError as e:
             return reject_user_config(self.config, f"variant {self.variant}: {e}")
         if new.fault_injection:
@@ -178,9 +180,10 @@ class ReplicaServer:
             _, _, adapter = requested.partition(":")
             if adapter:
                 try:
-                    live = self.adapters.acquire(request.adapter_version or adapter)
-                except MeshError as e:
-                    yield Head(e.status, json.dumps(e.body()), failure=Failure.REQUEST)
+                    live = await self.adapters.acquire(request.adapter_version or adapter)
+                except MeshError as e:  # 404: not declared here; 503: vLLM refused to load it
+                    yield Head(e.status, json.dumps(e.body()),
+                               failure=Failure.REQUEST if e.status < 500 else Failure.VARIANT)
                     return
             async for item in self._generate(request, live.lora_name if live else None):
                 yield for_client(item, live.lora_name, requested) if live else item
