@@ -217,6 +217,18 @@ def test_adapter_checks_against_engine_args():
         validate_config(cfg)
 
 
+def test_max_adapters_per_replica_may_not_exceed_max_cpu_loras():
+    cfg = copy.deepcopy(TENANTS)
+    uc = cfg["applications"][1]["deployments"][0]["user_config"]
+    uc["max_adapters_per_replica"] = 4  # tenants.yaml: max_cpu_loras 4
+    assert validate_config(cfg) == []
+    uc["max_adapters_per_replica"] = 5
+    assert validate_config(cfg) == [
+        f"{REPLICA_UC}.max_adapters_per_replica: 5 is over the engine's max_cpu_loras=4; raise "
+        "args.engine_args.max_cpu_loras (an args change: new replicas) or lower "
+        "max_adapters_per_replica"]
+
+
 def test_adapter_listed_twice_and_owned_twice():
     cfg = copy.deepcopy(TENANTS)
     cfg["applications"][1]["deployments"][0]["user_config"]["adapters"].append(

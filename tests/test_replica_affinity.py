@@ -170,3 +170,64 @@ def test_new_conversations_without_a_whole_block_are_spread_too():
     first = [route(table, [], f"t/s{i}", {"a": 0, "b": 0})[0] for i in range(sessions)]
     assert first[0] == "b" and set(first) == {"a", "b"}
     assert abs(table.held["a"] + table.conversations["a"] - table.conversations["b"]) <= 1
+
+
+def test_router_inputs_carry_the_adapter_the_split_chose_else_its_name():
+    body = {**chat(SYSTEM, "q"), "model": "smollm:acme-support"}
+    assert affinity_inputs(GenerateRequest("chat", body), 64)[2] == "acme-support"
+    assert affinity_inputs(GenerateRequest("chat", body, adapter_version="acme-support@v2"),
+                           64)[2] == "acme-support@v2"
+    assert affinity_inputs(GenerateRequest("chat", chat(SYSTEM, "q")), 64)[2] is None
+
+
+def adapter_route(table, adapter, loads, reported, at=100.0):
+    """A request with no prefix or session, for ``adapter``; Serve takes the first rank."""
+    choice = table.choose([], None, loads, adapter, table.adapter_holders(adapter, reported))
+    replica = min(choice.ranks[0], key=lambda r: loads[r])
+    table.record([], None, replica, adapter, at=at)
+    return replica, choice.decision
+
+
+def test_an_adapter_request_goes_to_a_replica_that_reports_it_resident():
+    table = ReplicaAffinity(imbalance_bound=2)
+    reported = {"a": (["acme-support@v1"], 50.0), "b": (["globex-report@v1"], 50.0)}
+    loads = {"a": 1, "b": 0}
+    assert adapter_route(table, "acme-support", loads, reported) == ("a", "adapter")
+    assert adapter_route(table, "globex-report@v1", loads, reported) == ("b", "adapter")
+    # the versioned name matches only that version
+    assert table.adapter_holders("acme-support@v2", reported) == []
+
+
+def test_a_cold_adapter_is_packed_on_one_replica_then_kept_there_until_a_report_drops_it():
+    table = ReplicaAffinity(imbalance_bound=2)
+    loads = {"a": 0, "b": 0, "c": 0}
+    none_yet = {r: ([], 10.0) for r in loads}
+    first, decision = adapter_route(table, "tenant-7", loads, none_yet, at=20.0)
+    assert decision == "new"
+    # every router agrees (rendezvous on the name), and this one remembers where it sent it
+    assert ReplicaAffinity().choose([], None, loads, "tenant-7").ranks[0] == [first]
+    assert adapter_route(table, "tenant-7", loads, none_yet, at=21.0) == (first, "adapter")
+    # a report newer than the last routing that does not list it: it was evicted there
+    evicted = {**none_yet, first: ([], 30.0)}
+    assert table.adapter_holders("tenant-7", evicted) == []
+
+
+def test_a_hot_adapter_spreads_past_the_imbalance_bound():
+    table = ReplicaAffinity(imbalance_bound=2)
+    reported = {"a": (["hot@v1"], 50.0), "b": ([], 50.0)}
+    assert adapter_route(table, "hot", {"a": 2, "b": 0}, reported) == ("a", "adapter")
+    assert adapter_route(table, "hot", {"a": 3, "b": 0}, reported) == ("b", "spill")
+    # now both hold it (b by this router's own record): the less busy one of them serves
+    assert sorted(table.adapter_holders("hot", reported)) == ["a", "b"]
+    assert adapter_route(table, "hot", {"a": 3, "b": 1}, reported) == ("b", "adapter")
+
+
+def test_a_prefix_hit_wins_over_adapter_residency_and_forget_drops_the_replicas_routes():
+    table = ReplicaAffinity(imbalance_bound=4)
+    k = keys(SYSTEM, "q", adapter="acme-support")
+    table.record(k, None, "b", "acme-support", at=60.0)
+    reported = {"a": (["acme-support@v1"], 50.0), "b": ([], 50.0)}
+    assert table.choose(k, None, {"a": 0, "b": 0}, "acme-support",
+                        table.adapter_holders("acme-support", reported)).ranks[0] == ["b"]
+    table.forget("b")
+    assert table.adapter_holders("acme-support", reported) == ["a"]

@@ -17,13 +17,21 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
 1. *session*: a session (``x-session-id``, else the OpenAI ``user``) seen before goes back to
    the replica that served it last;
 2. *prefix*: else the replicas that hold the longest run of the prompt's leading blocks;
-3. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
+3. *adapter*: else, for a LoRA request, the replicas that hold its adapter resident (each
+   replica reports its resident set through Serve's ``record_routing_stats``; a replica this
+   router sent the adapter to since its last report counts too, as it loads on first use), so
+   a batch mixes few adapters and a request seldom waits for a load
+   (:mod:`serve_app.server.lora`);
+4. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
    least-loaded replica's; past it the request *spills* to the least-loaded replica, which then
-   holds the prefix too, so one hot prefix spreads over every replica instead of queueing
-   behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound);
-4. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
+   holds the prefix (or the adapter) too, so one hot prefix or adapter spreads over more
+   replicas as its load grows instead of queueing behind one engine (Ray's own
+   ``PrefixCacheAffinityRouter`` defaults to no bound);
+5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
-   hashing of the first key, so routers agree and a new replica takes only new prefixes.
+   hashing of the first key, so routers agree and a new replica takes only new prefixes. A
+   cold adapter is placed by rendezvous hashing of its name over the least-loaded replicas,
+   so every router packs it on the same replica.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -34,17 +42,20 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Decision = Literal["session", "hit", "spill", "new"]
+from serve_app.common.adapters import adapter_name
+
+Decision = Literal["session", "hit", "adapter", "spill", "new"]
 
 #: Defaults (request_router_kwargs override them): 128 characters are ~40 tokens of English.
 BLOCK_CHARS = 128
 IMBALANCE_BOUND = 4  # requests in flight
 MAX_BLOCKS = 200_000  # block keys per router process (~30 MB at most)
 MAX_SESSIONS = 100_000
+MAX_ADAPTER_ROUTES = 10_000  # (adapter, replica) pairs remembered since the replicas' reports
 
 
 def _text(content: Any) -> str:
@@ -120,10 +131,15 @@ class ReplicaAffinity:
         self._sessions: OrderedDict[str, Hashable] = OrderedDict()
         self.held: Counter[Hashable] = Counter()  # block keys each replica holds
         self.conversations: Counter[Hashable] = Counter()  # sessions last served by each
+        # (adapter, replica) -> when this router last sent the adapter there
+        self._adapter_routes: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
 
-    def choose(self, keys: list[bytes], session: str | None,
-               loads: Mapping[Hashable, int]) -> Choice:
-        """Rank ``loads``' replicas for a request with prefix ``keys`` and ``session``.
+    def choose(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
+               adapter: str | None = None, adapter_holders: Collection[Hashable] = ()
+               ) -> Choice:
+        """Rank ``loads``' replicas for a request with prefix ``keys``, ``session`` and LoRA
+        ``adapter`` (``name`` or ``name@vN``; None for the base model), which the replicas in
+        ``adapter_holders`` hold (:meth:`adapter_holders`).
 
         Raises:
             ValueError: ``loads`` is empty.
@@ -132,7 +148,7 @@ class ReplicaAffinity:
             raise ValueError("no replica to choose from")
         least = min(loads.values())
         by_load = sorted(loads, key=lambda r: (loads[r], str(r)))
-        preferred, decision = self._preferred(keys, session, loads)
+        preferred, decision = self._preferred(keys, session, loads, adapter_holders)
         if preferred:
             within = [r for r in preferred if loads[r] - least <= self.imbalance_bound]
             if within:
@@ -140,22 +156,52 @@ class ReplicaAffinity:
             spill = [r for r in by_load if loads[r] == least]
             return Choice([spill, [r for r in by_load if r not in spill]], "spill")
         coolest = [r for r in by_load if loads[r] == least]
-        seed = keys[0] if keys else (session or "").encode()
-        coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
+        if adapter:  # a cold adapter: the same replica in every router (packed, not spread)
+            coolest.sort(key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
+        else:
+            seed = keys[0] if keys else (session or "").encode()
+            coolest.sort(key=lambda r: (self.held[r] + self.conversations[r],
+                                        _rendezvous(seed, r)))
         return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
 
-    def _preferred(self, keys: list[bytes], session: str | None,
-                   loads: Mapping[Hashable, int]) -> tuple[list[Hashable], Decision]:
+    def _preferred(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
+                   adapter_holders: Collection[Hashable]) -> tuple[list[Hashable], Decision]:
         if session is not None and self._sessions.get(session) in loads:
             return [self._sessions[session]], "session"
         for key in reversed(keys):  # the longest held run of leading blocks
             holders = [r for r in self._blocks.get(key, ()) if r in loads]
             if holders:
                 return holders, "hit"
+        holders = [r for r in adapter_holders if r in loads]
+        if holders:
+            return holders, "adapter"
         return [], "new"
 
-    def record(self, keys: list[bytes], session: str | None, replica: Hashable) -> None:
-        """``replica`` served the request: it now holds its blocks and its session."""
+    def adapter_holders(self, adapter: str | None,
+                        reported: Mapping[Hashable, tuple[Collection[str], float]]
+                        ) -> list[Hashable]:
+        """The replicas that hold ``adapter`` (``name`` matches any version; ``name@vN`` that
+        version): those whose last report lists it, and those this router sent it to after
+        their report. ``reported``: replica -> (resident ``name@vN`` keys, report time, s)."""
+        if not adapter:
+            return []
+        versioned = "@" in adapter
+        held = []
+        for replica, (resident, at) in reported.items():
+            names = resident if versioned else {adapter_name(k) for k in resident}
+            if adapter in names or self._adapter_routes.get((adapter, replica), -1.0) > at:
+                held.append(replica)
+        return held
+
+    def record(self, keys: list[bytes], session: str | None, replica: Hashable,
+               adapter: str | None = None, at: float = 0.0) -> None:
+        """``replica`` served the request: it now holds its blocks, its session and, from
+        ``at`` (s, the clock of the replicas' reports), its ``adapter``."""
+        if adapter:
+            self._adapter_routes[(adapter, replica)] = at
+            self._adapter_routes.move_to_end((adapter, replica))
+            while len(self._adapter_routes) > MAX_ADAPTER_ROUTES:
+                self._adapter_routes.popitem(last=False)
         for key in keys:
             holders = self._blocks.setdefault(key, set())
             if replica not in holders:
@@ -186,5 +232,7 @@ class ReplicaAffinity:
                 del self._blocks[key]
         for s in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[s]
+        for pair in [p for p in self._adapter_routes if p[1] == replica]:
+            del self._adapter_routes[pair]
         self.held.pop(replica, None)
         self.conversations.pop(replica, None)

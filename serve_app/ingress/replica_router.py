@@ -1,5 +1,6 @@
-"""``AffinityRouter``: the Serve request router that picks a variant's replica by prefix and
-session affinity (:mod:`serve_app.ingress.replica_affinity`), for ``LLMReplica`` deployments.
+"""``AffinityRouter``: the Serve request router that picks a variant's replica by prefix,
+session and adapter affinity (:mod:`serve_app.ingress.replica_affinity`), for ``LLMReplica``
+deployments.
 
 Configured per variant in the Serve config, on the ``LLMReplica`` deployment::
 
@@ -20,12 +21,22 @@ the router's event loop, and its default imbalance bound is infinite (one hot pr
 behind one engine). Kept from Serve: the queue-length cache and probes (loads), the FIFO
 order of pending requests, the rank fall-through, replica-set updates.
 
+Adapter affinity uses Serve's routing-stats channel (``record_routing_stats`` on the replica,
+polled every ``request_routing_stats_period_s``, read here as ``replica.routing_stats``) for
+which adapters each replica holds. Why not Serve's model multiplexing
+(``@serve.multiplexed`` + ``multiplexed_model_id``): its LRU evicts a model without asking
+whether a request is using it, a request then goes only to replicas that report the model
+(prefix and session affinity could not be combined with it), and the router's load bound
+would not apply. The replica's :class:`~serve_app.server.lora.AdapterSet` keeps the LRU and
+never evicts an adapter in use; this router only prefers the replicas that hold it.
+
 Calls other than ``generate`` (availability polls, stats) go to any replica, least-loaded
 first, as with Serve's default router.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -48,8 +59,9 @@ def _decision_counter() -> Counter:
     if _decisions is None:
         _decisions = Counter("mesh_replica_routing_decisions",
                              "Replica choices of the affinity router: session, hit (a replica "
-                             "holding the prompt's prefix), spill (that replica was past the "
-                             "imbalance bound), new (no replica held it), single (one replica).",
+                             "holding the prompt's prefix), adapter (one holding its LoRA "
+                             "adapter), spill (that replica was past the imbalance bound), "
+                             "new (no replica held it), single (one replica).",
                              tag_keys=("variant", "decision"))
     return _decisions
 
@@ -75,13 +87,24 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
         s["block_chars"]
 
 
-def affinity_inputs(request: GenerateRequest, block_chars: int) -> tuple[list[bytes],
-                                                                          str | None]:
-    """The prefix keys and session of one ``generate`` call."""
+def affinity_inputs(request: GenerateRequest, block_chars: int
+                    ) -> tuple[list[bytes], str | None, str | None]:
+    """The prefix keys, session and LoRA adapter (``name@vN`` when the router chose a
+    version, else ``name``; None for the base model) of one ``generate`` call."""
     _, _, adapter = str(request.body.get("model", "")).partition(":")
+    adapter = request.adapter_version or adapter or None
     text = prompt_text(request.endpoint, request.body)
-    return prefix_keys(text, request.adapter_version or adapter or None, block_chars), \
-        request.session
+    return prefix_keys(text, adapter, block_chars), request.session, adapter
+
+
+def reported_adapters(replicas) -> dict[Any, tuple[list[str], float]]:
+    """replica id -> (its resident adapters, report time) from Serve's routing stats
+    (``LLMReplica.record_routing_stats``); a replica that has not reported has none."""
+    out = {}
+    for r in replicas:
+        stats = r.routing_stats or {}
+        out[r.replica_id] = (stats.get("adapters") or [], float(stats.get("at") or 0.0))
+    return out
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
@@ -97,8 +120,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.affinity, self.block_chars = affinity_settings(kwargs)
-        # request id -> (prefix keys, session, decision) of its latest routing attempt
-        self._chosen: OrderedDict[str, tuple[list[bytes], str | None, str]] = OrderedDict()
+        # request id -> ((prefix keys, session, adapter), decision) of its latest attempt
+        self._chosen: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
         self._variant = self._deployment_id.app_name if self._deployment_id else ""
 
     def _request(self, pending) -> GenerateRequest | None:
@@ -111,22 +134,22 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         request = self._request(pending_request)
         if request is None:
             return [candidate_replicas]
-        keys, session = affinity_inputs(request, self.block_chars)
+        keys, session, adapter = affinity_inputs(request, self.block_chars)
         if len(candidate_replicas) < 2:
-            self._remember(pending_request, keys, session, "single")
+            self._remember(pending_request, (keys, session, adapter), "single")
             return [candidate_replicas]
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
-        choice = self.affinity.choose(keys, session, loads)
-        self._remember(pending_request, keys, session, choice.decision)
+        holders = self.affinity.adapter_holders(adapter, reported_adapters(candidate_replicas))
+        choice = self.affinity.choose(keys, session, loads, adapter, holders)
+        self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
 
-    def _remember(self, pending_request, keys: list[bytes], session: str | None,
-                  decision: str) -> None:
+    def _remember(self, pending_request, inputs: tuple, decision: str) -> None:
         """The inputs and decision of the request's latest routing attempt, recorded and
         counted once it is routed (the keys are hashed once per attempt, not again)."""
-        self._chosen[pending_request.metadata.internal_request_id] = (keys, session, decision)
+        self._chosen[pending_request.metadata.internal_request_id] = (inputs, decision)
         while len(self._chosen) > 10_000:  # requests cancelled before they were routed
             self._chosen.popitem(last=False)
 
@@ -135,12 +158,12 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         if request is None:
             return
         chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
-        if chosen is None:  # dropped from the bounded table: record it, count no decision
-            self.affinity.record(*affinity_inputs(request, self.block_chars), replica_id)
-            return
-        keys, session, decision = chosen
-        self.affinity.record(keys, session, replica_id)
-        _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
+        inputs, decision = chosen or (affinity_inputs(request, self.block_chars), None)
+        keys, session, adapter = inputs
+        # time.time(): the clock of the replicas' routing-stats reports ("at")
+        self.affinity.record(keys, session, replica_id, adapter, at=time.time())
+        if decision is not None:  # None: dropped from the bounded table, counted nowhere
+            _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
 
     def update_replicas(self, replicas) -> None:
         gone = set(self._replicas) - {r.replica_id for r in replicas}

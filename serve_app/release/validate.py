@@ -172,6 +172,13 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
     problems = []
     # vLLM's default max_lora_rank is 16; 0 stands for LoRA off.
     max_rank = engine.get("max_lora_rank", 16) if engine.get("enable_lora") else 0
+    # vLLM's max_cpu_loras defaults to max_loras (default 1)
+    max_cpu_loras = engine.get("max_cpu_loras") or engine.get("max_loras", 1)
+    if max_rank and (replica.max_adapters_per_replica or 0) > max_cpu_loras:
+        problems.append(f"{at}.max_adapters_per_replica: {replica.max_adapters_per_replica} is "
+                        f"over the engine's max_cpu_loras={max_cpu_loras}; raise "
+                        "args.engine_args.max_cpu_loras (an args change: new replicas) or "
+                        "lower max_adapters_per_replica")
     for i, ref in enumerate(replica.adapters):
         spec = registry.get(ref.key)
         if spec is None:
