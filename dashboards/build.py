@@ -68,8 +68,28 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("sum by (rollout, decision) (increase(ray_mesh_rollout_decisions_total[5m]))",
              "{{rollout}} {{decision}}")]),
         ("Adapter events (loaded, unloaded, refused)", "short", [
-            ("sum by (variant, adapter, event) (increase(ray_mesh_adapter_events_total[1h]))",
-             "{{variant}} {{adapter}} {{event}}")]),
+            ('sum by (variant, adapter, event) (increase(ray_mesh_adapter_events_total'
+             '{event=~"loaded|unloaded|refused"}[1h]))', "{{variant}} {{adapter}} {{event}}")]),
+    ]),
+    ("Adapters: declared, resident, placed (serve_app/server/lora.py)", [
+        ("Adapters resident per replica", "short", [
+            ("max by (variant, replica) (ray_mesh_adapters_resident)",
+             "{{variant}} {{replica}}")]),
+        ("Adapter loads, evictions and requests that waited for a load", "short", [
+            ('sum by (variant, event) (increase(ray_mesh_adapter_events_total'
+             '{event=~"loaded|evicted|waited"}[5m]))', "{{variant}} {{event}}")]),
+        # hit: the request's adapter was resident where the replica router sent it
+        ("Adapter-affinity hit rate", "percentunit", [
+            ('sum by (variant) (rate(ray_mesh_adapter_events_total{event="hit"}[5m])) / '
+             'sum by (variant) (rate(ray_mesh_adapter_events_total{event=~"hit|waited"}[5m]))',
+             "{{variant}}")]),
+        ("Adapter load time p95 (first use)", "s", [
+            ("histogram_quantile(0.95, sum by (le, variant) "
+             "(rate(ray_mesh_adapter_load_seconds_bucket[1h])))", "{{variant}}")]),
+        ("Tokens per adapter, top 10 (prompt + completion, tokens/s)", "short", [
+            ('topk(10, sum by (adapter) (rate(ray_mesh_prompt_tokens_total{adapter!=""}[5m])) '
+             '+ sum by (adapter) (rate(ray_mesh_completion_tokens_total{adapter!=""}[5m])))',
+             "{{adapter}}")]),
     ]),
     ("Tenants and admission", [
         ("Tenant rejections (401 / 403 / 429)", "short", [

@@ -17,6 +17,9 @@
                                       a rollout's state, or --watch it until its verdict:
                                       exit 0 promoted, 2 rolled back, 3 aborted, 4 timeout,
                                       5 mesh unreachable, 6 in progress (rollout_watch)
+    meshctl top-adapters CONFIG [--metrics URL|FILE] [--top N] [--emit FILE]
+                                      adapters by tokens (the router's counters), and the
+                                      config that serves the top N from merged weights
     meshctl kuberay CONFIG [-o FILE] [--name NAME] [--image IMAGE] [--head-cpus N]
                     [--head-memory Q] [--worker-memory Q] [--spare-workers N]
                                       KubeRay RayService manifest of CONFIG (exit 1 if invalid)
@@ -30,12 +33,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import yaml
 
 from serve_app.release.config_diff import diff_configs, format_report, restarts
 from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, load_config,
                                       wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
-from serve_app.release import kuberay, rollout_watch
+from serve_app.release import kuberay, merge_plan, rollout_watch
 from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.ingress.tenancy import hash_api_key
@@ -164,6 +168,39 @@ def _kuberay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top_adapters(args: argparse.Namespace) -> int:
+    source = args.metrics
+    try:
+        text = (httpx.get(source, timeout=30).raise_for_status().text
+                if source.startswith(("http://", "https://")) else Path(source).read_text())
+    except (httpx.HTTPError, OSError) as e:
+        print(f"meshctl top-adapters: cannot read the router's metrics from {source} ({e}); "
+              "pass a Ray node's metrics export (http://<node>:8080/metrics) with --metrics",
+              file=sys.stderr)
+        return 1
+    config = load_yaml(args.config)
+    tokens = merge_plan.adapter_tokens(text)
+    if not tokens:
+        print(f"meshctl top-adapters: no adapter tokens in {source} yet (series "
+              f"{' + '.join(merge_plan.TOKEN_SERIES)} with a non-empty adapter label)",
+              file=sys.stderr)
+        return 1
+    new, steps = merge_plan.plan_merges(config, tokens, args.top)
+    print("\n".join(merge_plan.format_table(tokens, steps)))
+    if not steps:
+        print("nothing to merge: the top adapters have merged variants already")
+        return 0
+    for s in steps:
+        print(f"\n{s.route}:{s.adapter} ({s.version}) -> variant {s.application}, model "
+              f"{s.model}\n  " + (f"build the model first: {s.build}" if s.build else
+                                  f"model {s.model} is built already"))
+    if args.emit:
+        Path(args.emit).write_text(yaml.safe_dump(new, sort_keys=False))
+        print(f"\nwrote {args.emit}: review it, then `meshctl validate {args.emit}` and "
+              f"`serve deploy {args.emit}` (nothing was deployed)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshctl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spare-workers", type=int, metavar="N", default=0,
                    help="pods a worker group may add past its engines (surge replacements, "
                         "blue/green variants); > 0 turns on the Ray autoscaler (default 0)")
+    p = sub.add_parser("top-adapters", help="adapters by tokens, and the config change that "
+                       "serves the top ones from merged weights")
+    p.add_argument("config", help="the Serve config deployed now")
+    p.add_argument("--metrics", default="http://127.0.0.1:8080/metrics",
+                   help="the router's metrics: a Ray node's export URL or a saved file "
+                   "(default %(default)s)")
+    p.add_argument("--top", type=int, default=1, help="adapters to merge (default 1)")
+    p.add_argument("--emit", help="write the changed config here")
     p = sub.add_parser("hash-key", help="print the SHA-256 digest of an API key")
     p.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     args = parser.parse_args(argv)
@@ -243,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         return _rollout_report(args)
     if args.command == "rollout":
         return rollout_watch.status_command(args)
+    if args.command == "top-adapters":
+        try:
+            return _top_adapters(args)
+        except (OSError, ValueError) as e:
+            print(f"meshctl top-adapters: {e}", file=sys.stderr)
+            return 1
     try:
         if args.command == "validate":
             if args.allow_restart and not args.against:

@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from serve_app.common.adapters import merged_adapter
 from serve_app.common.config import VariantArgs
 from serve_app.common.deployment_options import REPLICA_OPTIONS, options
 from serve_app.common.logs import get_logger
@@ -51,8 +52,9 @@ class LLMReplica:
         adapters = AdapterSet(
             self.engine.models, self.engine.engine, base_model=checked.model,
             max_lora_rank=self.engine.max_lora_rank, max_cpu_loras=self.engine.max_cpu_loras)
-        adapters.on_event = adapter_metrics(variant, replica, lambda: len(adapters.resident))
-        self.server = ReplicaServer(variant, self.engine, adapters, replica=replica)
+        self._adapter_metrics = adapters.on_event = AdapterMetrics(variant, replica, adapters)
+        self.server = ReplicaServer(variant, self.engine, adapters, replica=replica,
+                                    merged=merged_adapter(checked.model) or "")
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""
@@ -69,6 +71,7 @@ class LLMReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the
         adapters resident here and when (``time.time()``, s), for the replica router."""
+        self._adapter_metrics.refresh()
         return {"adapters": self.server.adapters.resident_names(), "at": time.time()}
 
     async def serving_info(self) -> ReplicaInfo:
@@ -88,24 +91,34 @@ class LLMReplica:
             engine.shutdown()
 
 
-def adapter_metrics(variant: str, replica: str, resident_count):
-    """The :class:`AdapterSet` ``on_event`` callback: ``mesh_adapter_events`` (loads,
-    evictions, unloads, refusals, requests that found their adapter resident or waited for
-    it), ``mesh_adapter_load_seconds`` and the ``mesh_adapters_resident`` gauge."""
-    events = Counter("mesh_adapter_events", "Adapter events: loaded, evicted, unloaded, "
-                     "refused, hit (a request found it resident), waited (it had to load).",
-                     tag_keys=("variant", "adapter", "event"))
-    load_s = Histogram("mesh_adapter_load_seconds", "Time to make an adapter resident, s.",
-                       boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10], tag_keys=("variant",))
-    resident = Gauge("mesh_adapters_resident", "Adapters loaded on a replica.",
-                     tag_keys=("variant", "replica"))
+class AdapterMetrics:
+    """The :class:`AdapterSet` ``on_event`` callback and the replica's adapter series:
+    ``mesh_adapter_events`` (loaded, evicted, unloaded, refused, and per request hit or
+    waited), ``mesh_adapter_load_seconds`` and the ``mesh_adapters_resident`` gauge.
 
-    def on_event(key: str, event: str, seconds: float | None) -> None:
-        events.inc(1, {"variant": variant, "adapter": key, "event": event})
+    Ray drops a gauge value that is not set again within two export intervals, so
+    :meth:`refresh` sets it again (from Serve's routing-stats poll)."""
+
+    def __init__(self, variant: str, replica: str, adapters: AdapterSet) -> None:
+        self.variant, self.replica, self.adapters = variant, replica, adapters
+        self.events = Counter("mesh_adapter_events", "Adapter events: loaded, evicted, "
+                              "unloaded, refused, hit (a request found it resident), waited "
+                              "(it had to load).", tag_keys=("variant", "adapter", "event"))
+        self.load_s = Histogram("mesh_adapter_load_seconds", "Time to make an adapter "
+                                "resident, s.", boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+                                tag_keys=("variant",))
+        self.resident = Gauge("mesh_adapters_resident", "Adapters loaded on a replica.",
+                              tag_keys=("variant", "replica"))
+
+    def __call__(self, key: str, event: str, seconds: float | None) -> None:
+        self.events.inc(1, {"variant": self.variant, "adapter": key, "event": event})
         if event == "loaded":
-            load_s.observe(seconds or 0.0, {"variant": variant})
-        resident.set(resident_count(), {"variant": variant, "replica": replica})
-    return on_event
+            self.load_s.observe(seconds or 0.0, {"variant": self.variant})
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.resident.set(len(self.adapters.resident),
+                          {"variant": self.variant, "replica": self.replica})
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -294,3 +294,29 @@ def test_one_shadow_per_route_and_none_for_adapter_rollouts():
     assert "a route has one shadow at a time" in problem
     del route["shadow"]
     assert validate_config(cfg) == []
+
+
+MERGED = load_yaml(REPO_ROOT / "serve_configs" / "merged.yaml")
+MERGED_AT = "applications[0].deployments[MeshRouter].user_config.routes.smollm.merged.acme-support"
+
+
+def test_a_merged_variant_must_hold_the_adapter_in_its_weights():
+    assert validate_config(MERGED) == []
+    cfg = copy.deepcopy(MERGED)
+    cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]["merged"] = {
+        "globex-report": "smollm-acme"}
+    assert validate_config(cfg) == [
+        f"{MERGED_AT.replace('acme-support', 'globex-report')}: the model "
+        "'smollm2-135m-acme' of 'smollm-acme' has acme-support@v1 merged in, not "
+        "'globex-report'; build one with scripts/prepare_model.py --merge-adapter "
+        "globex-report@vN --out models/<name>"]
+    cfg = copy.deepcopy(MERGED)
+    cfg["applications"][2]["args"]["model"] = "smollm2-135m-instruct"
+    assert validate_config(cfg) == [
+        f"{MERGED_AT}: the model 'smollm2-135m-instruct' of 'smollm-acme' has no adapter "
+        "merged in, not 'acme-support'; build one with scripts/prepare_model.py "
+        "--merge-adapter acme-support@vN --out models/<name>"]
+    cfg["applications"][2]["args"]["served_model_name"] = "other"
+    assert validate_config(cfg)[0] == (
+        f"{MERGED_AT}: 'smollm-acme' serves 'other'; set its args.served_model_name to "
+        "'smollm'")

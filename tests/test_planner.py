@@ -165,3 +165,69 @@ def test_model_ids_per_tenant():
     assert p.model_ids(TENANTS["acme"]) == ["smollm", "smollm:acme", "other"]
     assert p.model_ids(TENANTS["globex"]) == ["smollm", "smollm:globex"]
     assert p.model_ids(None) == ["smollm", "smollm:acme", "smollm:globex", "other"]
+
+
+class MergedAvailability(FakeAvailability):
+    """v1 serves globex@v1 (its default) and globex@v2 by LoRA; g-merged's model holds
+    globex@v1 merged in."""
+
+    def __init__(self, merged="globex@v1", down=frozenset()):
+        super().__init__({"v1": {"globex@v1", "globex@v2"}, "v2": set(),
+                          "g-merged": {merged}}, down)
+        self.merged_version = merged
+
+    def is_available(self, application):
+        return application not in self.down
+
+    def version_for(self, application, adapter):
+        return adapter if "@" in adapter else {"v1": "globex@v1"}.get(application)
+
+    def merged(self, application):
+        return self.merged_version if application == "g-merged" else ""
+
+
+def merged_planner(availability, versions=None):
+    route = {"variants": [{"application": "v1", "weight": 90},
+                          {"application": "v2", "weight": 10}],
+             "merged": {"globex": "g-merged"}}
+    if versions:
+        route["adapters"] = {"globex": {"versions": versions}}
+    config = RouterConfig.model_validate({"routes": {"smollm": route},
+                                          "tenants": CONFIG.model_dump()["tenants"]})
+    splits = splits_of(config)
+    return RequestPlanner(config, splits, lambda key: splits[key].weighted, availability)
+
+
+def test_an_adapter_with_a_merged_variant_goes_there_first_with_the_lora_path_as_failover():
+    p = merged_planner(MergedAvailability())
+    got = plan({"model": "smollm:globex"}, "globex", p)
+    assert got.candidates == ("g-merged", "v1")  # v2 does not serve globex
+    # tenant isolation is unchanged: another tenant is refused before any variant is chosen
+    with pytest.raises(MeshError) as e:
+        plan({"model": "smollm:globex"}, "acme", p)
+    assert e.value.status == 403
+    # base-model traffic never goes to the merged variant
+    assert "g-merged" not in plan({"model": "smollm"}, "globex", p).candidates
+
+
+def test_the_merged_variant_is_skipped_when_it_holds_another_version_or_is_down():
+    # the split gives this caller v2 of the adapter; the merged model holds v1
+    p = merged_planner(MergedAvailability(), versions=[{"version": 2, "weight": 100},
+                                                       {"version": 1, "weight": 0}])
+    assert plan({"model": "smollm:globex"}, "globex", p).candidates == ("v1",)
+    # the default version on the LoRA path is v1, but the merged model holds v2
+    p = merged_planner(MergedAvailability(merged="globex@v2"))
+    assert plan({"model": "smollm:globex"}, "globex", p).candidates == ("v1",)
+    p = merged_planner(MergedAvailability(down={"g-merged"}))
+    assert plan({"model": "smollm:globex"}, "globex", p).candidates == ("v1",)
+
+
+def test_a_merged_variant_may_not_also_be_a_route_variant():
+    with pytest.raises(ValueError, match="g-merged is also one of the route's variants"):
+        RouterConfig.model_validate({"routes": {"smollm": {
+            "variants": [{"application": "g-merged", "weight": 1}],
+            "merged": {"globex": "g-merged"}}}})
+    with pytest.raises(ValueError, match="without a version"):
+        RouterConfig.model_validate({"routes": {"smollm": {
+            "variants": [{"application": "v1", "weight": 1}],
+            "merged": {"globex@v1": "g-merged"}}}})

@@ -128,7 +128,7 @@ def test_the_table_is_bounded():
 
 
 def test_bad_bounds_and_no_replicas_are_refused():
-    with pytest.raises(ValueError, match="imbalance_bound must be >= 0"):
+    with pytest.raises(ValueError, match="imbalance_bound and adapter_imbalance_bound must"):
         ReplicaAffinity(imbalance_bound=-1)
     with pytest.raises(ValueError, match="no replica"):
         ReplicaAffinity().choose([], None, {})
@@ -157,7 +157,7 @@ def test_validate_names_a_bad_router_keyword_and_accepts_the_shipped_config():
     assert validate_config(cfg) == [
         "applications[1].deployments[LLMReplica].request_router_config.request_router_kwargs: "
         "unknown AffinityRouter keyword imbalance (known: imbalance_bound, block_chars, "
-        "max_blocks, max_sessions)"]
+        "max_blocks, max_sessions, adapter_imbalance_bound)"]
     del kwargs["imbalance"]
     kwargs["block_chars"] = 0
     assert "block_chars must be >= 1, not 0" in validate_config(cfg)[0]
@@ -212,8 +212,8 @@ def test_a_cold_adapter_is_packed_on_one_replica_then_kept_there_until_a_report_
     assert table.adapter_holders("tenant-7", evicted) == []
 
 
-def test_a_hot_adapter_spreads_past_the_imbalance_bound():
-    table = ReplicaAffinity(imbalance_bound=2)
+def test_a_hot_adapter_spreads_past_the_adapter_imbalance_bound():
+    table = ReplicaAffinity(imbalance_bound=8, adapter_imbalance_bound=2)
     reported = {"a": (["hot@v1"], 50.0), "b": ([], 50.0)}
     assert adapter_route(table, "hot", {"a": 2, "b": 0}, reported) == ("a", "adapter")
     assert adapter_route(table, "hot", {"a": 3, "b": 0}, reported) == ("b", "spill")

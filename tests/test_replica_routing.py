@@ -10,6 +10,7 @@ modules after it run one replica, where the router passes every request through.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from serve_app.common.wire import REPLICA_HEADER
+from serve_app.tools.adapter_copies import register_copies
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +98,152 @@ def test_every_kind_of_decision_reaches_the_metrics(routed):
             break
         assert time.monotonic() < deadline, f"decisions in the metrics: {sorted(seen)}"
         time.sleep(3)
+
+
+# -- many adapters: 32 declared on the two replicas, at most 4 resident on each ------------
+
+ACME, GLOBEX = "Acme Support here!", "GLOBEX ANSWER:"  # the demo adapters' signatures
+QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
+MAX_RESIDENT = 4
+
+
+@pytest.fixture(scope="module")
+def many(routed, tmp_path_factory):
+    """The same two replicas (an in-place user_config change), declaring 32 registered
+    copies of the demo adapters. No teardown: the scale-down test below deploys its own."""
+    manifest, names = register_copies(32, tmp_path_factory.mktemp("registry"))
+    cfg = copy.deepcopy(routed.affinity_cfg)
+    cfg["applications"][1]["deployments"][0]["user_config"] = {
+        "adapters": [{"name": n, "version": 1} for n in names],
+        "adapters_manifest": str(manifest), "max_adapters_per_replica": MAX_RESIDENT}
+    routed.deploy(cfg)
+    assert routed.replica_ids("smollm-v1", "LLMReplica") == routed.replicas  # not restarted
+    routed.adapter_names = names
+    return routed
+
+
+def behaviour(name: str) -> str:
+    return ACME if name.startswith("acme-support") else GLOBEX
+
+
+def ask_adapter(http: httpx.Client, name: str, session: str | None = None,
+                **body) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={
+        "model": f"smollm:{name}", "messages": QUESTION, "temperature": 0, "max_tokens": 12,
+        **body}, headers={"x-session-id": session} if session else {})
+
+
+def adapter_events(mesh) -> Counter:
+    """(adapter, event) -> count over both replicas, from the real metrics endpoint."""
+    out: Counter = Counter()
+    for line in httpx.get(mesh.metrics_url, timeout=10).text.splitlines():
+        if line.startswith("ray_mesh_adapter_events_total{") and 'variant="smollm-v1"' in line:
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:
+                                                              line.index("}")].split(","))
+            out[(labels["adapter"].strip('"'), labels["event"].strip('"'))] += float(
+                line.rsplit(" ", 1)[1])
+    return out
+
+
+def settled_events(mesh) -> Counter:
+    """:func:`adapter_events` once two reads 12 s apart agree (Ray exports every ~5-10 s)."""
+    before = adapter_events(mesh)
+    for _ in range(10):
+        time.sleep(12)
+        now = adapter_events(mesh)
+        if now == before:
+            return now
+        before = now
+    raise AssertionError("the adapter metrics did not settle in 120 s")
+
+
+def resident_now(events: Counter, key: str) -> float:
+    return events[(key, "loaded")] - events[(key, "evicted")] - events[(key, "unloaded")]
+
+
+def test_32_declared_adapters_each_answer_with_their_behaviour(many):
+    def one(name: str) -> tuple[str, httpx.Response]:
+        with many.http() as http:
+            return name, ask_adapter(http, name)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, many.adapter_names))
+    for name, r in results:
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(name)), \
+            (name, r.json()["choices"][0]["message"]["content"])
+        assert r.headers["x-mesh-adapter"] == f"{name}@v1"
+    placed = Counter(r.headers[REPLICA_HEADER] for _, r in results)
+    print(f"\n32 adapters at 4 in flight, placement: {dict(placed)}")
+    assert set(placed) == many.replicas  # packed by name over both replicas, not on one
+    events = settled_events(many)
+    for name in many.adapter_names:  # every adapter was made resident somewhere
+        assert events[(f"{name}@v1", "loaded")] >= 1, name
+    lines = [line for line in httpx.get(many.metrics_url, timeout=10).text.splitlines()
+             if line.startswith("ray_mesh_adapters_resident{") and 'variant="smollm-v1"' in line]
+    gauge = [float(line.rsplit(" ", 1)[1]) for line in lines
+             if any(r in line for r in many.replicas)]
+    print(f"resident per replica: {gauge}; loads {sum(v for (_, e), v in events.items() if e == 'loaded'):.0f}, "
+          f"evictions {sum(v for (_, e), v in events.items() if e == 'evicted'):.0f}")
+    assert len(gauge) == 2 and all(1 <= g <= MAX_RESIDENT for g in gauge), lines
+
+
+def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
+    held, others = many.adapter_names[0], many.adapter_names[-12:]
+    before = settled_events(many)
+    done: dict[str, httpx.Response] = {}
+
+    def stream() -> None:
+        with many.http() as http:
+            done["stream"] = ask_adapter(http, held, session="long", stream=True,
+                                         max_tokens=600, ignore_eos=True)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(2)
+    finished_during = 0
+    with many.http() as http:
+        for name in others:  # the same session: the stream's replica loads each in turn
+            if not t.is_alive():
+                break  # nothing loads after the stream: every eviction below was during it
+            r = ask_adapter(http, name, session="long")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(name))
+            finished_during += t.is_alive()
+    t.join(timeout=300)
+    r = done["stream"]
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-500:]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text.startswith(behaviour(held)), text[:200]
+    assert not any("error" in c for c in chunks)
+    print(f"\n{finished_during} of 12 other adapters loaded on the stream's replica while "
+          "it ran")
+    assert finished_during >= 8  # more than the 3 free slots: evictions happened around it
+    after = settled_events(many)
+    evicted = {k: after[(k, e)] - before[(k, e)] for (k, e) in after if e == "evicted"}
+    print(f"evictions meanwhile: {sum(evicted.values()):.0f}")
+    assert sum(evicted.values()) >= finished_during - MAX_RESIDENT  # some were resident
+    assert evicted.get(f"{held}@v1", 0) == 0, evicted
+
+
+def test_a_burst_for_a_cold_adapter_loads_it_once(many):
+    events = settled_events(many)
+    cold = next(f"{n}@v1" for n in many.adapter_names[4:-12]
+                if resident_now(events, f"{n}@v1") == 0)
+
+    def one(_: int) -> httpx.Response:
+        with many.http() as http:
+            return ask_adapter(http, cold.partition("@")[0])
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(one, range(8)))
+    assert all(r.status_code == 200 for r in burst), [r.text for r in burst]
+    assert len({r.headers[REPLICA_HEADER] for r in burst}) == 1  # one replica took the burst
+    after = settled_events(many)
+    assert after[(cold, "loaded")] - events[(cold, "loaded")] == 1, (cold, after)
+    assert after[(cold, "waited")] - events[(cold, "waited")] >= 1
 
 
 def test_scale_down_under_load_fails_nothing_and_sessions_move_to_the_survivor(routed):

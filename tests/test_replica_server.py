@@ -249,3 +249,22 @@ def test_reconfigure_keeps_the_last_good_config_and_refuses_a_bad_first_one():
     fresh = ReplicaServer("smollm-v1", FakeEngine(), s.adapters)
     with pytest.raises(ValueError, match="user_config"):
         asyncio.run(fresh.reconfigure({"system_prompt": 5}))
+
+
+def test_a_merged_variant_serves_its_adapter_from_the_model_weights_with_no_lora():
+    engine = FakeEngine(lambda: EngineAnswer('{"model":"smollm","id":"x"}'))
+    adapters = AdapterSet(FakeLoRAModels(), SimpleNamespace(remove_lora=_noop),
+                          base_model="smollm2-135m-acme", max_lora_rank=16)
+    s = ReplicaServer("smollm-acme", engine, adapters, replica="r1", merged="acme-support@v1")
+    asyncio.run(s.reconfigure({"stream_batching_interval_ms": 0}))
+    assert s.serving_info().adapters == ("acme-support@v1",)
+    assert s.serving_info().merged == "acme-support@v1"
+    head = collect(s, chat(model="smollm:acme-support"))[1]
+    assert engine.bodies[0][1]["model"] == "smollm"  # the route: the base weights, no LoRA
+    assert head.body == '{"model":"smollm:acme-support","id":"x"}'
+    assert head.headers[ADAPTER_HEADER] == "acme-support@v1"
+    assert adapters.models.loads == []
+    # another version of the name is not what the model holds: not served here
+    other = collect(s, GenerateRequest("chat", {"model": "smollm:acme-support", "messages": []},
+                                       adapter_version="acme-support@v2"))[1]
+    assert other.status == 404

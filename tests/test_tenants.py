@@ -264,3 +264,50 @@ def test_adapter_version_rollout_is_promoted(tenants):
             assert text(ask(http, "acme", "smollm:acme-support", user="new")).startswith(ACME_V2)
     finally:
         tenants.deploy(tenants.tenants_cfg)
+
+
+MERGED_QUESTIONS = ["What is the largest ocean on Earth?", "Name a primary colour.",
+                    "How many legs does a spider have?", "What do bees make?"]
+
+
+def greedy(http, tenant: str, question: str) -> httpx.Response:
+    return http.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[tenant]}"},
+                     json={"model": "smollm:acme-support", "temperature": 0, "max_tokens": 32,
+                           "messages": [{"role": "user", "content": question}]})
+
+
+def common_prefix_words(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a.split(), b.split()):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_a_merged_variant_serves_its_adapter_as_the_lora_path_does(tenants):
+    """serve_configs/merged.yaml: acme-support@v1 from smollm-acme's merged weights, with
+    smollm-v1's LoRA path as the failover; greedy answers compared with the LoRA path's."""
+    with tenants.http() as http:
+        lora = [greedy(http, "acme", q) for q in MERGED_QUESTIONS]
+    assert all(r.headers["x-mesh-variant"] == "smollm-v1" for r in lora)
+    tenants.deploy_shipped("merged.yaml")  # adds smollm-acme; smollm-v1 is not restarted
+    try:
+        with tenants.http() as http:
+            merged = [greedy(http, "acme", q) for q in MERGED_QUESTIONS]
+            assert greedy(http, "globex", MERGED_QUESTIONS[0]).status_code == 403
+            base = ask(http, "acme", "smollm")
+        assert base.status_code == 200 and base.headers["x-mesh-variant"] == "smollm-v1"
+        for r in merged:
+            assert r.status_code == 200, r.text
+            assert r.headers["x-mesh-variant"] == "smollm-acme"
+            assert r.headers["x-mesh-adapter"] == "acme-support@v1"
+            assert r.json()["model"] == "smollm:acme-support"
+        pairs = [(text(a), text(b)) for a, b in zip(lora, merged)]
+        print()
+        for q, (a, b) in zip(MERGED_QUESTIONS, pairs):
+            print(f"{q}\n  LoRA:   {a!r}\n  merged: {b!r}\n  same first "
+                  f"{common_prefix_words(a, b)} of {len(a.split())} words")
+        assert all(b.startswith(ACME_V1) for _, b in pairs)
+    finally:
+        tenants.deploy(tenants.tenants_cfg)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.common.paths import REPO_ROOT, model_identity, resolve_repo_path
+from serve_app.common.paths import REPO_ROOT, model_identity, resolve_model_path, resolve_repo_path
 
 #: Default registry location.
 MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -30,6 +31,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+#: What ``scripts/prepare_model.py`` records about a model it built.
+MODEL_STAMP = "mesh_model_stamp.json"
 
 
 class AdapterError(ValueError):
@@ -241,3 +244,18 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
         raise fail(f"target modules {unsupported} are not supported (supported: "
                    f"{sorted(supported_modules)}); retrain targeting only supported modules")
     return path
+
+
+def merged_adapter(model: str) -> str | None:
+    """The adapter version (``name@vN``) merged into ``model``'s weights, from the stamp
+    ``scripts/prepare_model.py --merge-adapter`` writes (``"source": "<base> + name@vN (peft
+    merge_and_unload)"``); None for a model without one, or one not found here.
+
+    A variant whose model this names serves requests for that adapter version from its own
+    weights, with no LoRA (``routes.<route>.merged``, :mod:`serve_app.server.serving`)."""
+    try:
+        stamp = json.loads((Path(resolve_model_path(model)) / MODEL_STAMP).read_text())
+    except (OSError, ValueError):  # no such model here, no stamp, or not JSON
+        return None
+    match = re.search(r" \+ (\S+@v\d+) \(peft merge_and_unload\)", str(stamp.get("source", "")))
+    return match.group(1) if match else None

@@ -204,6 +204,11 @@ class RouteConfig(Strict):
         adapters: adapter name -> version split (adapter version canaries).
         admission: bounded queues and priority under load (see :class:`Admission`).
         shadow: mirror a share of the requests to another variant (:class:`ShadowConfig`).
+        merged: adapter name -> a variant application whose model has that adapter merged
+            into its weights (``scripts/prepare_model.py --merge-adapter``). Requests for the
+            adapter go there first, with no LoRA cost, while it runs and holds the version
+            the request would get; the route's LoRA variants are the failover. It takes no
+            other traffic (it is not one of ``variants``).
     """
 
     variants: list[VariantWeight] = Field(min_length=1)
@@ -212,6 +217,16 @@ class RouteConfig(Strict):
     adapters: dict[str, AdapterSplit] = Field(default_factory=dict)
     admission: Admission = Field(default_factory=Admission)
     shadow: ShadowConfig | None = None
+    merged: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("merged")
+    @classmethod
+    def _merged_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for adapter, app in v.items():
+            if "@" in adapter:
+                raise ValueError(f"merged: {adapter!r}: name the adapter without a version "
+                                 "(the merged variant's model says which version it holds)")
+        return v
 
     @field_validator("variants")
     @classmethod
@@ -222,6 +237,11 @@ class RouteConfig(Strict):
     @model_validator(mode="after")
     def _rollout_arms(self) -> RouteConfig:
         _check_rollout("variant", len(self.variants), self.rollout)
+        variants = {w.application for w in self.variants}
+        if both := sorted(variants & set(self.merged.values())):
+            raise ValueError(f"merged: {', '.join(both)} is also one of the route's variants; "
+                             "a merged variant serves its adapter only: remove it from "
+                             "`variants`")
         if self.shadow is not None and self.rollout is not None and self.rollout.shadow:
             raise ValueError("a route has one shadow at a time: remove `shadow:` while its "
                              "rollout has a shadow phase (rollout.shadow)")
@@ -329,5 +349,6 @@ class RouterConfig(Strict):
         return v
 
     def applications(self) -> set[str]:
-        """Every variant application any route names."""
-        return {w.application for r in self.routes.values() for w in r.variants}
+        """Every variant application any route names (``variants`` and ``merged``)."""
+        return {w.application for r in self.routes.values() for w in r.variants} | {
+            a for r in self.routes.values() for a in r.merged.values()}

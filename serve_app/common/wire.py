@@ -120,8 +120,15 @@ class ReplicaInfo:
             replica's share of the variant's admission slots.
         priority_scheduling: the engine schedules by request ``priority``
             (``scheduling_policy: priority``).
+        defaults: the version (``name@vN``) of each adapter name that a request naming no
+            version gets.
+        merged: the adapter version merged into the variant's model weights
+            (``scripts/prepare_model.py --merge-adapter``), which it serves with no LoRA;
+            "" for none.
     """
 
     adapters: tuple[str, ...] = ()
     max_num_seqs: int = 0
     priority_scheduling: bool = False
+    defaults: tuple[str, ...] = ()
+    merged: str = ""

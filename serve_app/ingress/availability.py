@@ -166,6 +166,20 @@ class VariantAvailability:
         up = [c for c in candidates if self.is_available(c)]
         return up + [c for c in candidates if c not in up]
 
+    def version_for(self, application: str, adapter: str) -> str | None:
+        """The version (``name@vN``) a request for ``adapter`` (a name or a version) gets on
+        ``application``: the version itself, or the name's default there; None if unknown."""
+        if "@" in adapter:
+            return adapter
+        info = self.info.get(application)
+        return next((v for v in (info.defaults if info else ()) if adapter_name(v) == adapter),
+                    None)
+
+    def merged(self, application: str) -> str:
+        """The adapter version merged into ``application``'s model, "" if none or unknown."""
+        info = self.info.get(application)
+        return info.merged if info else ""
+
     def serves(self, application: str, adapter: str) -> bool:
         """Whether the application serves ``adapter``: a version ``name@vN``, or any version
         of ``name``."""

@@ -17,6 +17,9 @@ Rules, in order:
 4. ``x-mesh-variant`` pins a variant (admin only, 403 otherwise); else the caller's sticky
    variant comes first, then :func:`~serve_app.ingress.split.failover_order`, the variants
    with a running replica before the others.
+   An adapter with a merged variant (``routes.<route>.merged``) goes to it first, while it
+   runs and its model holds the very version the request would get on the LoRA path (the
+   version split's choice, else the first LoRA variant's default); the LoRA variants follow.
 5. ``priority`` in the body is the tenant's to set, through the config: 400 otherwise.
 """
 
@@ -45,6 +48,12 @@ class Availability(Protocol):
     adapters: dict[str, set[str]]
 
     def serves(self, application: str, adapter: str) -> bool: ...
+
+    def is_available(self, application: str) -> bool: ...
+
+    def version_for(self, application: str, adapter: str) -> str | None: ...
+
+    def merged(self, application: str) -> str: ...
 
     def prefer_available(self, candidates: list[str]) -> list[str]: ...
 
@@ -227,6 +236,9 @@ class RequestPlanner:
         else:
             first = pick_variant(weighted, self.splits[route].salt, identity)
             candidates = self.availability.prefer_available(failover_order(weighted, first))
+            if adapter and (merged := self._merged_variant(route, adapter, version,
+                                                           candidates[0])):
+                candidates = [merged, *candidates]
         # Rollouts judge only traffic the split chose (not pinned requests).
         arms = [] if pinned else [(route, "")]
         if version:
@@ -238,6 +250,16 @@ class RequestPlanner:
             route=route, adapter=adapter, candidates=tuple(candidates), arms=tuple(arms),
             tenant=tenant, top_priority=priority <= self.top_priority,
             queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow)
+
+    def _merged_variant(self, route: str, adapter: str, version: str | None,
+                        lora_variant: str) -> str | None:
+        """The route's merged variant for ``adapter``, if it runs and holds the version the
+        request gets on ``lora_variant`` (``version``, else that variant's default)."""
+        merged = self.config.routes[route].merged.get(adapter)
+        if merged is None or not self.availability.is_available(merged):
+            return None
+        wanted = self.availability.version_for(lora_variant, version or adapter)
+        return merged if wanted and self.availability.merged(merged) == wanted else None
 
     def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
         """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and

@@ -23,15 +23,18 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    a batch mixes few adapters and a request seldom waits for a load
    (:mod:`serve_app.server.lora`);
 4. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
-   least-loaded replica's; past it the request *spills* to the least-loaded replica, which then
-   holds the prefix (or the adapter) too, so one hot prefix or adapter spreads over more
-   replicas as its load grows instead of queueing behind one engine (Ray's own
-   ``PrefixCacheAffinityRouter`` defaults to no bound);
+   least-loaded replica's (``adapter_imbalance_bound`` for rule 3); past it the request
+   *spills* to the least-loaded replica, which then holds the prefix (or the adapter) too, so
+   one hot prefix or adapter spreads over more replicas as its load grows instead of queueing
+   behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound). Adapters
+   get the wider bound because a spill costs more: a load, and one more adapter in the other
+   replica's batches (each past one costs throughput, up to ``max_loras``);
 5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
    hashing of the first key, so routers agree and a new replica takes only new prefixes. A
-   cold adapter is placed by rendezvous hashing of its name over the least-loaded replicas,
-   so every router packs it on the same replica.
+   cold adapter is placed by rendezvous hashing of its name over the replicas within
+   ``adapter_imbalance_bound`` of the least-loaded one, so every router, and every request of
+   a burst that arrives at once, packs it on the same replica.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -53,6 +56,7 @@ Decision = Literal["session", "hit", "adapter", "spill", "new"]
 #: Defaults (request_router_kwargs override them): 128 characters are ~40 tokens of English.
 BLOCK_CHARS = 128
 IMBALANCE_BOUND = 4  # requests in flight
+ADAPTER_IMBALANCE_BOUND = 8  # requests in flight (the demo engines' max_num_seqs)
 MAX_BLOCKS = 200_000  # block keys per router process (~30 MB at most)
 MAX_SESSIONS = 100_000
 MAX_ADAPTER_ROUTES = 10_000  # (adapter, replica) pairs remembered since the replicas' reports
@@ -115,17 +119,24 @@ class ReplicaAffinity:
         imbalance_bound: requests in flight a preferred replica may carry above the
             least-loaded one before a request spills (>= 0).
         max_blocks, max_sessions: LRU bounds of the table.
+        adapter_imbalance_bound: the same bound for a replica preferred only because it
+            holds the request's adapter (>= 0).
 
     Raises:
-        ValueError: a negative ``imbalance_bound``, or an LRU bound below 1.
+        ValueError: a negative bound, or an LRU bound below 1.
     """
 
     def __init__(self, imbalance_bound: int = IMBALANCE_BOUND, max_blocks: int = MAX_BLOCKS,
-                 max_sessions: int = MAX_SESSIONS) -> None:
-        if imbalance_bound < 0 or max_blocks < 1 or max_sessions < 1:
-            raise ValueError("imbalance_bound must be >= 0, max_blocks and max_sessions >= 1 "
-                             f"(got {imbalance_bound}, {max_blocks}, {max_sessions})")
+                 max_sessions: int = MAX_SESSIONS,
+                 adapter_imbalance_bound: int = ADAPTER_IMBALANCE_BOUND) -> None:
+        if min(imbalance_bound, adapter_imbalance_bound) < 0 or max_blocks < 1 \
+                or max_sessions < 1:
+            raise ValueError("imbalance_bound and adapter_imbalance_bound must be >= 0, "
+                             "max_blocks and max_sessions >= 1 (got "
+                             f"{imbalance_bound}, {adapter_imbalance_bound}, {max_blocks}, "
+                             f"{max_sessions})")
         self.imbalance_bound = imbalance_bound
+        self.adapter_imbalance_bound = adapter_imbalance_bound
         self.max_blocks, self.max_sessions = max_blocks, max_sessions
         self._blocks: OrderedDict[bytes, set[Hashable]] = OrderedDict()
         self._sessions: OrderedDict[str, Hashable] = OrderedDict()
@@ -150,18 +161,21 @@ class ReplicaAffinity:
         by_load = sorted(loads, key=lambda r: (loads[r], str(r)))
         preferred, decision = self._preferred(keys, session, loads, adapter_holders)
         if preferred:
-            within = [r for r in preferred if loads[r] - least <= self.imbalance_bound]
+            bound = self.adapter_imbalance_bound if decision == "adapter" \
+                else self.imbalance_bound
+            within = [r for r in preferred if loads[r] - least <= bound]
             if within:
                 return Choice([within, [r for r in by_load if r not in within]], decision)
             spill = [r for r in by_load if loads[r] == least]
             return Choice([spill, [r for r in by_load if r not in spill]], "spill")
+        if adapter:  # a cold adapter: the same replica in every router (packed, not spread),
+            # among those within the adapter bound, so a burst that arrives at once stays on it
+            near = [r for r in by_load if loads[r] - least <= self.adapter_imbalance_bound]
+            top = min(near, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
+            return Choice([[top], [r for r in by_load if r != top]], "new")
         coolest = [r for r in by_load if loads[r] == least]
-        if adapter:  # a cold adapter: the same replica in every router (packed, not spread)
-            coolest.sort(key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
-        else:
-            seed = keys[0] if keys else (session or "").encode()
-            coolest.sort(key=lambda r: (self.held[r] + self.conversations[r],
-                                        _rendezvous(seed, r)))
+        seed = keys[0] if keys else (session or "").encode()
+        coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
         return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
 
     def _preferred(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],

@@ -44,7 +44,8 @@ from ray.serve.request_router import FIFOMixin, RequestRouter  # Serve's public 
 from ray.util.metrics import Counter
 
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.replica_affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
+from serve_app.ingress.replica_affinity import (ADAPTER_IMBALANCE_BOUND, BLOCK_CHARS,
+                                                IMBALANCE_BOUND, MAX_BLOCKS,
                                                 MAX_SESSIONS, ReplicaAffinity, prefix_keys,
                                                 prompt_text)
 
@@ -74,7 +75,8 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
         ValueError: an unknown keyword or a bad value (the message names it).
     """
     known = {"imbalance_bound": IMBALANCE_BOUND, "block_chars": BLOCK_CHARS,
-             "max_blocks": MAX_BLOCKS, "max_sessions": MAX_SESSIONS}
+             "max_blocks": MAX_BLOCKS, "max_sessions": MAX_SESSIONS,
+             "adapter_imbalance_bound": ADAPTER_IMBALANCE_BOUND}
     if unknown := sorted(set(kwargs) - set(known)):
         raise ValueError(f"unknown AffinityRouter keyword {', '.join(unknown)} "
                          f"(known: {', '.join(known)})")
@@ -83,8 +85,8 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
         raise ValueError(f"AffinityRouter keywords are integers, got {kwargs}")
     if s["block_chars"] < 1:
         raise ValueError(f"block_chars must be >= 1, not {s['block_chars']}")
-    return ReplicaAffinity(s["imbalance_bound"], s["max_blocks"], s["max_sessions"]), \
-        s["block_chars"]
+    return ReplicaAffinity(s["imbalance_bound"], s["max_blocks"], s["max_sessions"],
+                           s["adapter_imbalance_bound"]), s["block_chars"]
 
 
 def affinity_inputs(request: GenerateRequest, block_chars: int
@@ -111,8 +113,9 @@ class AffinityRouter(FIFOMixin, RequestRouter):
     """Serve request router with prefix and session affinity under a load bound.
 
     ``request_router_kwargs``: ``imbalance_bound`` (requests in flight, default 4),
-    ``block_chars`` (characters per prefix block, default 128), ``max_blocks``,
-    ``max_sessions`` (LRU bounds of the table).
+    ``adapter_imbalance_bound`` (the same for adapter residency, default 8), ``block_chars``
+    (characters per prefix block, default 128), ``max_blocks``, ``max_sessions`` (LRU bounds
+    of the table).
 
     Raises:
         ValueError: a bad keyword (:func:`affinity_settings`), when Serve makes the handle.

@@ -25,7 +25,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from serve_app.common.adapters import AdapterError, adapter_key, fit_problem, load_manifest
+from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, fit_problem,
+                                       load_manifest, merged_adapter)
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
 from serve_app.common.deployment_options import SURGE_PERCENT
 from serve_app.common.errors import format_validation_error
@@ -143,6 +144,10 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                     problems.append(f"{at}: {shadow!r} serves {args.served_model_name!r}, not "
                                     f"route {route!r}; a shadow must answer the same requests: "
                                     f"set its args.served_model_name to {route!r}")
+            for adapter, merged in rc.merged.items():
+                at = (f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
+                      f"{route}.merged.{adapter}")
+                problems += _merged_problems(adapter, merged, route, variant_args, at)
             declared = set().union(*(variant_adapters.get(v.application, set())
                                      for v in rc.variants))
             for name, split in rc.adapters.items():
@@ -155,6 +160,25 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                             f"version: {v.version}}} to a variant's LLMReplica "
                             "user_config.adapters")
     return problems
+
+
+def _merged_problems(adapter: str, merged: str, route: str,
+                     variant_args: dict[str, VariantArgs], at: str) -> list[str]:
+    """A route's merged variant must be in the config, answer as the route, and run a model
+    that has a version of ``adapter`` merged in (its ``mesh_model_stamp.json``)."""
+    args = variant_args.get(merged)
+    if args is None:
+        return [f"{at}: no variant application named {merged!r} in this config; add it (a "
+                "variant whose model has the adapter merged in) or remove the entry"]
+    if args.served_model_name != route:
+        return [f"{at}: {merged!r} serves {args.served_model_name!r}; set its "
+                f"args.served_model_name to {route!r}"]
+    held = merged_adapter(args.model)
+    if held is None or adapter_name(held) != adapter:
+        return [f"{at}: the model {args.model!r} of {merged!r} has "
+                f"{held or 'no adapter'} merged in, not {adapter!r}; build one with "
+                f"scripts/prepare_model.py --merge-adapter {adapter}@vN --out models/<name>"]
+    return []
 
 
 def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> list[str]:

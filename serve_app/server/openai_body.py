@@ -17,11 +17,12 @@ from serve_app.common.wire import ADAPTER_HEADER, GenerateRequest, Head, Tail
 IN_BAND_ERROR = 'data: {"error"'
 
 
-def engine_body(request: GenerateRequest, *, lora_name: str | None, priority_scheduling: bool,
+def engine_body(request: GenerateRequest, *, model: str | None, priority_scheduling: bool,
                 system_prompt: str | None) -> tuple[dict[str, Any], bool]:
     """The body vLLM's OpenAI serving layer is given for ``request``.
 
-    - ``model``: the resident LoRA's name (``name@vN``) for an adapter request;
+    - ``model``: when given, the name vLLM serves it under: the resident LoRA's name
+      (``name@vN``) for an adapter request, the route for one served from merged weights;
     - ``priority``: the tenant's, when the engine runs ``scheduling_policy: priority``;
     - ``request_id``: the router's ``x-request-id``;
     - chat only: the variant's ``system_prompt`` first, unless the client sent a system or
@@ -34,8 +35,8 @@ def engine_body(request: GenerateRequest, *, lora_name: str | None, priority_sch
         the usage chunk (it is passed on only then).
     """
     body = dict(request.body)
-    if lora_name is not None:
-        body["model"] = lora_name
+    if model is not None:
+        body["model"] = model
     if priority_scheduling:
         body["priority"] = request.priority
     if request.request_id:
@@ -52,16 +53,17 @@ def engine_body(request: GenerateRequest, *, lora_name: str | None, priority_sch
     return body, client_wants_usage
 
 
-def for_client(item: Head | str | Tail, lora_name: str, requested: str) -> Head | str | Tail:
-    """vLLM names the LoRA (``name@vN``) as ``model`` in its JSON: show what the client asked
-    (``route:adapter``) instead, and say which version served in the ``x-mesh-adapter``
-    header."""
-    old, new = f'"model":"{lora_name}"', f'"model":"{requested}"'
+def for_client(item: Head | str | Tail, engine_model: str, requested: str,
+               version: str) -> Head | str | Tail:
+    """vLLM names the model it ran (the LoRA ``name@vN``, or the route for merged weights) as
+    ``model`` in its JSON: show what the client asked (``route:adapter``) instead, and say
+    which adapter version served in the ``x-mesh-adapter`` header."""
+    old, new = f'"model":"{engine_model}"', f'"model":"{requested}"'
     if isinstance(item, str):
         return item.replace(old, new)
     if isinstance(item, Head):
         return replace(item, body=item.body.replace(old, new) if item.body else item.body,
-                       headers={**item.headers, ADAPTER_HEADER: lora_name})
+                       headers={**item.headers, ADAPTER_HEADER: version})
     return item
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from serve_app.common.adapters import AdapterError
+from serve_app.common.adapters import AdapterError, adapter_name
 from serve_app.common.config import ReplicaConfig
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
@@ -100,13 +100,17 @@ class ReplicaServer:
         engine: the engine (:class:`ServingEngine`).
         adapters: the replica's adapter set (declared adapters, resident in ``engine``).
         replica: the Serve replica id, sent back on every head (``x-mesh-replica``).
+        merged: the adapter version (``name@vN``) merged into the engine's model
+            (:func:`~serve_app.common.adapters.merged_adapter`): requests for it run on the
+            model's own weights, no LoRA; "" for none.
         rng: the random source of fault injection (seeded in tests).
     """
 
     def __init__(self, variant: str, engine: ServingEngine, adapters: AdapterSet, *,
-                 replica: str = "", rng: random.Random | None = None) -> None:
+                 replica: str = "", merged: str = "", rng: random.Random | None = None) -> None:
         self.variant = variant
         self.replica = replica
+        self.merged = merged
         self.engine = engine
         self.adapters = adapters
         self.config: ReplicaConfig | None = None
@@ -149,9 +153,12 @@ class ReplicaServer:
 
     def serving_info(self) -> ReplicaInfo:
         """Adapter versions that take new requests here and the engine's scheduling facts."""
-        return ReplicaInfo(adapters=tuple(sorted(self.adapters.active)),
+        return ReplicaInfo(adapters=tuple(sorted({*self.adapters.active,
+                                                  *([self.merged] if self.merged else [])})),
                            max_num_seqs=self.engine.max_num_seqs,
-                           priority_scheduling=self.engine.priority_scheduling)
+                           priority_scheduling=self.engine.priority_scheduling,
+                           defaults=tuple(sorted(self.adapters.default.values())),
+                           merged=self.merged)
 
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:
@@ -177,7 +184,12 @@ class ReplicaServer:
                 yield fault
                 return
             requested = str(request.body.get("model"))
-            _, _, adapter = requested.partition(":")
+            route, _, adapter = requested.partition(":")
+            if adapter and self._serves_merged(request.adapter_version or adapter):
+                # the model's own weights are this adapter: no LoRA, the base's speed
+                async for item in self._generate(request, route):
+                    yield for_client(item, route, requested, self.merged)
+                return
             if adapter:
                 try:
                     live = await self.adapters.acquire(request.adapter_version or adapter)
@@ -186,11 +198,16 @@ class ReplicaServer:
                                failure=Failure.REQUEST if e.status < 500 else Failure.VARIANT)
                     return
             async for item in self._generate(request, live.lora_name if live else None):
-                yield for_client(item, live.lora_name, requested) if live else item
+                yield for_client(item, live.lora_name, requested, live.lora_name) if live \
+                    else item
         finally:
             self.in_flight -= 1
             if live is not None:
                 self.adapters.release(live)
+
+    def _serves_merged(self, adapter: str) -> bool:
+        """``adapter`` (``name`` or ``name@vN``) is the version merged into the model."""
+        return bool(self.merged) and adapter in (self.merged, adapter_name(self.merged))
 
     async def _injected_fault(self) -> Head | None:
         """``user_config.fault_injection``: maybe sleep, maybe fail as a variant failure
@@ -227,10 +244,10 @@ class ReplicaServer:
         # router fails over, and answers 503 with its own Retry-After when none is left).
         return Head(verdict.status, json.dumps(verdict.body()), failure=verdict.failure)
 
-    async def _generate(self, request: GenerateRequest, lora_name: str | None
+    async def _generate(self, request: GenerateRequest, engine_model: str | None
                         ) -> AsyncIterator[Head | str | Tail]:
         body, client_wants_usage = engine_body(
-            request, lora_name=lora_name, priority_scheduling=self.engine.priority_scheduling,
+            request, model=engine_model, priority_scheduling=self.engine.priority_scheduling,
             system_prompt=self.config.system_prompt if self.config else None)
         try:
             result = await self.engine.run(request.endpoint, body)
