@@ -196,7 +196,7 @@ def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
     def stream() -> None:
         with many.http() as http:
             done["stream"] = ask_adapter(http, held, session="long", stream=True,
-                                         max_tokens=600, ignore_eos=True)
+                                         max_tokens=400, ignore_eos=True)
 
     t = threading.Thread(target=stream)
     t.start()
