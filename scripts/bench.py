@@ -24,9 +24,15 @@ Usage:
                           [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
   python scripts/bench.py --limits [--concurrency 1 8 64] [--limit-calls 2000]
   python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
+  python scripts/bench.py --adapters 16 [--max-resident 4]
 
 --sessions compares cache-aware replica routing with Serve's default router on a variant of
 two replicas, in one run, starting its own Ray cluster (scripts/bench_sessions.py).
+
+--adapters K runs K registered adapters on a variant of two replicas: adapter affinity vs
+Serve's default router vs vLLM's own server vs base-only, and a hot adapter from merged
+weights, in one run, starting its own Ray cluster (scripts/bench_adapters.py; 48 requests at 8
+in flight unless --requests / --concurrency say otherwise).
 
 --limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
 against serve_configs/tenants.yaml): (a) the router's asks to the shared counts
@@ -263,7 +269,20 @@ def main() -> None:
                         help="--sessions: tenants (one system prompt each)")
     parser.add_argument("--workdir", default=".mesh/bench",
                         help="--sessions: where the deployed configs are written")
+    parser.add_argument("--adapters", type=int, metavar="K",
+                        help="many LoRA adapters: K registered copies on a 2-replica variant, "
+                        "adapter affinity vs Serve's default router vs vLLM direct vs "
+                        "base-only, and a merged variant (scripts/bench_adapters.py; starts "
+                        "its own Ray and mesh)")
+    parser.add_argument("--max-resident", type=int, default=4,
+                        help="--adapters: max_adapters_per_replica")
     a = parser.parse_args()
+    if a.adapters:
+        import bench_adapters
+        if a.requests == 32:  # the default of the other modes: give this one more
+            a.requests = 48
+        a.concurrency = a.concurrency[0] if a.concurrency != [1, 8, 32] else 8
+        return bench_adapters.run(a)
     if a.sessions:
         import bench_sessions
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import random
 import sys
 import time
@@ -40,9 +39,8 @@ from serve_app.common.paths import REPO_ROOT  # noqa: E402
 from serve_app.common.serve_configs import load_yaml  # noqa: E402
 from serve_app.common.wire import REPLICA_HEADER  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
-from serve_app.common.serve_env import SERVE_ENV  # noqa: E402
 from serve_app.release.deploy import deploy, replica_ids  # noqa: E402
-from serve_app.tools.servers import free_port  # noqa: E402
+from serve_app.tools.servers import start_local_ray  # noqa: E402
 
 CHARS_PER_TOKEN = 4  # English text and this model's tokenizer, roughly
 WORDS = ("order invoice parcel refund account ticket router engine replica cache tenant "
@@ -146,14 +144,8 @@ def run(a) -> None:
     import ray
     from ray import serve
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update(SERVE_ENV)
-    dash, http_port, metrics_port = free_port(), free_port(), free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=dash, configure_logging=False, log_to_driver=False,
-             _metrics_export_port=metrics_port)
-    dashboard, url = f"http://127.0.0.1:{dash}", f"http://127.0.0.1:{http_port}"
-    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    dashboard, http_port, metrics = start_local_ray()
+    url = f"http://127.0.0.1:{http_port}"
     base = load_yaml(REPO_ROOT / "serve_configs" / "affinity.yaml")
     base["http_options"] = {"host": "127.0.0.1", "port": http_port}
     rows = {}

@@ -43,3 +43,23 @@ def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: s
             raise ServerDidNotStart(f"{what} did not answer {url} in {timeout_s:.0f} s; see "
                                     f"{log_path}")
         time.sleep(every_s)
+
+
+def start_local_ray() -> tuple[str, int, str]:
+    """Start a new local Ray cluster for a benchmark (loopback only, the mesh's Serve
+    settings, token auth off as in the tests): returns (dashboard URL, a free port for
+    Serve's HTTP proxy, the metrics export URL). Stop it with ``ray.shutdown()``."""
+    import os
+
+    import ray
+
+    from serve_app.common.serve_env import SERVE_ENV
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(SERVE_ENV)
+    dash, http_port, metrics_port = free_port(), free_port(), free_port()
+    # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=dash, configure_logging=False, log_to_driver=False,
+             _metrics_export_port=metrics_port)
+    return f"http://127.0.0.1:{dash}", http_port, f"http://127.0.0.1:{metrics_port}/metrics"
