@@ -294,6 +294,12 @@ def test_a_merged_variant_serves_its_adapter_as_the_lora_path_does(tenants):
     tenants.deploy_shipped("merged.yaml")  # adds smollm-acme; smollm-v1 is not restarted
     try:
         with tenants.http() as http:
+            # Until the router's availability poll has seen smollm-acme run (Serve's status
+            # is read every few seconds), the LoRA path serves: no request waits for it.
+            deadline = time.monotonic() + 60
+            while greedy(http, "acme", "Hi").headers["x-mesh-variant"] != "smollm-acme":
+                assert time.monotonic() < deadline, "smollm-acme never took acme-support"
+                time.sleep(1)
             merged = [greedy(http, "acme", q) for q in MERGED_QUESTIONS]
             assert greedy(http, "globex", MERGED_QUESTIONS[0]).status_code == 403
             base = ask(http, "acme", "smollm")
