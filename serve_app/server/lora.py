@@ -227,7 +227,12 @@ class AdapterSet:
             self._refuse(live.lora_name, reason)
             if self.active.get(live.lora_name) is live:  # stop routing it here
                 del self.active[live.lora_name]
-                self.default = {n: k for n, k in self.default.items() if k != live.lora_name}
+                name = adapter_name(live.lora_name)
+                if self.default.get(name) == live.lora_name:  # another version, if any
+                    other = next((k for k in self.active if adapter_name(k) == name), None)
+                    self.default.pop(name)
+                    if other:
+                        self.default[name] = other
             raise AdapterError(reason)
         live.lora_int_id = self.models.lora_requests[live.lora_name].lora_int_id
         self.resident[live.lora_name] = live
