@@ -68,7 +68,7 @@ class LLMReplica:
         """``pid`` and :meth:`ReplicaServer.stats` (tests and debugging)."""
         return {"pid": os.getpid(), **self.server.stats()}
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the
         adapters resident here and when (``time.time()``, s), for the replica router."""
         self._adapter_metrics.refresh()

@@ -150,22 +150,48 @@ def test_a_retired_adapter_finishes_its_requests_then_unloads(copies):
     assert set(models.lora_requests) == {f"{refs[1][0]}@v1"}
 
 
-def test_an_adapter_vllm_refuses_at_first_use_is_a_503_and_is_refused_from_then_on(copies):
+def test_a_failed_load_is_a_503_the_adapter_stays_declared_and_the_next_request_retries(copies):
     manifest, refs = copies
     broken = f"{refs[3][0]}@v1"
-    adapters, _ = adapter_set(FakeLoRAModels(broken=(broken,)))
+    models = FakeLoRAModels(broken=(broken,))
+    adapters, _ = adapter_set(models)
 
     async def main():
         await adapters.reconcile(refs[:4], manifest, max_resident=2)
-        with pytest.raises(MeshError) as e:
-            await adapters.acquire(refs[3][0])
-        assert (e.value.status, e.value.body()["error"]["code"]) == (503, "adapter_load_failed")
-        assert "bad tensor shapes" in adapters.refused[broken]
-        with pytest.raises(MeshError) as again:
-            await adapters.acquire(refs[3][0])
-        return again.value.status
+        for _ in range(2):
+            with pytest.raises(MeshError) as e:
+                await adapters.acquire(refs[3][0])
+            assert (e.value.status, e.value.body()["error"]["code"]) == (
+                503, "adapter_load_failed")
+        assert "bad tensor shapes" in adapters.load_errors[broken]
+        assert broken in adapters.active and adapters.active[broken].in_flight == 0
+        models.broken = ()
+        live = await adapters.acquire(refs[3][0])  # fixed: it loads now
+        adapters.release(live)
+        return adapters.load_errors
 
-    assert asyncio.run(main()) == 404
+    assert asyncio.run(main()) == {}
+
+
+def test_an_adapter_retired_and_declared_again_while_it_loads_stays_one_object(copies):
+    manifest, refs = copies
+    adapters, _ = adapter_set(FakeLoRAModels(load_s=0.05))
+
+    async def main():
+        await adapters.reconcile(refs[:1], manifest, max_resident=2)
+        key = f"{refs[1][0]}@v1"
+        await adapters.reconcile(refs[:2], manifest, max_resident=1)  # no room: cold
+        first = asyncio.ensure_future(adapters.acquire(refs[1][0]))
+        await asyncio.sleep(0)
+        await adapters.reconcile(refs[:1], manifest, max_resident=2)  # retired mid-load
+        await adapters.reconcile(refs[:2], manifest, max_resident=2)  # and declared again
+        live = await first
+        again = await adapters.acquire(refs[1][0])
+        same = again is live and adapters.resident[key] is live and live.in_flight == 2
+        adapters.release(live), adapters.release(again)
+        return same
+
+    assert asyncio.run(main())
 
 
 def test_max_adapters_per_replica_above_max_cpu_loras_is_refused_with_the_fix(copies):

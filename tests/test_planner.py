@@ -202,6 +202,7 @@ def test_an_adapter_with_a_merged_variant_goes_there_first_with_the_lora_path_as
     p = merged_planner(MergedAvailability())
     got = plan({"model": "smollm:globex"}, "globex", p)
     assert got.candidates == ("g-merged", "v1")  # v2 does not serve globex
+    assert got.request.adapter_version == "globex@v1"  # both paths serve the same version
     # tenant isolation is unchanged: another tenant is refused before any variant is chosen
     with pytest.raises(MeshError) as e:
         plan({"model": "smollm:globex"}, "acme", p)

@@ -267,4 +267,4 @@ def test_a_merged_variant_serves_its_adapter_from_the_model_weights_with_no_lora
     # another version of the name is not what the model holds: not served here
     other = collect(s, GenerateRequest("chat", {"model": "smollm:acme-support", "messages": []},
                                        adapter_version="acme-support@v2"))[1]
-    assert other.status == 404
+    assert (other.status, other.failure) == (404, Failure.VARIANT)  # the router fails over

@@ -238,7 +238,8 @@ class RequestPlanner:
             candidates = self.availability.prefer_available(failover_order(weighted, first))
             if adapter and (merged := self._merged_variant(route, adapter, version,
                                                            candidates[0])):
-                candidates = [merged, *candidates]
+                merged_app, version = merged  # the version pinned: both paths serve the same
+                candidates = [merged_app, *candidates]
         # Rollouts judge only traffic the split chose (not pinned requests).
         arms = [] if pinned else [(route, "")]
         if version:
@@ -252,14 +253,20 @@ class RequestPlanner:
             queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow)
 
     def _merged_variant(self, route: str, adapter: str, version: str | None,
-                        lora_variant: str) -> str | None:
-        """The route's merged variant for ``adapter``, if it runs and holds the version the
-        request gets on ``lora_variant`` (``version``, else that variant's default)."""
-        merged = self.config.routes[route].merged.get(adapter)
-        if merged is None or not self.availability.is_available(merged):
+                        lora_variant: str) -> tuple[str, str] | None:
+        """The route's merged variant for ``adapter`` and the version it holds, if it runs
+        and holds the version the request gets on ``lora_variant`` (``version``, else that
+        variant's default). None while the route or the adapter's split is under a rollout:
+        merged-speed answers would skew the arms' figures."""
+        rc = self.config.routes[route]
+        merged = rc.merged.get(adapter)
+        split = rc.adapters.get(adapter)
+        if merged is None or rc.rollout is not None or (split and split.rollout is not None) \
+                or not self.availability.is_available(merged):
             return None
         wanted = self.availability.version_for(lora_variant, version or adapter)
-        return merged if wanted and self.availability.merged(merged) == wanted else None
+        return (merged, wanted) if wanted and self.availability.merged(merged) == wanted \
+            else None
 
     def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
         """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and

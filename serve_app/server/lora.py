@@ -98,6 +98,8 @@ class AdapterSet:
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
         self.load_seconds: dict[str, float] = {}  # "name@vN" -> last load time, s
         self._loads: dict[str, asyncio.Future] = {}  # loads under way, shared by a burst
+        self._loading_live: dict[str, LiveAdapter] = {}  # the object each load makes resident
+        self.load_errors: dict[str, str] = {}  # "name@vN" -> vLLM's last load error
         self._loading = 0  # loads under way, counted against max_resident
         self._room = asyncio.Event()  # set when an adapter is released or unloaded
         self._lock = asyncio.Lock()
@@ -129,13 +131,15 @@ class AdapterSet:
         specs = await asyncio.to_thread(load_manifest, manifest) if refs else {}
         async with self._lock:
             self.max_resident = limit
+            self._room.set()  # a higher limit may let waiting loads go
             wanted = [adapter_key(name, version) for name, version in refs]
             refused_names = set()
             for key in wanted:
                 if key in self.active:
                     continue
-                if key in self.resident:  # still draining: take it back instead of reloading
-                    self.active[key] = self.resident[key]
+                held = self.resident.get(key) or self._loading_live.get(key)
+                if held is not None:  # draining or loading: take it back, one object per key
+                    self.active[key] = held
                     logger.info("adapter %s serves new requests again", key)
                     continue
                 try:
@@ -166,10 +170,10 @@ class AdapterSet:
                 self.default.setdefault(adapter_name(key), key)
             # Warm what fits without evicting anything; the rest loads on first use.
             for key in order:
-                if len(self.resident) + self._loading >= self.max_resident:
-                    break
+                if len(self.resident) + len(self._loads) >= self.max_resident:
+                    break  # (loads waiting for room count too: warming never waits or evicts)
                 live = self.active.get(key)
-                if live is not None and key not in self.resident:
+                if live is not None and key not in self.resident and key not in self._loads:
                     try:
                         await self._load_shared(live)
                     except AdapterError:
@@ -196,7 +200,12 @@ class AdapterSet:
         if load is None:
             load = asyncio.ensure_future(self._make_resident(live))
             self._loads[live.lora_name] = load
-            load.add_done_callback(lambda _: self._loads.pop(live.lora_name, None))
+            self._loading_live[live.lora_name] = live
+
+            def done(_, key=live.lora_name):
+                self._loads.pop(key, None)
+                self._loading_live.pop(key, None)
+            load.add_done_callback(done)
         # shield: a caller that leaves (client disconnect) does not cancel the others' load
         await asyncio.shield(load)
 
@@ -204,7 +213,10 @@ class AdapterSet:
         while len(self.resident) + self._loading >= self.max_resident:
             victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
             if victim is not None:
-                await self._unload(victim, "evicted")
+                try:
+                    await self._unload(victim, "evicted")
+                except Exception as e:  # noqa: BLE001 -- it left `resident` already; go on
+                    logger.error("adapter %s: unload failed: %s", victim.lora_name, e)
                 continue
             self._room.clear()  # every resident adapter is in use: wait for a release
             await self._room.wait()
@@ -214,6 +226,8 @@ class AdapterSet:
         finally:
             self._loading -= 1
             self._room.set()
+        if self.active.get(live.lora_name) is not live and live.in_flight == 0:
+            self._unload_soon(live, "unloaded")  # retired while it loaded, nobody waits
 
     async def _load(self, live: LiveAdapter) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -223,17 +237,14 @@ class AdapterSet:
         result = await self.models.load_lora_adapter(
             LoadLoRAAdapterRequest(lora_name=live.lora_name, lora_path=str(live.path)))
         if isinstance(result, ErrorResponse):
+            # Declared stays declared (the variant's adapter list must not differ between its
+            # replicas): this request fails over (503), the next one tries the load again.
             reason = f"vLLM could not load adapter {live.lora_name}: {result.error.message}"
-            self._refuse(live.lora_name, reason)
-            if self.active.get(live.lora_name) is live:  # stop routing it here
-                del self.active[live.lora_name]
-                name = adapter_name(live.lora_name)
-                if self.default.get(name) == live.lora_name:  # another version, if any
-                    other = next((k for k in self.active if adapter_name(k) == name), None)
-                    self.default.pop(name)
-                    if other:
-                        self.default[name] = other
+            self.load_errors[live.lora_name] = reason
+            self.on_event(live.lora_name, "refused", None)
+            logger.error("adapter %s: %s", live.lora_name, reason)
             raise AdapterError(reason)
+        self.load_errors.pop(live.lora_name, None)
         live.lora_int_id = self.models.lora_requests[live.lora_name].lora_int_id
         self.resident[live.lora_name] = live
         seconds = time.monotonic() - t0
@@ -274,14 +285,14 @@ class AdapterSet:
 
         Raises:
             MeshError: 404 if this variant does not declare it; 503 (a variant failure) if
-                vLLM refused to load it (it is then refused here and no longer declared).
+                the load failed (vLLM's reason in :attr:`load_errors`; the next request tries again).
         """
         live = self.active.get(self.default.get(adapter, adapter))
         if live is None:
             raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
         live.in_flight += 1  # before any await: an adapter in use is never evicted
-        if live.lora_name in self.resident:
+        if self.resident.get(live.lora_name) is live:
             self.resident.move_to_end(live.lora_name)
             self.on_event(live.lora_name, "hit", None)
             return live
@@ -290,8 +301,9 @@ class AdapterSet:
             await self._load_shared(live)
         except BaseException as e:
             self.release(live)
-            if isinstance(e, AdapterError):
-                raise MeshError(503, str(e), code="adapter_load_failed") from None
+            if isinstance(e, Exception):  # not a cancellation: the variant's fault, fail over
+                raise MeshError(503, f"adapter {live.lora_name} could not be loaded: {e}",
+                                code="adapter_load_failed") from None
             raise
         return live
 
@@ -319,5 +331,6 @@ class AdapterSet:
             "resident": list(self.resident),
             "max_resident": self.max_resident,
             "refused": dict(self.refused),
+            "load_errors": dict(self.load_errors),
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
         }

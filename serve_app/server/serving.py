@@ -193,9 +193,13 @@ class ReplicaServer:
             if adapter:
                 try:
                     live = await self.adapters.acquire(request.adapter_version or adapter)
-                except MeshError as e:  # 404: not declared here; 503: vLLM refused to load it
+                except MeshError as e:  # 404: not declared here; 503: the load failed
+                    # On a merged variant, another version of its adapter is the router's
+                    # stale view, not the client's fault: fail over to the LoRA path.
+                    stale = self.merged and adapter_name(self.merged) == adapter
                     yield Head(e.status, json.dumps(e.body()),
-                               failure=Failure.REQUEST if e.status < 500 else Failure.VARIANT)
+                               failure=Failure.REQUEST if e.status < 500 and not stale
+                               else Failure.VARIANT)
                     return
             async for item in self._generate(request, live.lora_name if live else None):
                 yield for_client(item, live.lora_name, requested, live.lora_name) if live \
