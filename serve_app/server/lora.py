@@ -97,8 +97,8 @@ class AdapterSet:
         self.resident: OrderedDict[str, LiveAdapter] = OrderedDict()  # LRU first
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
         self.load_seconds: dict[str, float] = {}  # "name@vN" -> last load time, s
-        self._loads: dict[str, asyncio.Future] = {}  # loads under way, shared by a burst
-        self._loading_live: dict[str, LiveAdapter] = {}  # the object each load makes resident
+        # loads under way, shared by a burst: key -> (the load, the object it makes resident)
+        self._loads: dict[str, tuple[asyncio.Future, LiveAdapter]] = {}
         self.load_errors: dict[str, str] = {}  # "name@vN" -> vLLM's last load error
         self._loading = 0  # loads under way, counted against max_resident
         self._room = asyncio.Event()  # set when an adapter is released or unloaded
@@ -137,7 +137,7 @@ class AdapterSet:
             for key in wanted:
                 if key in self.active:
                     continue
-                held = self.resident.get(key) or self._loading_live.get(key)
+                held = self.resident.get(key) or self._loads.get(key, (None, None))[1]
                 if held is not None:  # draining or loading: take it back, one object per key
                     self.active[key] = held
                     logger.info("adapter %s serves new requests again", key)
@@ -162,7 +162,7 @@ class AdapterSet:
                         adapter_name(k) == adapter_name(key) and k in self.active for k in wanted):
                     logger.warning("adapter %s keeps serving: its replacement was refused", key)
                     continue
-                self._retire(self.active.pop(key))
+                self._unload_if_retired(self.active.pop(key))
                 logger.info("adapter %s retired: new requests no longer use it", key)
             order = [k for k in wanted if k in self.active] + list(self.active)
             self.default = {}
@@ -184,9 +184,11 @@ class AdapterSet:
         self.on_event(key, "refused", None)
         logger.error("adapter %s refused: %s", key, reason)
 
-    def _retire(self, live: LiveAdapter) -> None:
-        """``live`` takes no new requests; unload it now if it is idle, else on release."""
-        if live.lora_name in self.resident and live.in_flight == 0:
+    def _unload_if_retired(self, live: LiveAdapter) -> None:
+        """Unload ``live`` if it is resident, no longer declared and idle (a retired adapter
+        goes when its last request ends, or at once if it has none)."""
+        if (live.in_flight == 0 and self.active.get(live.lora_name) is not live
+                and self.resident.get(live.lora_name) is live):
             self._unload_soon(live, "unloaded")
 
     # -- residency ---------------------------------------------------------------------------
@@ -196,16 +198,12 @@ class AdapterSet:
         if live.lora_name in self.resident:
             self.resident.move_to_end(live.lora_name)
             return
-        load = self._loads.get(live.lora_name)
-        if load is None:
+        if live.lora_name in self._loads:
+            load = self._loads[live.lora_name][0]
+        else:
             load = asyncio.ensure_future(self._make_resident(live))
-            self._loads[live.lora_name] = load
-            self._loading_live[live.lora_name] = live
-
-            def done(_, key=live.lora_name):
-                self._loads.pop(key, None)
-                self._loading_live.pop(key, None)
-            load.add_done_callback(done)
+            self._loads[live.lora_name] = (load, live)
+            load.add_done_callback(lambda _, key=live.lora_name: self._loads.pop(key, None))
         # shield: a caller that leaves (client disconnect) does not cancel the others' load
         await asyncio.shield(load)
 
@@ -226,8 +224,7 @@ class AdapterSet:
         finally:
             self._loading -= 1
             self._room.set()
-        if self.active.get(live.lora_name) is not live and live.in_flight == 0:
-            self._unload_soon(live, "unloaded")  # retired while it loaded, nobody waits
+        self._unload_if_retired(live)  # retired while it loaded, and nobody waits
 
     async def _load(self, live: LiveAdapter) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -312,8 +309,7 @@ class AdapterSet:
         live.in_flight -= 1
         if live.in_flight == 0:
             self._room.set()
-            if live.lora_name not in self.active and live.lora_name in self.resident:
-                self._unload_soon(live, "unloaded")
+            self._unload_if_retired(live)
 
     def resident_names(self) -> list[str]:
         """Resident adapter versions (``name@vN``), least recently used first."""
