@@ -265,6 +265,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="--sessions: turns per session")
     parser.add_argument("--prefix-tokens", type=int, default=1500,
                         help="--sessions: system prompt + document tokens per session")
+    parser.add_argument("--in-flight", type=int, default=0,
+                        help="--sessions: requests in flight at once (default: every session)")
     parser.add_argument("--tenants", type=int, default=4,
                         help="--sessions: tenants (one system prompt each)")
     parser.add_argument("--workdir", default=".mesh/bench",

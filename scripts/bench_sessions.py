@@ -5,8 +5,10 @@ Starts its own Ray cluster (free ports, 127.0.0.1) and deploys serve_configs/aff
 (smollm-v1 with two replicas) twice with the real ``serve deploy``: with the mesh's
 AffinityRouter, then without ``request_router_config`` (Serve's power-of-two-choices), with a
 ``serve shutdown`` between so the router's handle is made anew. Each set-up gets the same
-multi-turn load: ``--sessions`` conversations of ``--turns`` turns, all at once, each turn
-resending the history. Conversations belong to ``--tenants`` tenants; each starts with its
+multi-turn load: ``--sessions`` conversations of ``--turns`` turns, each turn resending
+the history, at most ``--in-flight`` requests at a time; a session that finishes a turn queues
+behind the others (FIFO), so every session stays in the working set while the engines are not
+swamped (a turn's TTFT is then its prefill, not its wait behind other sessions' decoding). Conversations belong to ``--tenants`` tenants; each starts with its
 tenant's system prompt and a document of its own, ``--prefix-tokens`` tokens in all, so the
 sessions' KV (~45 KB per token here in float32) outgrows one replica's
 ``VLLM_CPU_KVCACHE_SPACE`` but fits in two. Then, affinity only, one hot prefix: every request
@@ -17,7 +19,7 @@ prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits`` / ``_
 and each replica's share of the requests (``x-mesh-replica``); the headline on its own line,
 ``TTFT p50 affinity/default 0.42x``.
 
-    python scripts/bench.py --sessions 16 --turns 4 --prefix-tokens 1500
+    python scripts/bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4
 """
 
 from __future__ import annotations
@@ -81,12 +83,14 @@ async def sessions_load(url: str, a) -> tuple[list[dict], float]:
                        f"session-{s}", a.prefix_tokens - 200) + " What is it about?"}]
         results = []
         for t in range(a.turns):
-            r = await chat(http, history, a.max_tokens, f"bench-{s}")
+            async with turn_slots:  # FIFO: a finished turn queues behind the other sessions
+                r = await chat(http, history, a.max_tokens, f"bench-{s}")
             results.append({**r, "turn": t})
             history += [{"role": "assistant", "content": "It is about orders."},
                         {"role": "user", "content": f"And point {t + 1}?"}]
         return results
 
+    turn_slots = asyncio.Semaphore(a.in_flight or a.sessions)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         t0 = time.monotonic()
         done = await asyncio.gather(*(conversation(http, s) for s in range(a.sessions)))
@@ -179,7 +183,8 @@ def run(a) -> None:
         ray.shutdown()
     aff, dflt = rows["affinity"], rows["default"]
     print(f"\n{a.sessions} sessions x {a.turns} turns, {a.tenants} tenants, ~{a.prefix_tokens} "
-          f"prefix tokens each, {a.max_tokens} tokens per answer, 2 replicas")
+          f"prefix tokens each, {a.max_tokens} tokens per answer, "
+          f"{a.in_flight or a.sessions} in flight, 2 replicas")
     print("| router | TTFT p50 ms | TTFT p95 ms | tokens/s | prefix-cache hit rate | "
           "requests per replica | errors |")
     print("|---|---|---|---|---|---|---|")

@@ -35,6 +35,7 @@ from serve_app.common.errors import (MeshError, error_body, format_validation_er
 from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability
+from serve_app.ingress.cold_start import ColdStarts
 from serve_app.ingress.dispatch import Dispatcher
 from serve_app.ingress.limits import TenantLimiter
 from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
@@ -85,7 +86,9 @@ class MeshRouter:
         self.rollouts = RolloutClient(controller)
         self.controller = controller
         self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
-        self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability)
+        self.cold_starts = ColdStarts(self._handle, self.availability, self.metrics)
+        self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability,
+                                     self.cold_starts)
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
                                     self.rollouts.observe_shadow)
         await self.availability.start()
@@ -133,6 +136,7 @@ class MeshRouter:
                 queue = self._admission_of(v.application)
                 queue.configure(**rc.admission.model_dump())
                 queue.set_capacity(self.availability.slots(v.application))
+        self.metrics.record_variant_states(self.availability.states())
 
     def _admission_of(self, application: str) -> VariantAdmission:
         if application not in self._admission:
@@ -222,23 +226,30 @@ class MeshRouter:
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
         """Router liveness, the weights in force per route (and per adapter version split),
-        and which variants have a running replica (as of the last poll, at most ~1 s old)."""
+        which variants have a running replica (as of the last poll, at most ~1 s old), and
+        per variant that scales to zero its state (``warm``, ``starting``, ``zero``) and
+        since when (epoch s)."""
         config = self._require_config()
         weights = self.rollouts.weights()
         return {"status": "ok", "open_mode": not config.tenants,
                 "routes": {k: w for k, w in weights.items() if k in config.routes},
                 "adapters": {k: w for k, w in weights.items() if k not in config.routes},
                 "available": {a: self.availability.is_available(a)
-                              for a in sorted(config.applications())}}
+                              for a in sorted(config.applications())},
+                "scale_to_zero": self.availability.states()}
 
     @app.get("/admin/adapters")
     async def adapter_status(self, request: Request) -> dict[str, Any]:
-        """Admin: per variant, the adapters served, draining and refused (with reasons)."""
-        apps = sorted(self._require_admin(request).applications())
+        """Admin: per variant, the adapters served, draining and refused (with reasons). A
+        variant at zero replicas is not woken for it: ``{"asleep": true}``."""
+        apps = sorted(a for a in self._require_admin(request).applications()
+                      if not self.availability.is_asleep(a))
         stats = await asyncio.gather(*(self._handle(a).stats.remote() for a in apps),
                                      return_exceptions=True)
-        return {a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
-                for a, s in zip(apps, stats)}
+        return {**{a: {"asleep": True} for a in sorted(self.config.applications())
+                   if self.availability.is_asleep(a)},
+                **{a: (s["adapters"] if isinstance(s, dict) else {"error": str(s)[:300]})
+                   for a, s in zip(apps, stats)}}
 
     @app.get("/admin/shadows")
     async def shadow_status(self, request: Request) -> dict[str, Any]:

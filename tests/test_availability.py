@@ -6,9 +6,17 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 import serve_app.ingress.availability as availability
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.common.wire import ReplicaInfo
+
+
+@pytest.fixture(autouse=True)
+def no_controller(monkeypatch):
+    """Deployment details as a controller with no scale-to-zero variant gives them."""
+    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {}})
 
 
 def app(status: str, running: int | None):

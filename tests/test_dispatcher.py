@@ -76,6 +76,12 @@ class Availability:
     def replica_lost(self, application):
         self.lost.append(application)
 
+    def is_asleep(self, application):
+        return False
+
+    def used(self, application):
+        pass
+
 
 class Metrics:
     """The router metrics a RequestAccount records to."""

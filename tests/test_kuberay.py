@@ -74,10 +74,18 @@ def test_every_shipped_config_round_trips(path):
         "gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
     # Every shipped variant runs on the default options ({"num_cpus": 0.5}): one CPU group.
     [group] = rc["workerGroupSpecs"]
-    engines = sum(a["deployments"][0].get("num_replicas", 1) for a in config["applications"]
-                  if a["import_path"] == "serve_app.replica:build_app")  # one pod per replica
-    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (engines,) * 3
-    assert rc["enableInTreeAutoscaling"] is False
+    variants = [a["deployments"][0] for a in config["applications"]
+                if a["import_path"] == "serve_app.replica:build_app"]  # one pod per replica
+
+    def counts(d):  # (initial, min, max) replicas
+        if "autoscaling_config" not in d:
+            return (d.get("num_replicas", 1),) * 3
+        s = d["autoscaling_config"]
+        return s.get("initial_replicas", s["min_replicas"]), s["min_replicas"], s["max_replicas"]
+    expected = tuple(sum(c) for c in zip(*map(counts, variants)))
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == expected
+    # scale_to_zero.yaml's canary autoscales: the Ray autoscaler adds and removes its pod.
+    assert rc["enableInTreeAutoscaling"] is any("autoscaling_config" in d for d in variants)
 
 
 def test_canary_two_variants_make_two_engine_pods():

@@ -56,6 +56,9 @@ class FakeAvailability:
     async def refresh(self, max_age_s=0.0):
         self.refreshes += 1
 
+    def is_asleep(self, application):
+        return application in self.down
+
 
 def planner(adapters=None, down=frozenset()):
     splits = splits_of(CONFIG)

@@ -157,7 +157,7 @@ def test_validate_names_a_bad_router_keyword_and_accepts_the_shipped_config():
     assert validate_config(cfg) == [
         "applications[1].deployments[LLMReplica].request_router_config.request_router_kwargs: "
         "unknown AffinityRouter keyword imbalance (known: imbalance_bound, block_chars, "
-        "max_blocks, max_sessions, adapter_imbalance_bound)"]
+        "max_blocks, max_sessions, adapter_imbalance_bound, min_match_rate)"]
     del kwargs["imbalance"]
     kwargs["block_chars"] = 0
     assert "block_chars must be >= 1, not 0" in validate_config(cfg)[0]
@@ -231,3 +231,24 @@ def test_a_prefix_hit_wins_over_adapter_residency_and_forget_drops_the_replicas_
                         table.adapter_holders("acme-support", reported)).ranks[0] == ["b"]
     table.forget("b")
     assert table.adapter_holders("acme-support", reported) == ["a"]
+
+
+def test_conversations_that_share_only_a_system_prompt_spread_over_the_replicas():
+    """A run of held blocks below min_match_rate of the prompt is no hit: each tenant's new
+    conversations (system prompt + a long document of their own) go where the cache is
+    emptiest, not all to the replica that cached the system prompt first."""
+    table = ReplicaAffinity(imbalance_bound=4)
+    served = Counter()
+    for s in range(8):
+        document = f"document {s} " * 150  # ~1,800 characters, the system prompt's double
+        replica, decision = route(table, keys(SYSTEM, document), f"s{s}", {"a": 0, "b": 0})
+        assert decision == "new"
+        served[replica] += 1
+    assert served == {"a": 4, "b": 4}
+    # A short question after the same system prompt is mostly cached prompt: a hit.
+    assert route(table, keys(SYSTEM, "Where is my order?"), None, {"a": 0, "b": 0})[1] == "hit"
+    # With min_match_rate 0 any held block counts, as before.
+    greedy = ReplicaAffinity(min_match_rate=0)
+    first, _ = route(greedy, keys(SYSTEM, "document 0 " * 150), None, {"a": 0, "b": 0})
+    assert route(greedy, keys(SYSTEM, "document 1 " * 150), None, {"a": 0, "b": 0}) == (
+        first, "hit")

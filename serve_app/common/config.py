@@ -209,6 +209,10 @@ class RouteConfig(Strict):
             adapter go there first, with no LoRA cost, while it runs and holds the version
             the request would get; the route's LoRA variants are the failover. It takes no
             other traffic (it is not one of ``variants``).
+        cold_start_timeout_s: longest a request waits for a variant that scaled to zero
+            (``autoscaling_config.min_replicas: 0``) to start, s, when no other variant of
+            the route runs; 503 ``cold_start_timeout`` with ``Retry-After`` past it. The
+            default covers an engine start on a 2-core host (~60-90 s) with margin.
     """
 
     variants: list[VariantWeight] = Field(min_length=1)
@@ -218,6 +222,7 @@ class RouteConfig(Strict):
     admission: Admission = Field(default_factory=Admission)
     shadow: ShadowConfig | None = None
     merged: dict[str, str] = Field(default_factory=dict)
+    cold_start_timeout_s: float = Field(default=180.0, gt=0, le=1800)
 
     @field_validator("merged")
     @classmethod

@@ -8,6 +8,15 @@ also asks each running variant (``LLMReplica.serving_info``, every ``period_s``)
 adapter versions it serves, so ``route:adapter`` requests go only to variants that have the
 adapter, and how many requests its engine runs at once, which sets the variant's admission
 slots (:mod:`serve_app.ingress.admission`).
+
+Variants that scale to zero (``LLMReplica`` ``autoscaling_config.min_replicas: 0``, read
+from the controller's deployment details after each deploy) have a state: ``warm`` (a
+RUNNING replica), ``starting`` (a replica on its way up) or ``zero``. Such a variant at zero
+is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.cold_start`).
+Its running replica is asked ``serving_info`` only while the router sends it requests
+(:meth:`VariantAvailability.used` within :data:`IDLE_POLL_S`): Serve's autoscaler counts
+every call, and a poll once a second would keep it from ever reaching zero. What it served
+when last warm (adapters, ``max_num_seqs``) is kept while it sleeps.
 """
 
 from __future__ import annotations
@@ -42,6 +51,16 @@ LOST_REPLICA_S = 30.0
 #: even this small call, so a request would wait just as long. The router's admission keeps
 #: a replica's requests far below ``max_ongoing_requests``, so load alone does not queue it.
 MISSED_POLLS_LOST = 3
+#: Seconds after its last request that a variant which scales to zero is still polled.
+IDLE_POLL_S = 10.0
+
+
+def serve_details() -> dict:
+    """The controller's ``ServeInstanceDetails`` as a dict (what ``serve status -v`` and the
+    dashboard's ``/api/serve/applications/`` show: each deployment's config included)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().get_serve_details()
 
 
 class VariantAvailability:
@@ -59,6 +78,13 @@ class VariantAvailability:
         self._missed: dict[str, int] = {}  # app -> serving_info polls missed in a row
         self._refreshing: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
+        self.scales_to_zero: set[str] = set()  # apps whose LLMReplica has min_replicas 0
+        self._statuses: dict[str, str] | None = None  # app -> status when details were read
+        self._starting: dict[str, int] = {}  # app -> STARTING replicas
+        self._app_status: dict[str, str] = {}
+        self._state: dict[str, tuple[str, float]] = {}  # app -> (state, since: epoch s)
+        self._used_at: dict[str, float] = {}  # app -> monotonic time of its last request
+        self.waking: set[str] = set()  # apps a cold start is waking (cold_start sets it)
 
     async def start(self) -> None:
         """Take a first view, then keep refreshing it in the background."""
@@ -99,7 +125,14 @@ class VariantAvailability:
             if running != self._running:
                 logger.info("variant availability (running replicas): %s", running)
             self._running = running
-        up = [app for app, n in self._running.items() if n > 0]
+            self._starting = {name: self._replicas(app, "STARTING")
+                              for name, app in serve_status.applications.items()}
+            self._app_status = {name: getattr(app.status, "value", str(app.status))
+                                for name, app in serve_status.applications.items()}
+            await self._read_autoscaling()
+        self._update_states()
+        up = [app for app, n in self._running.items()
+              if n > 0 and (app not in self.scales_to_zero or self._in_use(app))]
         # A call to a replica that just died queues until its replacement starts: time-box it
         # so one dead variant never freezes this view.
         answers = await asyncio.gather(
@@ -114,10 +147,50 @@ class VariantAvailability:
             self._missed[app] = 0
             self.info[app] = info
             self.adapters[app] = set(info.adapters)
-        for app in [a for a in self.adapters if a not in up]:
+        gone = [a for a in self.adapters if self._running.get(a, 0) == 0
+                and not (a in self.scales_to_zero and a in self._app_status)]
+        for app in gone:  # a sleeping variant keeps what it served when last warm
             del self.adapters[app]
         if self.on_refresh is not None:
             self.on_refresh()
+
+    async def _read_autoscaling(self) -> None:
+        """After a deploy (the applications or their statuses changed), learn which variants
+        scale to zero from the controller's deployment details."""
+        if self._app_status == self._statuses:
+            return
+        try:
+            details = await asyncio.to_thread(serve_details)
+        except Exception as e:  # keep the last view; the next status poll tries again
+            logger.warning("could not read Serve deployment details: %s", e)
+            return
+        self._statuses = dict(self._app_status)
+        zero = set()
+        for name, app in (details.get("applications") or {}).items():
+            deployment = (app.get("deployments") or {}).get(REPLICA_DEPLOYMENT) or {}
+            scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
+            if scaling and scaling.get("min_replicas", 1) == 0:
+                zero.add(name)
+        if zero != self.scales_to_zero:
+            logger.info("variants that scale to zero: %s", sorted(zero) or "none")
+        self.scales_to_zero = zero
+
+    def _update_states(self) -> None:
+        now = time.time()
+        for app in self.scales_to_zero | set(self._state):
+            if app not in self._app_status:
+                self._state.pop(app, None)
+                continue
+            state = self.state(app)
+            if self._state.get(app, ("",))[0] != state:
+                if app in self._state:
+                    logger.info("variant %s is %s", app, state)
+                self._state[app] = (state, now)
+
+    @staticmethod
+    def _replicas(app, state: str) -> int:
+        deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
+        return deployment.replica_states.get(state, 0) if deployment else 0
 
     def _running_replicas(self, name: str, app) -> int:
         """RUNNING ``LLMReplica`` replicas of an application in a ``serve.status()``."""
@@ -129,6 +202,50 @@ class VariantAvailability:
             # replicas keep serving: keep what we knew.
             return (self._running or {}).get(name, 0)
         return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
+
+    # -- variants that scale to zero ----------------------------------------------------------
+
+    def used(self, application: str) -> None:
+        """The router sends ``application`` a request now (keeps its poll going)."""
+        self._used_at[application] = time.monotonic()
+
+    def _in_use(self, application: str) -> bool:
+        return time.monotonic() - self._used_at.get(application, float("-inf")) < IDLE_POLL_S
+
+    def state(self, application: str) -> str:
+        """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales
+        to zero; ``warm`` or ``down`` for the others."""
+        if self._running is not None and self._running.get(application, 0) > 0:
+            return "warm"
+        if application not in self.scales_to_zero:
+            return "down" if self._running is not None else "warm"
+        if application in self.waking or self._starting.get(application, 0) > 0:
+            return "starting"
+        return "zero"
+
+    def states(self) -> dict[str, dict]:
+        """Per variant that scales to zero: ``{"state": ..., "since": epoch s}``."""
+        return {app: {"state": state, "since": round(since, 3)}
+                for app, (state, since) in sorted(self._state.items())}
+
+    def is_asleep(self, application: str) -> bool:
+        """A variant that scales to zero has no RUNNING replica and can be woken: its
+        application is deployed (RUNNING, or DEPLOYING an update) and not being deleted."""
+        return (application in self.scales_to_zero and self.state(application) != "warm"
+                and self._app_status.get(application) in ("RUNNING", "DEPLOYING"))
+
+    def mark_warm(self, application: str, info: ReplicaInfo) -> None:
+        """A cold start's first answer: ``application`` has a RUNNING replica serving
+        ``info`` (the next status poll gives the exact count)."""
+        if self._running is not None:
+            self._running[application] = max(1, self._running.get(application, 0))
+        self.info[application] = info
+        self.adapters[application] = set(info.adapters)
+        self._missed[application] = 0
+        self.used(application)
+        self._update_states()
+        if self.on_refresh is not None:
+            self.on_refresh()
 
     async def _poll(self) -> None:
         for tick in itertools.count(1):
@@ -183,6 +300,8 @@ class VariantAvailability:
     def serves(self, application: str, adapter: str) -> bool:
         """Whether the application serves ``adapter``: a version ``name@vN``, or any version
         of ``name``."""
+        if application not in self.adapters and application in self.scales_to_zero:
+            return True  # asleep since its deploy: unknown; its replica refuses what it lacks
         versions = self.adapters.get(application, ())
         return adapter in versions if "@" in adapter else any(
             adapter_name(v) == adapter for v in versions)

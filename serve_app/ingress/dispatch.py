@@ -6,11 +6,18 @@ through a ``DeploymentHandle``, and read the first item, the :class:`Head`, befo
 byte goes to the client. Only a variant failure (:mod:`serve_app.common.failures`) moves on
 to the next candidate; a request error or an internal error is this request's answer; a
 full variant is a 503 now. When every candidate failed: 503 ``no_healthy_variant``.
+
+A candidate that scaled to zero (asleep) is reached only when every candidate before it is
+unavailable or failed: the request then waits for its cold start
+(:mod:`serve_app.ingress.cold_start`) and goes on to admission. A stream waits with its
+headers sent and SSE comment lines, so an error after that (the cold start timed out, the
+variant is full) is an in-band SSE error event instead of a status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 
@@ -23,10 +30,27 @@ from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
 from serve_app.common.wire import REPLICA_HEADER, Accepted, Head, Usage
 from serve_app.ingress.accounting import RequestAccount
 from serve_app.ingress.admission import Rejected, VariantAdmission
+from serve_app.ingress.cold_start import ColdStarts
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse
 
 logger = get_logger(__name__)
+
+
+def _error_fields(body) -> dict:
+    try:
+        return json.loads(body or "{}").get("error") or {}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def _error_message(body) -> str:
+    return str(_error_fields(body).get("message") or body or "the variant refused the request")
+
+
+def _error_code(body) -> str | None:
+    code = _error_fields(body).get("code")
+    return str(code) if code is not None else None
 
 
 class Dispatcher:
@@ -36,13 +60,15 @@ class Dispatcher:
         handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
         admission_for: application name -> its admission queue.
         availability: the availability view (refreshed when no candidate has a slot).
+        cold_starts: wakes variants that scaled to zero (:class:`ColdStarts`).
     """
 
     def __init__(self, handle_for: Callable, admission_for: Callable[[str], VariantAdmission],
-                 availability) -> None:
+                 availability, cold_starts: ColdStarts | None = None) -> None:
         self.handle_for = handle_for
         self.admission_for = admission_for
         self.availability = availability
+        self.cold_starts = cold_starts or ColdStarts(handle_for, availability)
 
     async def dispatch(self, plan: RequestPlan, account: RequestAccount) -> Response:
         """Serve ``plan``: a streaming response (the relay finishes ``account``) or a whole
@@ -52,9 +78,17 @@ class Dispatcher:
             MeshError: 503 (variant full, or none could take it) with ``Retry-After``; 500 an
                 internal error; 400 a body that cannot be sent.
         """
+        if plan.wake:  # the split's choice sleeps: wake it for later requests, not this one
+            self.cold_starts.wake(plan.wake)
         if all(self.availability.slots(c) == 0 for c in plan.candidates):
             await self.availability.refresh(max_age_s=0.5)  # one may have just started
-        for variant in plan.candidates:
+        for i, variant in enumerate(plan.candidates):
+            if self.availability.is_asleep(variant):
+                if plan.stream:  # headers now, comment lines while it starts
+                    return RelayResponse(self._held(plan, account, plan.candidates[i:]),
+                                         variant, account, {VARIANT_HEADER: variant},
+                                         on_replica_lost=self.availability.replica_lost)
+                await self.cold_starts.wait_warm(variant, plan.cold_start_timeout_s, plan.route)
             head_and_stream = await self._try(variant, plan, account)
             if head_and_stream is None:
                 continue
@@ -71,9 +105,37 @@ class Dispatcher:
                            if head.failure is Failure.INTERNAL else None)
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
-        raise MeshError(503, f"no variant of route {plan.route!r} can take the request now "
-                        f"(tried {', '.join(plan.candidates)})", code="no_healthy_variant",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise self._none_left(plan)
+
+    @staticmethod
+    def _none_left(plan: RequestPlan) -> MeshError:
+        return MeshError(503, f"no variant of route {plan.route!r} can take the request now "
+                         f"(tried {', '.join(plan.candidates)})", code="no_healthy_variant",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _held(self, plan: RequestPlan, account: RequestAccount,
+                    candidates: tuple[str, ...]):
+        """A stream's body while ``candidates[0]`` starts from zero: comment lines, then the
+        first candidate that answers, relayed. Raises MeshError for the relay to send as an
+        in-band error event (its status line is already sent)."""
+        async for comment in self.cold_starts.hold_stream(candidates[0],
+                                                          plan.cold_start_timeout_s, plan.route):
+            yield comment
+        for variant in candidates:
+            if variant != candidates[0] and self.availability.is_asleep(variant):
+                continue  # one cold start per request
+            head_and_stream = await self._try(variant, plan, account)
+            if head_and_stream is None:
+                continue
+            head, stream = head_and_stream
+            account.replica = head.headers.get(REPLICA_HEADER, "")
+            if not head.stream:  # vLLM refused the request itself (its status comes in-band)
+                raise MeshError(head.status, _error_message(head.body),
+                                code=_error_code(head.body))
+            async for item in stream:
+                yield item
+            return
+        raise self._none_left(plan)
 
     async def _try(self, variant: str, plan: RequestPlan, account: RequestAccount
                    ) -> tuple[Head, object] | None:
@@ -91,6 +153,7 @@ class Dispatcher:
             raise MeshError(503, r.message, code=r.reason,
                             headers={"Retry-After": str(r.retry_after_s)}) from None
         account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
+        self.availability.used(variant)
         stream = self.handle_for(variant).options(stream=True).generate.remote(plan.request)
         try:
             # A stream's head comes as soon as vLLM has checked the request, a non-stream's

@@ -16,7 +16,9 @@ Rules, in order:
    version; the variants are those of the route that serve it.
 4. ``x-mesh-variant`` pins a variant (admin only, 403 otherwise); else the caller's sticky
    variant comes first, then :func:`~serve_app.ingress.split.failover_order`, the variants
-   with a running replica before the others.
+   with a running replica before the others. A chosen variant that scaled to zero is
+   woken (``RequestPlan.wake``) while a running one serves; with none running, the request
+   waits for the cold start (:mod:`serve_app.ingress.cold_start`).
    An adapter with a merged variant (``routes.<route>.merged``) goes to it first, while it
    runs and its model holds the very version the request would get on the LoRA path (the
    version split's choice, else the first LoRA variant's default); the LoRA variants follow.
@@ -57,6 +59,8 @@ class Availability(Protocol):
 
     def prefer_available(self, candidates: list[str]) -> list[str]: ...
 
+    def is_asleep(self, application: str) -> bool: ...
+
     async def refresh(self, max_age_s: float = 0.0) -> None: ...
 
 
@@ -81,6 +85,10 @@ class RequestPlan:
         queue_timeout_s: the route's admission timeout, s.
         identity: the caller's sticky identity (:func:`caller_identity`), if any.
         shadow: the route's configured shadow (``routes.<route>.shadow``), if any.
+        cold_start_timeout_s: the route's ``cold_start_timeout_s``, s.
+        wake: the variant the split chose when it is asleep (scaled to zero) and another
+            candidate runs: the dispatcher wakes it in the background and serves this
+            request elsewhere; None otherwise.
     """
 
     request: GenerateRequest
@@ -93,6 +101,13 @@ class RequestPlan:
     queue_timeout_s: float
     identity: str | None = None
     shadow: ShadowConfig | None = None
+    cold_start_timeout_s: float = 180.0
+    wake: str | None = None
+
+    @property
+    def stream(self) -> bool:
+        """The client asked for SSE (``stream: true``)."""
+        return self.request.body.get("stream") is True
 
     @property
     def version(self) -> str | None:
@@ -219,7 +234,7 @@ class RequestPlanner:
         identity = caller_identity(session_id, body, tenant)
 
         weighted = self.weighted(route)
-        version = None
+        version = wake = None
         if adapter:
             self._check_owner(adapter, tenant)
             version = await self._pick_version(route, adapter, identity)
@@ -235,7 +250,10 @@ class RequestPlanner:
             candidates = [pinned]
         else:
             first = pick_variant(weighted, self.splits[route].salt, identity)
-            candidates = self.availability.prefer_available(failover_order(weighted, first))
+            order = failover_order(weighted, first)
+            candidates = self.availability.prefer_available(order)
+            if candidates[0] != order[0] and self.availability.is_asleep(order[0]):
+                wake = order[0]  # the split's choice sleeps: wake it, serve this one elsewhere
             if adapter and (merged := self._merged_variant(route, adapter, version,
                                                            candidates[0])):
                 merged_app, version = merged  # the version pinned: both paths serve the same
@@ -250,7 +268,8 @@ class RequestPlanner:
                                     session=conversation(session_id, body, tenant)),
             route=route, adapter=adapter, candidates=tuple(candidates), arms=tuple(arms),
             tenant=tenant, top_priority=priority <= self.top_priority,
-            queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow)
+            queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow,
+            cold_start_timeout_s=rc.cold_start_timeout_s, wake=wake)
 
     def _merged_variant(self, route: str, adapter: str, version: str | None,
                         lora_variant: str) -> tuple[str, str] | None:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from serve_app.common.logs import get_logger
-from serve_app.common.errors import error_body
+from serve_app.common.errors import MeshError, error_body
 from serve_app.common.failures import Failure, replica_gone
 from serve_app.common.wire import Tail, sse_error
 
@@ -66,11 +66,15 @@ class RelayResponse(StreamingResponse):
         ttft = None
         tail = Tail()
         error_kind = None
+        status = 200  # what the account records: a held stream's refusal records its own
         try:
             async for item in stream:
                 if isinstance(item, Tail):
                     tail = item
                     error_kind = STREAM_ERROR_KIND.get(tail.failure)
+                    continue
+                if item.startswith(":"):  # an SSE comment (a held cold start): no data
+                    yield item
                     continue
                 if ttft is None:
                     ttft = time.monotonic() - self._account.t0
@@ -83,6 +87,11 @@ class RelayResponse(StreamingResponse):
         except asyncio.CancelledError:
             error_kind = "client_disconnected"
             raise
+        except MeshError as e:  # the mesh refused a held stream after its headers were sent
+            error_kind, status = e.code or f"http_{e.status}", e.status
+            if e.status != 500:
+                self._account.refused(e.status, error_kind)
+            yield sse_error(e.body())
         except Exception as e:
             error_kind = "stream_failed"
             logger.error("variant %s failed mid-stream: %s: %s", variant, type(e).__name__, e)
@@ -91,4 +100,4 @@ class RelayResponse(StreamingResponse):
             message = f"variant {variant} failed mid-stream; retry the request"
             yield sse_error(error_body(503, message))
         finally:
-            self._account.finish(200, ttft_s=ttft, usage=tail.usage, error_kind=error_kind)
+            self._account.finish(status, ttft_s=ttft, usage=tail.usage, error_kind=error_kind)

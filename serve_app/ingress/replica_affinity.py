@@ -16,7 +16,12 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
 
 1. *session*: a session (``x-session-id``, else the OpenAI ``user``) seen before goes back to
    the replica that served it last;
-2. *prefix*: else the replicas that hold the longest run of the prompt's leading blocks;
+2. *prefix*: else the replicas that hold the longest run of the prompt's leading blocks, if
+   that run is at least ``min_match_rate`` of the prompt's blocks (SGLang's cache-aware
+   router calls it ``cache_threshold``, Ray's ``match_rate_threshold``): a new conversation
+   that shares only its tenant's system prompt with others is placed as new (rule 5), so a
+   tenant's conversations spread instead of all following the one replica that cached the
+   system prompt first;
 3. *adapter*: else, for a LoRA request, the replicas that hold its adapter resident (each
    replica reports its resident set through Serve's ``record_routing_stats``; a replica this
    router sent the adapter to since its last report counts too, as it loads on first use), so
@@ -56,6 +61,7 @@ Decision = Literal["session", "hit", "adapter", "spill", "new"]
 #: Defaults (request_router_kwargs override them): 128 characters are ~40 tokens of English.
 BLOCK_CHARS = 128
 IMBALANCE_BOUND = 4  # requests in flight
+MIN_MATCH_RATE = 0.5  # of the prompt's blocks
 ADAPTER_IMBALANCE_BOUND = 8  # requests in flight (the demo engines' max_num_seqs)
 MAX_BLOCKS = 200_000  # block keys per router process (~30 MB at most)
 MAX_SESSIONS = 100_000
@@ -121,20 +127,24 @@ class ReplicaAffinity:
         max_blocks, max_sessions: LRU bounds of the table.
         adapter_imbalance_bound: the same bound for a replica preferred only because it
             holds the request's adapter (>= 0).
+        min_match_rate: the share of a prompt's blocks a held run must cover to count as a
+            prefix hit (0 to 1; 0: any held block).
 
     Raises:
-        ValueError: a negative bound, or an LRU bound below 1.
+        ValueError: a negative bound, an LRU bound below 1, or a rate outside [0, 1].
     """
 
     def __init__(self, imbalance_bound: int = IMBALANCE_BOUND, max_blocks: int = MAX_BLOCKS,
                  max_sessions: int = MAX_SESSIONS,
-                 adapter_imbalance_bound: int = ADAPTER_IMBALANCE_BOUND) -> None:
+                 adapter_imbalance_bound: int = ADAPTER_IMBALANCE_BOUND,
+                 min_match_rate: float = MIN_MATCH_RATE) -> None:
         if min(imbalance_bound, adapter_imbalance_bound) < 0 or max_blocks < 1 \
-                or max_sessions < 1:
+                or max_sessions < 1 or not 0 <= min_match_rate <= 1:
             raise ValueError("imbalance_bound and adapter_imbalance_bound must be >= 0, "
-                             "max_blocks and max_sessions >= 1 (got "
+                             "max_blocks and max_sessions >= 1, min_match_rate in [0, 1] (got "
                              f"{imbalance_bound}, {adapter_imbalance_bound}, {max_blocks}, "
-                             f"{max_sessions})")
+                             f"{max_sessions}, {min_match_rate})")
+        self.min_match_rate = min_match_rate
         self.imbalance_bound = imbalance_bound
         self.adapter_imbalance_bound = adapter_imbalance_bound
         self.max_blocks, self.max_sessions = max_blocks, max_sessions
@@ -182,8 +192,10 @@ class ReplicaAffinity:
                    adapter_holders: Collection[Hashable]) -> tuple[list[Hashable], Decision]:
         if session is not None and self._sessions.get(session) in loads:
             return [self._sessions[session]], "session"
-        for key in reversed(keys):  # the longest held run of leading blocks
-            holders = [r for r in self._blocks.get(key, ()) if r in loads]
+        for i in range(len(keys) - 1, -1, -1):  # the longest held run of leading blocks
+            if i + 1 < self.min_match_rate * len(keys):
+                break  # too short a run to count (a shared system prompt, say)
+            holders = [r for r in self._blocks.get(keys[i], ()) if r in loads]
             if holders:
                 return holders, "hit"
         holders = [r for r in adapter_holders if r in loads]

@@ -45,7 +45,7 @@ from ray.util.metrics import Counter
 
 from serve_app.common.wire import GenerateRequest
 from serve_app.ingress.replica_affinity import (ADAPTER_IMBALANCE_BOUND, BLOCK_CHARS,
-                                                IMBALANCE_BOUND, MAX_BLOCKS,
+                                                IMBALANCE_BOUND, MAX_BLOCKS, MIN_MATCH_RATE,
                                                 MAX_SESSIONS, ReplicaAffinity, prefix_keys,
                                                 prompt_text)
 
@@ -76,17 +76,22 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
     """
     known = {"imbalance_bound": IMBALANCE_BOUND, "block_chars": BLOCK_CHARS,
              "max_blocks": MAX_BLOCKS, "max_sessions": MAX_SESSIONS,
-             "adapter_imbalance_bound": ADAPTER_IMBALANCE_BOUND}
+             "adapter_imbalance_bound": ADAPTER_IMBALANCE_BOUND,
+             "min_match_rate": MIN_MATCH_RATE}
     if unknown := sorted(set(kwargs) - set(known)):
         raise ValueError(f"unknown AffinityRouter keyword {', '.join(unknown)} "
                          f"(known: {', '.join(known)})")
     s = {**known, **kwargs}
+    rate = s.pop("min_match_rate")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in s.values()):
-        raise ValueError(f"AffinityRouter keywords are integers, got {kwargs}")
+        raise ValueError(f"AffinityRouter keywords other than min_match_rate are integers, "
+                         f"got {kwargs}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise ValueError(f"min_match_rate is a number from 0 to 1, not {rate!r}")
     if s["block_chars"] < 1:
         raise ValueError(f"block_chars must be >= 1, not {s['block_chars']}")
     return ReplicaAffinity(s["imbalance_bound"], s["max_blocks"], s["max_sessions"],
-                           s["adapter_imbalance_bound"]), s["block_chars"]
+                           s["adapter_imbalance_bound"], float(rate)), s["block_chars"]
 
 
 def affinity_inputs(request: GenerateRequest, block_chars: int
@@ -114,8 +119,9 @@ class AffinityRouter(FIFOMixin, RequestRouter):
 
     ``request_router_kwargs``: ``imbalance_bound`` (requests in flight, default 4),
     ``adapter_imbalance_bound`` (the same for adapter residency, default 8), ``block_chars``
-    (characters per prefix block, default 128), ``max_blocks``, ``max_sessions`` (LRU bounds
-    of the table).
+    (characters per prefix block, default 128), ``min_match_rate`` (share of the prompt's
+    blocks a cached run must cover to count as a hit, default 0.5), ``max_blocks``,
+    ``max_sessions`` (LRU bounds of the table).
 
     Raises:
         ValueError: a bad keyword (:func:`affinity_settings`), when Serve makes the handle.

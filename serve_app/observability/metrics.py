@@ -19,11 +19,14 @@ cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``va
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 TAGS = ("route", "variant", "tenant", "adapter")
 SHADOW_TAGS = ("route", "shadow")
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
+_START_SECONDS = [5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600]
+#: States of a variant that scales to zero (:meth:`VariantAvailability.state`).
+VARIANT_STATES = ("warm", "starting", "zero")
 _RATIOS = [0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
 _ITL_SECONDS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2]
 
@@ -32,6 +35,23 @@ class MeshMetrics:
     """The router's metrics; create one per router replica."""
 
     def __init__(self) -> None:
+        self.cold_starts = Counter("mesh_cold_starts", "Cold starts of variants that scale to "
+                                   "zero, by outcome: started, failed.",
+                                   tag_keys=("variant", "outcome"))
+        self.cold_start_seconds = Histogram("mesh_cold_start_seconds", "Time from waking a "
+                                            "variant at zero replicas to its first answer, s.",
+                                            boundaries=_START_SECONDS, tag_keys=("variant",))
+        self.cold_start_held = Counter("mesh_cold_start_held_requests", "Requests held for a "
+                                       "cold start, by outcome: served (went on to "
+                                       "admission), timed_out, failed, client_left.",
+                                       tag_keys=("route", "variant", "outcome"))
+        self.cold_start_wait_seconds = Histogram("mesh_cold_start_wait_seconds", "Time a "
+                                                 "request was held for a cold start, s.",
+                                                 boundaries=_START_SECONDS,
+                                                 tag_keys=("route", "variant"))
+        self.variant_state = Gauge("mesh_variant_state", "1 for the state a variant that "
+                                   "scales to zero is in (warm, starting, zero), else 0.",
+                                   tag_keys=("variant", "state"))
         self.requests = Counter("mesh_requests", "Requests by final HTTP status.",
                                 tag_keys=TAGS + ("status",))
         self.errors = Counter("mesh_errors", "Failed requests (status >= 400 or a stream cut "
@@ -95,6 +115,14 @@ class MeshMetrics:
             error_kind = f"http_{status}"
         if error_kind:
             self.errors.inc(1, {**tags, "kind": error_kind})
+
+    def record_variant_states(self, states: dict[str, dict]) -> None:
+        """Set ``mesh_variant_state`` from :meth:`VariantAvailability.states` (set again on
+        every availability poll: Ray drops gauge values that are not set for a while)."""
+        for variant, s in states.items():
+            for state in VARIANT_STATES:
+                self.variant_state.set(float(s["state"] == state),
+                                       {"variant": variant, "state": state})
 
     def record_tokens(self, tenant: str, reserved: int, used: int) -> None:
         """Account for one limited request's reservation and its settled cost, tokens."""
