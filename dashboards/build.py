@@ -40,6 +40,10 @@ def p95(metric: str, by: str = BY, selector: str = SEL, q: float = 0.95) -> str:
             f"(rate({metric}_bucket{{{selector}}}[1m])))")
 
 
+#: The row of variants that scale to zero: tests/test_scale_to_zero.py checks its queries (it
+#: has the cold starts); tests/test_observability.py checks every other row.
+SCALE_TO_ZERO_ROW = "Scale to zero: variant states and cold starts (serve_app/ingress/cold_start.py)"
+
 #: (row, [(title, unit, [(PromQL, legend)])]) in dashboard order.
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ("Traffic, per route and variant (the router's view)", [
@@ -105,6 +109,8 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "reserved {{tenant}}"),
             ("sum by (tenant) (rate(ray_mesh_tenant_tokens_used_total[5m]))",
              "used {{tenant}}")]),
+        ("Token budget remaining (after each tenant's last admitted request)", "short", [
+            ("min by (tenant) (ray_mesh_tenant_tokens_remaining)", "{{tenant}}")]),
         ("Share of service per tenant (prompt + 2 x completion tokens, the fair order's "
          "weights)", "percentunit", [
             (f"{SERVICE} / scalar(sum({SERVICE}))", "{{tenant}}")]),
@@ -129,6 +135,21 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("sum by (variant, finished_reason) (rate(ray_vllm_request_success_total[5m]))",
              "{{variant}} {{finished_reason}}")]),
     ]),
+    (SCALE_TO_ZERO_ROW, [
+        ("Variant state (1: warm, 0.5: starting, 0: zero replicas)", "short", [
+            ('max by (variant) (ray_mesh_variant_state{state="warm"}) + 0.5 * max by (variant) '
+             '(ray_mesh_variant_state{state="starting"})', "{{variant}}")]),
+        ("Cold starts and requests held for them", "short", [
+            ("sum by (variant, outcome) (increase(ray_mesh_cold_starts_total[1h]))",
+             "cold starts {{variant}} {{outcome}}"),
+            ("sum by (variant, outcome) (increase(ray_mesh_cold_start_held_requests_total[1h]))",
+             "held {{variant}} {{outcome}}")]),
+        ("Cold start duration and hold time p95", "s", [
+            ("histogram_quantile(0.95, sum by (le, variant) "
+             "(rate(ray_mesh_cold_start_seconds_bucket[1h])))", "start {{variant}}"),
+            ("histogram_quantile(0.95, sum by (le, variant) "
+             "(rate(ray_mesh_cold_start_wait_seconds_bucket[1h])))", "held {{variant}}")]),
+    ]),
     ("Replicas of a variant (the affinity router, serve_app/ingress/replica_router.py)", [
         ("Replica routing decisions", "reqps", [
             ("sum by (variant, decision) (rate(ray_mesh_replica_routing_decisions_total[5m]))",
@@ -151,10 +172,12 @@ DECISIONS = {
 }
 
 
-def queries() -> list[tuple[str, str]]:
-    """``("panel title: legend", PromQL)`` of every target of every panel, with ``$route``
-    set to match every route."""
-    return [(f"{title}: {legend}", expr.replace("$route", ".*")) for _, panels in PANELS
+def queries(rows: set[str] | None = None, *, but: set[str] = frozenset()
+            ) -> list[tuple[str, str]]:
+    """``("panel title: legend", PromQL)`` of every target of every panel (of ``rows``,
+    else of every row not in ``but``), with ``$route`` set to match every route."""
+    return [(f"{title}: {legend}", expr.replace("$route", ".*")) for row, panels in PANELS
+            if (row in rows if rows is not None else row not in but)
             for title, _, targets in panels for expr, legend in targets]
 
 

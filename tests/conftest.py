@@ -116,7 +116,8 @@ def local_mesh(mesh: Mesh) -> Mesh:
 MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made with its config
                 "test_serving", "test_tenants", "test_tenant_token_budgets", "test_overload",
                 "test_base_swap",  # after every module on local.yaml's smollm-v1: it changes it
-                "test_canary", "test_rollouts", "test_traffic_safety", "test_shadow_traffic",
+                "test_canary", "test_scale_to_zero",  # after canary: the same two variants
+                "test_rollouts", "test_traffic_safety", "test_shadow_traffic",
                 "test_observability", "test_multi_node"]  # last: it kills a node
 
 

@@ -86,6 +86,8 @@ class RequestAccount:
         self.reservation = reservation
         lease = await limiter.acquire(tenant, reservation.total)
         self._tenant = (limiter, lease)
+        if lease is not None and lease.quota.tokens is not None:
+            self.metrics.tokens_remaining.set(lease.quota.tokens[1], {"tenant": tenant.id})
         return lease.quota.headers() if lease is not None else {}
 
     @property

@@ -49,6 +49,10 @@ class MeshMetrics:
                                                  "request was held for a cold start, s.",
                                                  boundaries=_START_SECONDS,
                                                  tag_keys=("route", "variant"))
+        self.tokens_remaining = Gauge("mesh_tenant_tokens_remaining", "Tokens left in the "
+                                      "tenant's budget (tokens_per_minute, else "
+                                      "tokens_per_day) after its last admitted request's "
+                                      "reservation.", tag_keys=("tenant",))
         self.variant_state = Gauge("mesh_variant_state", "1 for the state a variant that "
                                    "scales to zero is in (warm, starting, zero), else 0.",
                                    tag_keys=("variant", "state"))

@@ -1,0 +1,222 @@
+"""Scale to zero on the real stack: serve_configs/scale_to_zero.yaml (smollm-v1 always on,
+canary smollm-v2 autoscaling with ``min_replicas: 0``), with short autoscaling delays so the
+module stays short. An idle variant reaches zero replicas and its engine's memory comes
+back; requests sent during one cold start (half of them streamed) all answer, one replica
+starts, and each stream's first data line is a real chunk; a request the split sends to the
+sleeping canary is served by smollm-v1 at once and wakes it; a stream in flight keeps its
+variant up past the downscale delay."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from serve_app.ingress.split import pick_variant
+from serve_app.release.deploy import serve_status
+from serve_app.tools import prometheus
+from serve_app.tools.servers import free_port
+
+from test_observability import dashboard
+
+pytestmark = pytest.mark.integration
+
+OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of the config
+AUTH = {"authorization": f"Bearer {OPS_KEY}"}
+CANARY = "smollm-v2"
+#: Serve's autoscaling for the module: zero after ~look_back + delay of no requests.
+SHORT = {"metrics_interval_s": 1, "look_back_period_s": 3, "downscale_delay_s": 8,
+         "upscale_delay_s": 0, "max_replicas": 2}  # 2: "one replica started" can fail
+
+
+def replicas(mesh, app: str = CANARY) -> list[dict]:
+    dep = serve_status(mesh.dashboard)["applications"].get(app, {}).get(
+        "deployments", {}).get("LLMReplica", {})
+    return dep.get("replicas", [])
+
+
+def running(mesh, app: str = CANARY) -> list[dict]:
+    return [r for r in replicas(mesh, app) if r["state"] == "RUNNING"]
+
+
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+
+
+def chat(http: httpx.Client, *, pin: str | None = None, user: str | None = None,
+         max_tokens: int = 8, **extra) -> httpx.Response:
+    headers = {**AUTH, **({"x-mesh-variant": pin} if pin else {})}
+    body = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+            "temperature": 0, "max_tokens": max_tokens, **extra}
+    if user:
+        body["user"] = user
+    return http.post("/v1/chat/completions", json=body, headers=headers, timeout=300)
+
+
+def stream_lines(base_url: str, pin: str, max_tokens: int = 8) -> dict:
+    """One streamed chat: its status, SSE comment lines, data lines, and seconds taken."""
+    t0 = time.monotonic()
+    body = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+            "temperature": 0, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    out = {"comments": [], "data": []}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=300,
+                      headers={**AUTH, "x-mesh-variant": pin}) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                out["comments"].append(line)
+            elif line.startswith("data: "):
+                out["data"].append(line[len("data: "):])
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def canary_processes(mesh) -> list[psutil.Process]:
+    """The canary's replica processes and their children (vLLM's EngineCore and Worker)."""
+    procs = []
+    for r in running(mesh):
+        p = psutil.Process(r["pid"])
+        procs += [p, *p.children(recursive=True)]
+    return procs
+
+
+@pytest.fixture(scope="module")
+def sleepy(mesh):
+    cfg = mesh.config("scale_to_zero.yaml")
+    canary = next(a for a in cfg["applications"] if a["name"] == CANARY)
+    canary["deployments"][0]["autoscaling_config"].update(SHORT)
+    mesh.deploy(cfg)
+    mesh.sleepy_cfg = cfg
+    proc, mesh.sleepy_prometheus = prometheus.start(free_port(), scrape_interval_s=2)
+    yield mesh
+    proc.terminate()
+    proc.wait(timeout=30)
+    # Leave the canary running as canary.yaml has it (the next modules expect it).
+    mesh.deploy_shipped("canary.yaml")
+
+
+def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
+    with sleepy.http() as http:
+        if not running(sleepy):  # asleep since the deploy: wake it (a pinned request waits)
+            assert chat(http, pin=CANARY).status_code == 200
+        wait_until(lambda: running(sleepy), 60, "the canary runs")
+        assert chat(http, pin=CANARY).status_code == 200
+    last_request = time.monotonic()
+    procs = canary_processes(sleepy)
+    engine_bytes = sum(p.memory_full_info().uss for p in procs)
+    used_before = psutil.virtual_memory().used
+    wait_until(lambda: not replicas(sleepy), 120, "the idle canary has no replica")
+    to_zero_s = time.monotonic() - last_request
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                               for p in procs), 30, "the canary's processes exit")
+    freed = used_before - psutil.virtual_memory().used
+    print(f"\n[scale-to-zero] zero replicas {to_zero_s:.0f} s after the last request; "
+          f"its processes held {engine_bytes / 2**30:.2f} GiB (USS, {len(procs)} processes); "
+          f"host used memory fell by {freed / 2**30:.2f} GiB")
+    assert len(procs) >= 2  # the replica and vLLM's engine processes
+    assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
+    with sleepy.http() as http:
+        state = http.get("/health").json()["scale_to_zero"][CANARY]
+    assert state["state"] == "zero", state
+
+
+def test_requests_during_one_cold_start_all_answer_and_start_one_replica(sleepy):
+    wait_until(lambda: not replicas(sleepy), 120, "the canary is at zero")
+    seen, stop = [], threading.Event()
+
+    def watch():  # the canary's replica count, and when the first one ran
+        while not stop.is_set():
+            reps = replicas(sleepy)
+            seen.append((time.monotonic(), len(reps), sum(r["state"] == "RUNNING"
+                                                          for r in reps)))
+            time.sleep(0.5)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool, sleepy.http() as http:
+        streams = [pool.submit(stream_lines, sleepy.base_url, CANARY) for _ in range(4)]
+        whole = [pool.submit(chat, http, pin=CANARY) for _ in range(4)]
+        answers = [f.result() for f in whole]
+        streamed = [f.result() for f in streams]
+    stop.set()
+    watcher.join()
+    engine_start_s = next(t for t, _, run in seen if run > 0) - t0
+    print(f"\n[scale-to-zero] cold start: the replica ran {engine_start_s:.1f} s after the "
+          f"first request; answers after {[round(s['seconds'], 1) for s in streamed]} s "
+          "(streams)")
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.headers["x-mesh-variant"] == CANARY for a in answers)
+    assert max(n for _, n, _ in seen) == 1  # one replica for the whole burst
+    for s in streamed:
+        assert s["status"] == 200 and s["comments"], s
+        assert s["comments"][0] == f": waiting for {CANARY} to start"
+        first = json.loads(s["data"][0])  # the first data line is a real chunk
+        assert first["object"] == "chat.completion.chunk" and first["choices"], first
+        assert s["data"][-1] == "[DONE]"
+        assert s["seconds"] <= engine_start_s + 10, (s["seconds"], engine_start_s)
+    metrics = httpx.get(sleepy.metrics_url, timeout=10).text
+    started = [line for line in metrics.splitlines()
+               if line.startswith("ray_mesh_cold_starts_total{")
+               and f'variant="{CANARY}"' in line and 'outcome="started"' in line]
+    assert started, "mesh_cold_starts_total has no started cold start of the canary"
+
+
+def test_the_split_serves_a_sleeping_canarys_callers_elsewhere_and_wakes_it(sleepy):
+    wait_until(lambda: not replicas(sleepy), 120, "the canary is at zero")
+    route = sleepy.sleepy_cfg["applications"][0]["deployments"][0]["user_config"]["routes"][
+        "smollm"]
+    weighted = [(v["application"], v["weight"]) for v in route["variants"]]
+    user = next(f"user-{i}" for i in range(1000)
+                if pick_variant(weighted, "smollm", f"user-{i}") == CANARY)
+    with sleepy.http() as http:
+        t0 = time.monotonic()
+        r = chat(http, user=user)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.headers["x-mesh-variant"] == "smollm-v1"
+        assert took < 10, took  # nobody waits for the canary's engine
+        wait_until(lambda: running(sleepy), 180, "the request woke the canary")
+        wait_until(lambda: chat(http, user=user).headers.get("x-mesh-variant") == CANARY, 30,
+                   "the caller goes back to the canary once it runs", every_s=1)
+
+
+def test_the_dashboards_scale_to_zero_panels_have_data(sleepy):
+    """Their series come from this module's cold starts (test_observability checks the rest
+    of the dashboard)."""
+    build = dashboard()
+    missing = dict(build.queries({build.SCALE_TO_ZERO_ROW}))
+    assert len(missing) == 5
+    deadline = time.monotonic() + 60
+    while missing and time.monotonic() < deadline:
+        for title, promql in list(missing.items()):
+            if prometheus.query(sleepy.sleepy_prometheus, promql):
+                del missing[title]
+        time.sleep(2)
+    assert not missing, f"panels without data: {sorted(missing)}"
+
+
+def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy):
+    wait_until(lambda: running(sleepy), 180, "the canary runs")
+    before = {r["replica_id"] for r in running(sleepy)}
+    tokens = 400  # ~20 s or more here: longer than look_back_period_s + downscale_delay_s
+    s = stream_lines(sleepy.base_url, CANARY, max_tokens=tokens)
+    assert s["seconds"] > SHORT["look_back_period_s"] + SHORT["downscale_delay_s"], s["seconds"]
+    assert s["status"] == 200 and s["data"][-1] == "[DONE]"
+    usage = [json.loads(d)["usage"] for d in s["data"][:-1] if '"usage"' in d
+             and json.loads(d).get("usage")]
+    chunks = [d for d in s["data"][:-1] if json.loads(d).get("choices")]
+    assert not any("error" in d for d in s["data"]) and len(chunks) >= 1
+    assert {r["replica_id"] for r in running(sleepy)} == before
+    if usage:
+        assert usage[-1]["completion_tokens"] == tokens
+
