@@ -42,6 +42,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout-s", type=float, default=60, help="the flood's client timeout")
+    p.add_argument("--queue-timeout-s", type=float, default=30,
+                   help="the route's admission queue_timeout_s (tenants.yaml: 30), for the "
+                   "goodput ratio")
     p.add_argument("--compare", action="store_true",
                    help="also run with priorities off, deployed in place, then restore")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -50,7 +53,8 @@ def main() -> None:
     def run() -> dict:
         return asyncio.run(overload_drill(
             args.base_url, flood_key=args.flood_key, probe_key=args.probe_key,
-            requests=args.requests, max_tokens=args.max_tokens, timeout_s=args.timeout_s))
+            requests=args.requests, max_tokens=args.max_tokens, timeout_s=args.timeout_s,
+            queue_timeout_s=args.queue_timeout_s))
 
     results = {"priority_on": run()}
     if args.compare:

@@ -24,7 +24,7 @@ from serve_app.common.config import VariantArgs
 from serve_app.common.deployment_options import REPLICA_OPTIONS, options
 from serve_app.common.logs import get_logger
 from serve_app.common.wire import GenerateRequest, ReplicaInfo
-from serve_app.server.engine import engine_config, start_engine
+from serve_app.server.engine import CALIBRATION_TOKENS, engine_config, start_engine
 from serve_app.server.engine_reaper import start_reaper
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import ReplicaServer
@@ -55,6 +55,12 @@ class LLMReplica:
         self._adapter_metrics = adapters.on_event = AdapterMetrics(variant, replica, adapters)
         self.server = ReplicaServer(variant, self.engine, adapters, replica=replica,
                                     merged=merged_adapter(checked.model) or "")
+        # What a full batch costs, for the router's admission (its queue bound and wait
+        # estimate) before it has seen this variant under load.
+        self.server.full_batch_service_s = await self.engine.full_batch_service_s()
+        logger.info("variant %s: a full batch of %d requests of %d tokens took %.2f s",
+                    variant, self.engine.max_num_seqs, CALIBRATION_TOKENS,
+                    self.server.full_batch_service_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""

@@ -135,7 +135,8 @@ class MeshRouter:
             for v in rc.variants:
                 queue = self._admission_of(v.application)
                 queue.configure(**rc.admission.model_dump())
-                queue.set_capacity(self.availability.slots(v.application))
+                queue.set_capacity(self.availability.slots(v.application),
+                                   self.availability.full_batch_service_s(v.application))
         self.metrics.record_variant_states(self.availability.states())
 
     def _admission_of(self, application: str) -> VariantAdmission:

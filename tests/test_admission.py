@@ -180,16 +180,25 @@ def test_client_leaving_while_queued_frees_its_place():
     run(main())
 
 
-def test_service_time_is_learned():
+def test_service_time_is_learned_while_full_and_starts_from_the_replicas_measure():
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", headroom=0, clock=clock)
-        q.set_capacity(4)
-        for _ in range(30):
+        q = VariantAdmission("v", headroom=0, clock=clock, queue_timeout_s=30)
+        q.set_capacity(2, full_batch_service_s=3.0)  # what the replicas measured at start-up
+        assert q.service_s == 3.0 and q.max_queued == 20  # 30 s x 2 slots / 3 s
+        for _ in range(30):  # one at a time: the variant is never full, nothing learned
             slot = await q.acquire(0, True)
             clock.t += 0.5
             q.release(slot)
-        assert q.service_s == pytest.approx(0.5, abs=0.01)
+        assert q.service_s == 3.0
+        for _ in range(30):  # two at a time: full
+            a, b = await q.acquire(0, True), await q.acquire(0, True)
+            clock.t += 4.0
+            q.release(a)
+            q.release(b)
+        assert q.service_s == pytest.approx(4.0, abs=0.05)
+        q.set_capacity(4, full_batch_service_s=3.0)  # learned beats the start-up measure
+        assert q.service_s == pytest.approx(4.0, abs=0.05) and q.max_queued in (30, 31)
     run(main())
 
 
@@ -349,4 +358,32 @@ def test_on_an_idle_variant_past_service_is_forgotten():
         for t in queued[1:]:
             await settle()
             q.release(await t)
+    run(main())
+
+
+def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
+    async def main():
+        q = VariantAdmission("v", headroom=0.25, queue_timeout_s=300, newcomer_slots=1)
+        q.set_capacity(4, full_batch_service_s=1.0)  # 4 engine slots, 5 with the headroom
+        heavy = [await q.acquire(0, True, "heavy", 100.0)]  # its first: any free slot
+        heavy += [await q.acquire(0, True, "heavy", 100.0) for _ in range(2)]
+        assert q.in_flight == 3
+        queued = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))  # 4th: held back
+        await settle()
+        assert not queued.done() and q.queued == 1
+        light = await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1)  # starts at once
+        assert q.in_flight == 4 and not queued.done()
+        q.release(light, cost=1.0)
+        await settle()
+        assert not queued.done()  # the free slot is still the newcomers'
+        q.release(heavy.pop(), cost=100.0)
+        await settle()
+        assert queued.done() and q.in_flight == 3
+        # Without tenants (open mode) and with fifo, nothing is held back.
+        for fairness, tenant in (("tokens", ""), ("fifo", "heavy")):
+            q = VariantAdmission("v", headroom=0, newcomer_slots=1, fairness=fairness)
+            q.set_capacity(2)
+            await q.acquire(0, True, tenant)
+            await asyncio.wait_for(q.acquire(0, True, tenant), 1)
+            assert q.in_flight == 2
     run(main())

@@ -172,7 +172,7 @@ def test_tenant_priority_and_route_admission():
     assert validate_config(cfg) == []
     rc = RouterConfig.model_validate(router_cfg(cfg))
     assert rc.top_priority() == -3
-    assert rc.routes["smollm"].admission.max_queued_per_slot == 4.0
+    assert rc.routes["smollm"].admission.max_queued_per_slot is None  # from service time
     router_cfg(cfg)["routes"]["smollm"]["admission"]["queue_timeout_s"] = 0
     assert validate_config(cfg) == [f"{ROUTER}.routes.smollm.admission.queue_timeout_s: "
                                     "Input should be greater than 0"]

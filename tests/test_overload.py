@@ -28,7 +28,8 @@ def tenants(mesh):
 
 def drill(mesh) -> dict:
     return asyncio.run(overload_drill(f"{mesh.base_url}/v1", flood_key="sk-batch-demo",
-                                      probe_key="sk-acme-demo", requests=FLOOD))
+                                      probe_key="sk-acme-demo", requests=FLOOD,
+                                      queue_timeout_s=QUEUE_TIMEOUT_MS / 1000))
 
 
 def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):

@@ -21,17 +21,23 @@ class Admission(Strict):
             already longer.
         reserved_slots: slots of each variant only the best tenant priority may take, so its
             requests start at once while worse ones fill the variant (0: none).
-        max_queued_per_slot: requests that may wait for one variant, per slot (its engines'
-            ``max_num_seqs`` in all); 503 beyond.
+        max_queued_per_slot: a fixed bound on the requests that may wait for one variant,
+            per slot (its engines' ``max_num_seqs`` in all); 503 beyond. Default (None): no
+            fixed bound, the queue holds what can start within ``queue_timeout_s`` at the
+            variant's service time under load.
         fairness: the order among queued requests of one priority: ``tokens`` serves the
             tenant with the least recent service first (weighted prompt and completion
             tokens, the VTC scheduler's idea), ``fifo`` in arrival order.
+        newcomer_slots: engine slots of each variant that a tenant with requests in flight
+            may not take, so another tenant's request starts at once (with ``fairness:
+            tokens``; 0: none).
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
     reserved_slots: int = Field(default=1, ge=0)
-    max_queued_per_slot: float = Field(default=4.0, ge=0)
+    max_queued_per_slot: float | None = Field(default=None, ge=0)
     fairness: Literal["tokens", "fifo"] = "tokens"
+    newcomer_slots: int = Field(default=1, ge=0)
 
 
 class RolloutGates(Strict):

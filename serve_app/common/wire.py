@@ -125,6 +125,9 @@ class ReplicaInfo:
         merged: the adapter version merged into the variant's model weights
             (``scripts/prepare_model.py --merge-adapter``), which it serves with no LoRA;
             "" for none.
+        full_batch_service_s: seconds a short request (16 generated tokens) held the engine
+            in a full batch at start-up (:meth:`EngineHandle.full_batch_service_s`); 0.0
+            when not measured.
     """
 
     adapters: tuple[str, ...] = ()
@@ -132,3 +135,4 @@ class ReplicaInfo:
     priority_scheduling: bool = False
     defaults: tuple[str, ...] = ()
     merged: str = ""
+    full_batch_service_s: float = 0.0

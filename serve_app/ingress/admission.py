@@ -10,12 +10,17 @@ whatever reaches it.
 Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
-  in a queue of at most ``max_queued_per_slot`` x slots requests, if its estimated wait,
-  ``(requests ahead of it + 1) * service_s / slots`` (``service_s``: moving average of how
-  long a request holds a slot, s), is within ``queue_timeout_s``. Else it is rejected at
-  once (``overloaded``) with a ``Retry-After``: no client is left hanging on a queue that
-  cannot serve it in time. The queue bound holds even before ``service_s`` has been
-  learned under load (an idle variant's requests finish faster than a full one's).
+  if its estimated wait, ``(requests ahead of it + 1) * service_s / slots``, is within
+  ``queue_timeout_s``; else it is rejected at once (``overloaded``) with a ``Retry-After``:
+  no client is left hanging on a queue that cannot serve it in time. ``service_s`` is how
+  long a request holds a slot *while the variant is full*, s: a moving average over the
+  requests released while every slot was taken (an idle variant's requests finish several
+  times faster than a full one's, so those would make the queue admit far more than can
+  start in time). Until the variant has been full, ``service_s`` is what its replicas
+  measured at start-up for a full batch of short requests
+  (``ReplicaInfo.full_batch_service_s``). So the queue holds what can start within
+  ``queue_timeout_s`` (``queue_timeout_s * slots / service_s`` requests) from the first
+  burst on. ``max_queued_per_slot`` sets a fixed bound instead (x slots).
 - **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
   rejected (``queue_timeout``), before any byte is sent; when a finished request shows that
   service got slower, queued requests that can no longer start in time are rejected at
@@ -36,6 +41,14 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   variant, to the greatest counter, so the contention of an hour ago (a tenant that was
   served a lot then, one that was away) does not decide the next one. ``fairness: fifo`` keeps arrival
   order (the baseline the fair order is measured against).
+- **A slot for a tenant that has none** (``newcomer_slots``, default 1, with ``fairness:
+  tokens`` and tenants configured). A tenant that already has requests in flight on the
+  variant may hold at most ``capacity - newcomer_slots`` of its engine slots (and none of
+  the best priority's headroom), so another tenant's request finds an engine slot free and
+  starts at once. The fair order alone cannot do that: it decides which queued request goes
+  next, but each waits for a running one to end (a long stream: many seconds), and vLLM does
+  not preempt a running request to make room. The cost is one engine slot of
+  ``max_num_seqs`` while only one tenant is busy.
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 
 Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
@@ -50,7 +63,8 @@ import math
 import time
 from dataclasses import dataclass
 
-#: Slot-holding time assumed before the first request of a variant finished, s.
+#: Slot-holding time assumed while a variant has not been full and its replicas measured
+#: nothing at start-up, s.
 PRIOR_SERVICE_S = 2.0
 #: Weight of each new sample in the moving average of service time.
 EWMA_ALPHA = 0.2
@@ -117,14 +131,19 @@ class VariantAdmission:
         variant: the variant application (for messages).
         queue_timeout_s: longest wait for a slot, s.
         reserved_slots: slots only the best priority may take.
-        max_queued_per_slot: most requests waiting at once, per slot.
+        max_queued_per_slot: most requests waiting at once, per slot; None: what can start
+            within ``queue_timeout_s`` (see :attr:`max_queued`).
+        newcomer_slots: engine slots a tenant with requests in flight may not take (see the
+            module docstring); applies with ``fairness: tokens`` to named tenants.
         headroom: see :data:`HEADROOM`.
         clock: ``time.monotonic`` (tests pass a fake).
     """
 
     def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
-                 max_queued_per_slot: float = 4.0, fairness: str = "tokens",
-                 headroom: float = HEADROOM, clock=time.monotonic) -> None:
+                 max_queued_per_slot: float | None = None, fairness: str = "tokens",
+                 newcomer_slots: int = 0, headroom: float = HEADROOM,
+                 clock=time.monotonic) -> None:
+        self.newcomer_slots = newcomer_slots
         self.variant = variant
         self.headroom = headroom
         self.queue_timeout_s = queue_timeout_s
@@ -134,6 +153,7 @@ class VariantAdmission:
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
         self.service_s = PRIOR_SERVICE_S
+        self._learned = False  # service_s measured on this variant while full
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
         self._clock = clock
@@ -143,16 +163,22 @@ class VariantAdmission:
     # -- settings -----------------------------------------------------------------------------
 
     def configure(self, *, queue_timeout_s: float, reserved_slots: int,
-                  max_queued_per_slot: float, fairness: str = "tokens") -> None:
+                  max_queued_per_slot: float | None, fairness: str = "tokens",
+                  newcomer_slots: int = 0) -> None:
+        self.newcomer_slots = newcomer_slots
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
         self.fairness = fairness
         self._grant()
 
-    def set_capacity(self, slots: int | None) -> None:
-        """Slots of the variant now (``max_num_seqs`` x running replicas); None: unknown."""
+    def set_capacity(self, slots: int | None, full_batch_service_s: float = 0.0) -> None:
+        """Slots of the variant now (``max_num_seqs`` x running replicas; None: unknown) and
+        its replicas' start-up measure of a full batch (s; 0: none), which ``service_s``
+        is until the variant has been full."""
         self.capacity = slots
+        if not self._learned:
+            self.service_s = full_batch_service_s or PRIOR_SERVICE_S
         self._grant()
 
     def slots_for(self, top: bool) -> int:
@@ -166,13 +192,30 @@ class VariantAdmission:
             return self.capacity + math.ceil(self.capacity * self.headroom)
         return max(1, self.capacity - self.reserved_slots)
 
+    def may_start(self, top: bool, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may take a slot now: a free slot of
+        :meth:`slots_for`, and, for a tenant with requests in flight, one that leaves
+        ``newcomer_slots`` engine slots free."""
+        if self.in_flight >= self.slots_for(top):
+            return False
+        if (self.newcomer_slots and tenant and self.fairness == "tokens"
+                and self.capacity is not None and self._running.get(tenant)):
+            return self.in_flight < max(1, self.capacity - self.newcomer_slots)
+        return True
+
     @property
     def queued(self) -> int:
         return sum(1 for w in self._queue if not w.future.done())
 
     @property
     def max_queued(self) -> int:
-        return math.ceil(self.max_queued_per_slot * self.slots_for(True))
+        """Most requests that may wait: ``max_queued_per_slot`` x slots when set, else what
+        can start within ``queue_timeout_s`` at ``service_s`` (then the wait estimate is
+        the bound: a better priority still goes ahead of a full queue)."""
+        slots = self.slots_for(True)
+        if self.max_queued_per_slot is not None:
+            return math.ceil(self.max_queued_per_slot * slots)
+        return max(1, math.ceil(self.queue_timeout_s * slots / max(1e-3, self.service_s)))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -198,10 +241,11 @@ class VariantAdmission:
         self._lift(tenant)
         key = self._key(priority, tenant, math.inf)
         ahead = sum(1 for w in self._waiting() if self._order(w) <= key)
-        if ahead == 0 and self.in_flight < slots:
+        if ahead == 0 and self.may_start(top, tenant):
             return self._start(tenant, cost, now)
         wait_s = self._estimate(ahead + 1, slots)
-        if wait_s > self.queue_timeout_s or self.queued >= self.max_queued:
+        fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
+        if wait_s > self.queue_timeout_s or (fixed_bound and self.queued >= self.max_queued):
             raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
                            f"requests running, {self.queued} queued; this one would wait about "
                            f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
@@ -210,6 +254,7 @@ class VariantAdmission:
                          asyncio.get_running_loop().create_future(), tenant, cost)
         self._queue.append(waiter)
         self._shed_behind(waiter, now)
+        self._grant()  # those ahead may be held back by newcomer_slots: this one may not
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
         except asyncio.TimeoutError:
@@ -234,12 +279,15 @@ class VariantAdmission:
         if slot.released:
             return
         slot.released = True
+        full = self.capacity is not None and self.in_flight >= self.capacity
         self.in_flight -= 1
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
-        held = self._clock() - slot.granted_at
-        self.service_s += EWMA_ALPHA * (held - self.service_s)
+        if full:  # service_s is the time a slot is held while the variant is full
+            held = self._clock() - slot.granted_at
+            self.service_s += EWMA_ALPHA * (held - self.service_s)
+            self._learned = True
         self._grant()
         self._shed_late()
 
@@ -286,11 +334,17 @@ class VariantAdmission:
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
         self._prune()
-        while waiting := self._waiting():
-            best = min(waiting, key=self._order)
+        while waiting := sorted(self._waiting(), key=self._order):
+            best = waiting[0]
             if self.in_flight >= self.slots_for(best.top):
                 return
-            best.future.set_result(self._start(best.tenant, best.cost, self._clock()))
+            # The best waiter, else (newcomer_slots held it back) the next of its priority
+            # whose tenant has nothing in flight.
+            chosen = next((w for w in waiting if w.priority == best.priority
+                           and self.may_start(w.top, w.tenant)), None)
+            if chosen is None:
+                return
+            chosen.future.set_result(self._start(chosen.tenant, chosen.cost, self._clock()))
         self._prune()
 
     def _shed_behind(self, newcomer: _Waiter, now: float) -> None:

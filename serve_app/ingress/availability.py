@@ -263,6 +263,12 @@ class VariantAvailability:
             return 0
         return info.max_num_seqs * running if info else None
 
+    def full_batch_service_s(self, application: str) -> float:
+        """What the application's replicas measured at start-up for a full batch, s (the
+        slowest replica's; 0.0 when unknown)."""
+        info = self.info.get(application)
+        return info.full_batch_service_s if info else 0.0
+
     def replica_lost(self, application: str) -> None:
         """A call to ``application`` found its replica gone: try the other variants first for
         :data:`LOST_REPLICA_S` (it stays a last resort)."""

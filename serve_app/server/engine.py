@@ -7,7 +7,9 @@ bodies are exactly those of ``vllm serve``; only the HTTP layer is ours (the rou
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,10 @@ from serve_app.common.config import VariantArgs
 from serve_app.common.paths import resolve_model_path
 from serve_app.common.wire import Usage
 from serve_app.server.serving import EngineAnswer, EngineError
+
+#: Generated tokens per request of the start-up calibration batch
+#: (:meth:`EngineHandle.full_batch_service_s`): the size of a short chat answer.
+CALIBRATION_TOKENS = 16
 
 
 @dataclass
@@ -63,6 +69,26 @@ class EngineHandle:
             return EngineAnswer(result.model_dump_json(), Usage(
                 u.prompt_tokens, u.completion_tokens or 0) if u else None)
         return result  # the SSE lines of a stream
+
+    async def full_batch_service_s(self, tokens: int = CALIBRATION_TOKENS) -> float:
+        """Seconds one request of ``tokens`` generated tokens holds the engine while
+        ``max_num_seqs`` run at once: one warm-up request, then one timed full batch of
+        short prompts (``ignore_eos``). The router's admission assumes it for a full
+        variant until it has learned the real figure (:mod:`serve_app.ingress.admission`).
+        ~4 s on a 2-core CPU host, well under a second on a GPU."""
+        import uuid
+
+        from vllm import SamplingParams
+
+        async def one(n: int) -> None:
+            params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
+            async for _ in self.engine.generate("Count to ten: one, two,", params,
+                                                f"mesh-calibrate-{uuid.uuid4().hex}"):
+                pass
+        await one(2)
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(tokens) for _ in range(self.max_num_seqs)))
+        return time.monotonic() - t0
 
     async def check_health(self) -> None:
         """Raises if the engine is dead."""

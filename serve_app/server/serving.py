@@ -115,6 +115,7 @@ class ReplicaServer:
         self.adapters = adapters
         self.config: ReplicaConfig | None = None
         self.in_flight = 0  # requests inside generate()
+        self.full_batch_service_s = 0.0  # the engine's start-up calibration (LLMReplica sets it)
         self._rng = rng or random.Random()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -158,7 +159,8 @@ class ReplicaServer:
                            max_num_seqs=self.engine.max_num_seqs,
                            priority_scheduling=self.engine.priority_scheduling,
                            defaults=tuple(sorted(self.adapters.default.values())),
-                           merged=self.merged)
+                           merged=self.merged,
+                           full_batch_service_s=self.full_batch_service_s)
 
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:

@@ -7,7 +7,10 @@ latency, measured in one run (``scripts/drill_overload.py``, ``tests/test_overlo
    ``timeout_s`` client timeout) while the probe keeps sending, one after another.
 
 It reports what the flood got (answers, refusals by status, client timeouts, whether every
-refusal carried ``Retry-After``, how fast refusals came) and the probe's TTFT against idle:
+refusal carried ``Retry-After``, how fast refusals came), its goodput (the flood's answers
+per second while it was answered, and the answers against that rate x ``queue_timeout_s``:
+what the engines could have finished within the queue's deadline), and the probe's TTFT
+against idle:
 while the flood runs (probes started after 95 % of the flood's refusals were out, so the
 mesh is full of admitted low-priority work), and during the burst itself (before that, while
 the mesh is still turning the arrivals away).
@@ -31,7 +34,7 @@ def _ttft_ms(results: list[RequestResult]) -> list[float]:
 async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, requests: int = 400,
                          max_tokens: int = 16, timeout_s: float = 60, probes: int = 20,
                          probe_max_tokens: int = 4, model: str = "smollm",
-                         log=print) -> dict[str, Any]:
+                         queue_timeout_s: float = 30.0, log=print) -> dict[str, Any]:
     """Run the drill against ``base_url`` (``http://host:port/v1``); returns its figures.
 
     Returns:
@@ -41,7 +44,9 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
         (while the flood ran), ``probe_errors`` (all probes); for the flood: ``sent``, ``answered`` (200), ``refused``
         (status -> count), ``timeouts`` (client timeouts), ``other_errors``,
         ``refusals_with_retry_after``, ``refusal_p95_ms`` (arrival to refusal),
-        ``flood_wall_s``.
+        ``flood_wall_s``, ``sustained_per_s`` (answers / the time of the last answer, s:
+        the flood is sent at once), ``goodput_ratio`` (answers / (``sustained_per_s`` x
+        ``queue_timeout_s``), the route's admission deadline).
     """
     spec = LoadSpec(base_url=base_url, model=model, api_key=probe_key, requests=probes,
                     max_tokens=probe_max_tokens, prompt="What is the capital of France?",
@@ -84,6 +89,10 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
         "flood_wall_s": wall,
     }
     figures["ttft_p95_ratio"] = figures["flood_ttft_p95_ms"] / figures["idle_ttft_p95_ms"]
+    done = [a.latency_s for a in answers if a.status == 200]
+    figures["sustained_per_s"] = len(done) / max(done) if done else 0.0
+    figures["goodput_ratio"] = (len(done) / (figures["sustained_per_s"] * queue_timeout_s)
+                                if done else 0.0)
     return figures
 
 
@@ -95,6 +104,8 @@ def format_figures(label: str, f: dict[str, Any]) -> list[str]:
         f"({f['refusals_with_retry_after']} with Retry-After, p95 {f['refusal_p95_ms']:.0f} ms "
         f"after arrival), {f['timeouts']} client timeouts, {f['other_errors']} other errors, "
         f"{f['flood_wall_s']:.1f} s",
+        f"{label}: goodput: the engines finished {f['sustained_per_s']:.2f} flood requests/s; "
+        f"{f['answered']} answers are {f['goodput_ratio']:.2f} x (that rate x queue_timeout_s)",
         f"{label}: high-priority TTFT p50/p95 idle {f['idle_ttft_p50_ms']:.0f}/"
         f"{f['idle_ttft_p95_ms']:.0f} ms, during the flood {f['flood_ttft_p50_ms']:.0f}/"
         f"{f['flood_ttft_p95_ms']:.0f} ms over {f['probe_requests']} requests "
