@@ -79,6 +79,9 @@ class Availability:
     def is_asleep(self, application):
         return False
 
+    def may_be_asleep(self, application):
+        return False
+
     def used(self, application):
         pass
 

@@ -209,6 +209,12 @@ class VariantAvailability:
         """The router sends ``application`` a request now (keeps its poll going)."""
         self._used_at[application] = time.monotonic()
 
+    def may_be_asleep(self, application: str) -> bool:
+        """A warm variant that scales to zero and has been idle: it may have gone to zero
+        since the last status poll (up to :data:`STATUS_EVERY` periods ago)."""
+        return (application in self.scales_to_zero and not self._in_use(application)
+                and self.state(application) == "warm")
+
     def _in_use(self, application: str) -> bool:
         return time.monotonic() - self._used_at.get(application, float("-inf")) < IDLE_POLL_S
 

@@ -80,8 +80,11 @@ class Dispatcher:
         """
         if plan.wake:  # the split's choice sleeps: wake it for later requests, not this one
             self.cold_starts.wake(plan.wake)
-        if all(self.availability.slots(c) == 0 for c in plan.candidates):
-            await self.availability.refresh(max_age_s=0.5)  # one may have just started
+        if all(self.availability.slots(c) == 0 for c in plan.candidates) or \
+                self.availability.may_be_asleep(plan.candidates[0]):
+            # One may have just started, or (idle, scales to zero) just stopped: a call to
+            # a variant at zero would wait at its handle instead of waiting for a cold start.
+            await self.availability.refresh(max_age_s=0.5)
         for i, variant in enumerate(plan.candidates):
             if self.availability.is_asleep(variant):
                 if plan.stream:  # headers now, comment lines while it starts
