@@ -128,6 +128,35 @@ def start_direct(config_path: str, variant: str | None, nice: int = 0):
     return proc, f"{url}/v1", args.served_model_name, set(adapters)
 
 
+def start_direct_ingress_mesh(config_path: str) -> dict[str, str]:
+    """A new local cluster with direct ingress on and ``config_path`` deployed on it: the
+    mesh's base URL through the Serve proxy (``mesh``) and through the router replica's own
+    HTTP port (``direct-ingress``). The cluster lives until this process exits."""
+    import psutil
+    import yaml
+
+    from serve_app.release.deploy import deploy, running_replicas
+    from serve_app.tools.servers import start_local_ray
+
+    dashboard, http_port, _ = start_local_ray({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"})
+    cfg = load_yaml(config_path)
+    cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    path = Path(".mesh/bench/bench-direct-ingress.yaml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    print("[bench] direct ingress: a new cluster, serve deploy (the engine starts)", flush=True)
+    deploy(path, dashboard, log=lambda m: None)
+    [router] = running_replicas(dashboard, "mesh", "MeshRouter")
+    # Serve gives each ingress replica an HTTP port from RAY_SERVE_DIRECT_INGRESS_MIN/MAX_
+    # HTTP_PORT (30000-31000) and does not publish it: read it off the replica's sockets.
+    ports = sorted(c.laddr.port for c in psutil.Process(router["pid"]).net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN and 30000 <= c.laddr.port < 31000)
+    if not ports:
+        sys.exit("[bench] the router replica listens on no direct-ingress port")
+    return {"mesh": f"http://127.0.0.1:{http_port}/v1",
+            "direct-ingress": f"http://127.0.0.1:{ports[0]}/v1"}
+
+
 def measure(label: str, spec: LoadSpec) -> dict:
     asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": spec.concurrency})))  # warm
     t0 = time.monotonic()
@@ -255,6 +284,11 @@ def main() -> None:
     parser.add_argument("--mix", nargs="?", const=DEMO_MIX, metavar="ADAPTER=KEY,...",
                         help=f"also run the adapter mix (default: {DEMO_MIX})")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="start its own cluster with Ray Serve's direct ingress on "
+                        "(RAY_SERVE_ENABLE_DIRECT_INGRESS=1), deploy --config, and measure "
+                        "the mesh through the Serve proxy and straight to the router "
+                        "replica's own port in the same rounds")
     parser.add_argument("--limits", action="store_true",
                         help="measure what cluster-wide tenant limits add (see above)")
     parser.add_argument("--limit-calls", type=int, default=2000,
@@ -290,6 +324,10 @@ def main() -> None:
 
         return bench_sessions.run(a)
 
+    targets = {"mesh": a.mesh_url}
+    if a.direct_ingress:  # its own cluster: both ways into the same mesh, one run
+        targets = start_direct_ingress_mesh(a.config)
+        a.mesh_url = targets["mesh"]
     try:
         httpx.get(a.mesh_url + "/models", timeout=5,
                   headers={"authorization": f"Bearer {a.api_key}"}).raise_for_status()
@@ -308,20 +346,25 @@ def main() -> None:
         for workload, entries in workloads.items():
             for c in a.concurrency:
                 common = dict(requests=a.requests, concurrency=c, max_tokens=a.max_tokens)
-                meshes, directs = [], []
+                runs: dict[str, list[dict]] = {name: [] for name in targets}
+                directs = []
                 for i in range(a.rounds):  # alternate, so a noisy minute hits both sides
                     directs.append(measure(f"direct {workload} {i + 1}/{a.rounds}", LoadSpec(
                         base_url=direct_url, model=route, mix=tuple(
                             (d, "none") for _, d, _ in entries), **common)))
-                    meshes.append(measure(f"mesh {workload} {i + 1}/{a.rounds}", LoadSpec(
-                        base_url=a.mesh_url, model=route, mix=tuple(
-                            (m, k) for m, _, k in entries), **common)))
-                per_round = [m["tokens_per_s"] / d["tokens_per_s"] if d["tokens_per_s"] else
-                             float("nan") for m, d in zip(meshes, directs)]
-                mesh, direct = median_of(meshes), median_of(directs)
-                rows.append({"workload": workload, "concurrency": c, "mesh": mesh,
-                             "direct": direct, "ratio": ratios(mesh, direct),
-                             "tokens_ratio_rounds": per_round})
+                    for name, url in targets.items():
+                        runs[name].append(measure(f"{name} {workload} {i + 1}/{a.rounds}",
+                                                  LoadSpec(base_url=url, model=route,
+                                                           mix=tuple((m, k) for m, _, k
+                                                                     in entries), **common)))
+                direct = median_of(directs)
+                for name, meshes in runs.items():
+                    per_round = [m["tokens_per_s"] / d["tokens_per_s"] if d["tokens_per_s"]
+                                 else float("nan") for m, d in zip(meshes, directs)]
+                    mesh = median_of(meshes)
+                    rows.append({"workload": workload, "concurrency": c, "target": name,
+                                 "mesh": mesh, "direct": direct, "ratio": ratios(mesh, direct),
+                                 "tokens_ratio_rounds": per_round})
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -334,7 +377,8 @@ def main() -> None:
     for r in rows:
         for label in ("mesh", "direct"):
             s = r[label]
-            print(f"{r['workload']:>8} {r['concurrency']:>4} {label:>6} "
+            print(f"{r['workload']:>8} {r['concurrency']:>4} "
+                  f"{r['target'] if label == 'mesh' else label:>6} "
                   f"{s['tokens_per_s']:>7.1f} {s['ttft_p50_ms']:>7.0f}ms "
                   f"{s['ttft_p95_ms']:>7.0f}ms {s['latency_p50_ms']:>6.0f}ms "
                   f"{s['latency_p95_ms']:>6.0f}ms {s['errors']:>6}")
@@ -344,11 +388,12 @@ def main() -> None:
               f"{q['latency_p95_ms']:>8.2f}   TTFT p50 overhead "
               f"{r['mesh']['ttft_p50_ms'] - r['direct']['ttft_p50_ms']:+.0f} ms")
         rr = r["tokens_ratio_rounds"]
-        print(f"{r['workload']:>8} {r['concurrency']:>4} mesh/direct tok/s median "
+        print(f"{r['workload']:>8} {r['concurrency']:>4} {r['target']}/direct tok/s median "
               f"{statistics.median(rr):.2f} (rounds: {', '.join(f'{x:.2f}' for x in rr)})")
     if "mix" in workloads:
-        base = {r["concurrency"]: r for r in rows if r["workload"] == "base"}
-        for r in (r for r in rows if r["workload"] == "mix"):
+        base = {r["concurrency"]: r for r in rows if r["workload"] == "base"
+                and r["target"] == "mesh"}
+        for r in (r for r in rows if r["workload"] == "mix" and r["target"] == "mesh"):
             b = base[r["concurrency"]]
             print(f"mix/base tok/s at c={r['concurrency']}: mesh "
                   f"{r['mesh']['tokens_per_s'] / b['mesh']['tokens_per_s']:.2f}, direct "

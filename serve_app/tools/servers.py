@@ -45,10 +45,11 @@ def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: s
         time.sleep(every_s)
 
 
-def start_local_ray() -> tuple[str, int, str]:
+def start_local_ray(env: dict[str, str] | None = None) -> tuple[str, int, str]:
     """Start a new local Ray cluster for a benchmark (loopback only, the mesh's Serve
-    settings, token auth off as in the tests): returns (dashboard URL, a free port for
-    Serve's HTTP proxy, the metrics export URL). Stop it with ``ray.shutdown()``."""
+    settings overridden by ``env``, token auth off as in the tests): returns (dashboard URL,
+    a free port for Serve's HTTP proxy, the metrics export URL). Stop it with
+    ``ray.shutdown()``."""
     import os
 
     import ray
@@ -56,7 +57,7 @@ def start_local_ray() -> tuple[str, int, str]:
     from serve_app.common.serve_env import SERVE_ENV
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update(SERVE_ENV)
+    os.environ.update({**SERVE_ENV, **(env or {})})
     dash, http_port, metrics_port = free_port(), free_port(), free_port()
     # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
