@@ -126,14 +126,8 @@ def test_every_dashboard_panel_returns_data_and_a_rollout_report_is_written(obse
         print(f"\nrollout: {[d['decision'] for d in state['history']]}")
 
         # Every panel's query, through Prometheus's HTTP API, while the load goes on.
-        missing = dict(queries)
-        deadline = time.monotonic() + 180
-        while missing and time.monotonic() < deadline:
-            for title, promql in list(missing.items()):
-                if prometheus.query(observed.prometheus, promql):
-                    del missing[title]
-            time.sleep(3)
-        assert not missing, f"panels without data: {sorted(missing)}"
+        missing = prometheus.without_data(observed.prometheus, queries, 180)
+        assert not missing, f"panels without data: {missing}"
         engines = prometheus.query(observed.prometheus,
                                    "sum by (variant) (ray_vllm_num_requests_running)")
         assert {r["metric"]["variant"] for r in engines} == {"smollm-v1", "smollm-v2"}

@@ -8,7 +8,6 @@ variant up past the downscale delay."""
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 import time
@@ -194,15 +193,10 @@ def test_the_dashboards_scale_to_zero_panels_have_data(sleepy):
     """Their series come from this module's cold starts (test_observability checks the rest
     of the dashboard)."""
     build = dashboard()
-    missing = dict(build.queries({build.SCALE_TO_ZERO_ROW}))
-    assert len(missing) == 5
-    deadline = time.monotonic() + 60
-    while missing and time.monotonic() < deadline:
-        for title, promql in list(missing.items()):
-            if prometheus.query(sleepy.sleepy_prometheus, promql):
-                del missing[title]
-        time.sleep(2)
-    assert not missing, f"panels without data: {sorted(missing)}"
+    queries = build.queries({build.SCALE_TO_ZERO_ROW})
+    assert len(queries) == 5
+    missing = prometheus.without_data(sleepy.sleepy_prometheus, queries, 60, every_s=2)
+    assert not missing, f"panels without data: {missing}"
 
 
 def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy):

@@ -91,6 +91,23 @@ def query(url: str, promql: str, at: float | None = None) -> list[dict[str, Any]
     return body["data"]["result"]
 
 
+def without_data(url: str, queries: list[tuple[str, str]], timeout_s: float,
+                 every_s: float = 3) -> list[str]:
+    """The titles of ``(title, PromQL)`` queries that returned no data within ``timeout_s``
+    (each asked again every ``every_s`` until it does)."""
+    import time
+
+    missing = dict(queries)
+    deadline = time.monotonic() + timeout_s
+    while missing and time.monotonic() < deadline:
+        for title, promql in list(missing.items()):
+            if query(url, promql):
+                del missing[title]
+        if missing:
+            time.sleep(every_s)
+    return sorted(missing)
+
+
 def query_range(url: str, promql: str, start: float, end: float, step_s: float
                 ) -> list[dict[str, Any]]:
     """A range query (``/api/v1/query_range``): one ``{"metric", "values"}`` per series.
