@@ -153,8 +153,13 @@ def start_direct_ingress_mesh(config_path: str) -> dict[str, str]:
                    if c.status == psutil.CONN_LISTEN and 30000 <= c.laddr.port < 31000)
     if not ports:
         sys.exit("[bench] the router replica listens on no direct-ingress port")
-    return {"mesh": f"http://127.0.0.1:{http_port}/v1",
-            "direct-ingress": f"http://127.0.0.1:{ports[0]}/v1"}
+    targets = {"mesh": f"http://127.0.0.1:{http_port}/v1",
+               "direct-ingress": f"http://127.0.0.1:{ports[0]}/v1"}
+    for name, url in targets.items():  # what a client sees each way
+        r = httpx.get(f"{url[:-3]}/health", timeout=30)
+        print(f"[bench] {name} ({url}): GET /health {r.status_code}, x-request-id "
+              f"{'present' if 'x-request-id' in r.headers else 'ABSENT'}", flush=True)
+    return targets
 
 
 def measure(label: str, spec: LoadSpec) -> dict:

@@ -23,8 +23,8 @@ from serve_app.common.adapters import merged_adapter
 from serve_app.common.config import VariantArgs
 from serve_app.common.deployment_options import REPLICA_OPTIONS, options
 from serve_app.common.logs import get_logger
-from serve_app.common.wire import GenerateRequest, ReplicaInfo
-from serve_app.server.engine import CALIBRATION_TOKENS, engine_config, start_engine
+from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaInfo
+from serve_app.server.engine import engine_config, start_engine
 from serve_app.server.engine_reaper import start_reaper
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import ReplicaServer

@@ -387,3 +387,32 @@ def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
             await asyncio.wait_for(q.acquire(0, True, tenant), 1)
             assert q.in_flight == 2
     run(main())
+
+
+def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
+    from serve_app.ingress.admission import request_size
+
+    assert request_size(16) == 1.0 and request_size(64) == 3.0  # (64 + 8) / (16 + 8)
+
+    async def main():
+        clock = Clock()
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=10, clock=clock)
+        q.set_capacity(1, full_batch_service_s=1.0)  # a 16-token request: 1 s while full
+        held = await q.acquire(0, True, size=3.0)
+        long = [asyncio.create_task(q.acquire(0, True, size=3.0)) for _ in range(3)]  # 9 s
+        await settle()
+        assert q.queued == 3
+        with pytest.raises(Rejected) as refused:  # 9 + 3 = 12 s > 10 s
+            await q.acquire(0, True, size=3.0)
+        assert refused.value.reason == "overloaded"
+        short = asyncio.create_task(q.acquire(0, True, size=1.0))  # 9 + 1 = 10 s: fits
+        await settle()
+        assert q.queued == 4 and not short.done()
+        # Learned while full, per unit of size: 6 s for a 3-unit request is 2 s per unit.
+        clock.t += 6
+        q.release(held, size=3.0)
+        assert q.service_s == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))
+        for t in long + [short]:
+            t.cancel()
+        await asyncio.gather(*long, short, return_exceptions=True)
+    run(main())

@@ -28,6 +28,11 @@ def sse_error(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
 
 
+#: Generated tokens per request of a replica's start-up calibration batch
+#: (``ReplicaInfo.full_batch_service_s``): the size of a short chat answer.
+CALIBRATION_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One OpenAI request as the router sends it to a variant's replica (built once per
@@ -125,8 +130,8 @@ class ReplicaInfo:
         merged: the adapter version merged into the variant's model weights
             (``scripts/prepare_model.py --merge-adapter``), which it serves with no LoRA;
             "" for none.
-        full_batch_service_s: seconds a short request (16 generated tokens) held the engine
-            in a full batch at start-up (:meth:`EngineHandle.full_batch_service_s`); 0.0
+        full_batch_service_s: seconds a request of :data:`CALIBRATION_TOKENS` generated tokens
+            held the engine in a full batch at start-up (:meth:`EngineHandle.full_batch_service_s`); 0.0
             when not measured.
     """
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
-from serve_app.ingress.admission import Slot, VariantAdmission, service_cost
+from serve_app.ingress.admission import Slot, VariantAdmission, request_size, service_cost
 from serve_app.ingress.limits import Lease, TenantLimiter
 from serve_app.ingress.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
@@ -96,6 +96,12 @@ class RequestAccount:
         token-fair order of :mod:`serve_app.ingress.admission`): its reservation, weighted."""
         return service_cost(self.reservation.prompt, self.reservation.completion)
 
+    @property
+    def size(self) -> float:
+        """How long this request holds a slot, relative to a short one (the admission's
+        :func:`request_size` of its ``max_tokens`` reservation)."""
+        return request_size(self.reservation.completion)
+
     def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
                           waited_s: float) -> None:
         """The variant's admission slot this request runs in, after ``waited_s`` s in its
@@ -152,7 +158,8 @@ class RequestAccount:
                 self.metrics.record_tokens(self.tags["tenant"], lease.reserved, sum(used))
         if self._slot is not None:
             admission, slot = self._slot
-            admission.release(slot, cost=service_cost(*used))
+            admission.release(slot, cost=service_cost(*used),
+                              size=request_size(used[1]) if used[1] else None)
         if self.capture is not None:
             self.capture.finish(ttft_s=ttft_s, latency_s=latency, error=error_kind or (
                 f"http_{status}" if status >= 400 else None))

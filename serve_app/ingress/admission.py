@@ -10,17 +10,21 @@ whatever reaches it.
 Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
-  if its estimated wait, ``(requests ahead of it + 1) * service_s / slots``, is within
-  ``queue_timeout_s``; else it is rejected at once (``overloaded``) with a ``Retry-After``:
-  no client is left hanging on a queue that cannot serve it in time. ``service_s`` is how
-  long a request holds a slot *while the variant is full*, s: a moving average over the
-  requests released while every slot was taken (an idle variant's requests finish several
-  times faster than a full one's, so those would make the queue admit far more than can
-  start in time). Until the variant has been full, ``service_s`` is what its replicas
-  measured at start-up for a full batch of short requests
+  if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
+  slots``, is within ``queue_timeout_s``; else it is rejected at once (``overloaded``) with
+  a ``Retry-After``: no client is left hanging on a queue that cannot serve it in time. A
+  request's *size* (:func:`request_size`) is its ``max_tokens`` (its token reservation) plus
+  :data:`PREFILL_TOKENS`, relative to a request of
+  :data:`~serve_app.common.wire.CALIBRATION_TOKENS` tokens: a 64-token stream holds its
+  slot about three times as long as a 16-token one. ``service_s`` is how long a request of
+  size 1 holds a slot *while the variant is full*, s: a moving average over the requests
+  released while every slot was taken, per unit of the size they generated (an idle
+  variant's requests finish several times faster than a full one's, so those would make the
+  queue admit far more than can start in time). Until the variant has been full,
+  ``service_s`` is what its replicas measured at start-up for a full batch of such requests
   (``ReplicaInfo.full_batch_service_s``). So the queue holds what can start within
-  ``queue_timeout_s`` (``queue_timeout_s * slots / service_s`` requests) from the first
-  burst on. ``max_queued_per_slot`` sets a fixed bound instead (x slots).
+  ``queue_timeout_s`` from the first burst on. ``max_queued_per_slot`` sets a fixed bound
+  on the count instead (x slots).
 - **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
   rejected (``queue_timeout``), before any byte is sent; when a finished request shows that
   service got slower, queued requests that can no longer start in time are rejected at
@@ -63,6 +67,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from serve_app.common.wire import CALIBRATION_TOKENS
+
 #: Slot-holding time assumed while a variant has not been full and its replicas measured
 #: nothing at start-up, s.
 PRIOR_SERVICE_S = 2.0
@@ -79,6 +85,18 @@ MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 10
 #: Weights of prompt and completion tokens in a tenant's service (VTC's, OSDI 2024 §4:
 #: a generated token costs the engine about twice a prompt token).
 PROMPT_WEIGHT, COMPLETION_WEIGHT = 1.0, 2.0
+
+
+#: A request's fixed cost (its prefill, its scheduling) in generated-token equivalents, for
+#: :func:`request_size`: a rough figure for short prompts on this CPU host.
+PREFILL_TOKENS = 8
+
+
+def request_size(completion_tokens: int) -> float:
+    """How long a request holds a slot, relative to one of ``CALIBRATION_TOKENS`` generated
+    tokens: ``(completion_tokens + PREFILL_TOKENS) / (CALIBRATION_TOKENS + PREFILL_TOKENS)``.
+    Decode dominates a request's time in a full batch, so size follows its tokens."""
+    return (max(0, completion_tokens) + PREFILL_TOKENS) / (CALIBRATION_TOKENS + PREFILL_TOKENS)
 
 
 def service_cost(prompt_tokens: int, completion_tokens: int) -> float:
@@ -112,6 +130,7 @@ class _Waiter:
     future: asyncio.Future
     tenant: str = ""
     cost: float = 0.0  # service charged when it starts
+    size: float = 1.0  # request_size of its reservation
 
 
 @dataclass
@@ -121,6 +140,7 @@ class Slot:
     granted_at: float
     tenant: str = ""
     charged: float = 0.0  # service charged at the start (its reservation)
+    size: float = 1.0  # request_size of its reservation
     released: bool = False
 
 
@@ -220,13 +240,14 @@ class VariantAdmission:
     # -- requests -----------------------------------------------------------------------------
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
-                      cost: float = 0.0) -> Slot:
+                      cost: float = 0.0, size: float = 1.0) -> Slot:
         """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority.
 
         Args:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
             tenant: the tenant id ("" in open mode).
+            size: :func:`request_size` of its reservation (1.0: a short request).
             cost: the service charged to ``tenant`` when it starts (:func:`service_cost` of
                 its reservation, tokens); :meth:`release` corrects it.
 
@@ -240,10 +261,10 @@ class VariantAdmission:
         slots = self.slots_for(top)
         self._lift(tenant)
         key = self._key(priority, tenant, math.inf)
-        ahead = sum(1 for w in self._waiting() if self._order(w) <= key)
-        if ahead == 0 and self.may_start(top, tenant):
-            return self._start(tenant, cost, now)
-        wait_s = self._estimate(ahead + 1, slots)
+        ahead = [w for w in self._waiting() if self._order(w) <= key]
+        if not ahead and self.may_start(top, tenant):
+            return self._start(tenant, cost, now, size)
+        wait_s = self._estimate(sum(w.size for w in ahead) + size, slots)
         fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
         if wait_s > self.queue_timeout_s or (fixed_bound and self.queued >= self.max_queued):
             raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
@@ -251,7 +272,7 @@ class VariantAdmission:
                            f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
                            "later", self._retry_after(wait_s - self.queue_timeout_s))
         waiter = _Waiter(priority, next(self._seq), now + self.queue_timeout_s, top,
-                         asyncio.get_running_loop().create_future(), tenant, cost)
+                         asyncio.get_running_loop().create_future(), tenant, cost, size)
         self._queue.append(waiter)
         self._shed_behind(waiter, now)
         self._grant()  # those ahead may be held back by newcomer_slots: this one may not
@@ -272,10 +293,12 @@ class VariantAdmission:
         finally:
             self._prune()
 
-    def release(self, slot: Slot, cost: float | None = None) -> None:
+    def release(self, slot: Slot, cost: float | None = None, size: float | None = None
+                ) -> None:
         """Give a slot back (once; later calls do nothing) and learn its service time.
         ``cost``: the request's real service (:func:`service_cost` of its usage), which
-        replaces what it was charged at the start; None keeps that."""
+        replaces what it was charged at the start; None keeps that. ``size``: the
+        :func:`request_size` of what it generated (None: of its reservation)."""
         if slot.released:
             return
         slot.released = True
@@ -285,7 +308,7 @@ class VariantAdmission:
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
         if full:  # service_s is the time a slot is held while the variant is full
-            held = self._clock() - slot.granted_at
+            held = (self._clock() - slot.granted_at) / max(1e-3, size or slot.size)
             self.service_s += EWMA_ALPHA * (held - self.service_s)
             self._learned = True
         self._grant()
@@ -293,9 +316,10 @@ class VariantAdmission:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _estimate(self, position: int, slots: int) -> float:
-        """Seconds until the request at ``position`` (1-based) in the queue starts."""
-        return position * self.service_s / max(1, slots)
+    def _estimate(self, work: float, slots: int) -> float:
+        """Seconds until a queued request starts when ``work`` (the sizes of the requests
+        ahead of it and its own) must be served first."""
+        return work * self.service_s / max(1, slots)
 
     @staticmethod
     def _retry_after(seconds: float) -> int:
@@ -325,11 +349,11 @@ class VariantAdmission:
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
-    def _start(self, tenant: str, cost: float, now: float) -> Slot:
+    def _start(self, tenant: str, cost: float, now: float, size: float = 1.0) -> Slot:
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost
-        return Slot(now, tenant, cost)
+        return Slot(now, tenant, cost, size)
 
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
@@ -344,7 +368,8 @@ class VariantAdmission:
                            and self.may_start(w.top, w.tenant)), None)
             if chosen is None:
                 return
-            chosen.future.set_result(self._start(chosen.tenant, chosen.cost, self._clock()))
+            chosen.future.set_result(self._start(chosen.tenant, chosen.cost, self._clock(),
+                                                 chosen.size))
         self._prune()
 
     def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
@@ -357,9 +382,10 @@ class VariantAdmission:
         """Reject the queued requests whose estimated start is past their deadline, worst
         priority first to go."""
         now = self._clock() if now is None else now
-        waiting = sorted(self._waiting(), key=self._order)
-        for position, w in enumerate(waiting, start=1):
-            if now + self._estimate(position, self.slots_for(w.top)) > w.deadline:
+        work = 0.0
+        for w in sorted(self._waiting(), key=self._order):
+            work += w.size
+            if now + self._estimate(work, self.slots_for(w.top)) > w.deadline:
                 w.future.set_exception(Rejected(
                     "shed", f"variant {self.variant} is at capacity and cannot start this "
                     f"request within queue_timeout_s {self.queue_timeout_s:g} (requests of "

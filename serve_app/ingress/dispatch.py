@@ -148,7 +148,8 @@ class Dispatcher:
         asked_at = time.monotonic()
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority,
-                                           account.tags["tenant"], account.service_charge)
+                                           account.tags["tenant"], account.service_charge,
+                                           account.size)
         except Rejected as r:
             if r.reason == "unavailable":  # no running replica: the next candidate
                 return None

@@ -16,12 +16,9 @@ from typing import Any
 
 from serve_app.common.config import VariantArgs
 from serve_app.common.paths import resolve_model_path
-from serve_app.common.wire import Usage
+from serve_app.common.wire import CALIBRATION_TOKENS, Usage
 from serve_app.server.serving import EngineAnswer, EngineError
 
-#: Generated tokens per request of the start-up calibration batch
-#: (:meth:`EngineHandle.full_batch_service_s`): the size of a short chat answer.
-CALIBRATION_TOKENS = 16
 
 
 @dataclass
