@@ -212,11 +212,11 @@ def test_slower_service_sheds_queued_requests_before_their_deadline():
         queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(4)]  # 1..4 s
         await settle()
         assert q.queued == 4
-        clock.t += 30  # the running request took 30 s: service_s becomes 0.8 + 6 = 6.8 s
-        q.release(held)
+        clock.t += 15  # the running request took 15 s, the first sample while full: it
+        q.release(held)  # replaces the prior (1 s) at once, so service_s is 15 s
         await settle()
-        # The first queued request got the slot; the others would start 6.8, 13.6, 20.4 s
-        # from now (t = 36.8, 43.6, 50.4): the two past their deadline (t = 40) are shed.
+        # The first queued request got the slot; the others would start 15, 30, 45 s from
+        # now (t = 30, 45, 60): the two past their deadline (t = 40) are shed.
         outcomes = [t.exception().reason if t.done() and t.exception() else
                     ("granted" if t.done() else "waiting") for t in queued]
         assert outcomes == ["granted", "waiting", "shed", "shed"], outcomes
@@ -408,10 +408,11 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
         short = asyncio.create_task(q.acquire(0, True, size=1.0))  # 9 + 1 = 10 s: fits
         await settle()
         assert q.queued == 4 and not short.done()
-        # Learned while full, per unit of size: 6 s for a 3-unit request is 2 s per unit.
+        # Learned while full, per unit of size: 6 s for a 3-unit request is 2 s per unit
+        # (the first sample replaces the start-up measure).
         clock.t += 6
         q.release(held, size=3.0)
-        assert q.service_s == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))
+        assert q.service_s == pytest.approx(2.0)
         for t in long + [short]:
             t.cancel()
         await asyncio.gather(*long, short, return_exceptions=True)

@@ -22,8 +22,12 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   variant's requests finish several times faster than a full one's, so those would make the
   queue admit far more than can start in time). Until the variant has been full,
   ``service_s`` is what its replicas measured at start-up for a full batch of such requests
-  (``ReplicaInfo.full_batch_service_s``). So the queue holds what can start within
-  ``queue_timeout_s`` from the first burst on. ``max_queued_per_slot`` sets a fixed bound
+  (``ReplicaInfo.full_batch_service_s``), so the queue holds about what can start within
+  ``queue_timeout_s`` from the first burst on. That measure runs inside the engine, with no
+  HTTP path and no client on the host: on a 2-core host the real figure under load is about
+  twice it, and the first burst is over-admitted until its first requests finish (then the
+  excess is shed). The slots in the estimate are those the tenant may use
+  (:meth:`VariantAdmission.tenant_slots`). ``max_queued_per_slot`` sets a fixed bound
   on the count instead (x slots).
 - **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
   rejected (``queue_timeout``), before any byte is sent; when a finished request shows that
@@ -72,7 +76,9 @@ from serve_app.common.wire import CALIBRATION_TOKENS
 #: Slot-holding time assumed while a variant has not been full and its replicas measured
 #: nothing at start-up, s.
 PRIOR_SERVICE_S = 2.0
-#: Weight of each new sample in the moving average of service time.
+#: Weight of each new sample in the moving average of service time (the n-th of the first
+#: samples weighs 1/n: a running mean, so a variant's first burst soon replaces the start-up
+#: measure).
 EWMA_ALPHA = 0.2
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
@@ -174,6 +180,7 @@ class VariantAdmission:
         self.in_flight = 0
         self.service_s = PRIOR_SERVICE_S
         self._learned = False  # service_s measured on this variant while full
+        self._full_samples = 0
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
         self._clock = clock
@@ -212,16 +219,18 @@ class VariantAdmission:
             return self.capacity + math.ceil(self.capacity * self.headroom)
         return max(1, self.capacity - self.reserved_slots)
 
-    def may_start(self, top: bool, tenant: str) -> bool:
-        """Whether a request of ``tenant`` may take a slot now: a free slot of
-        :meth:`slots_for`, and, for a tenant with requests in flight, one that leaves
-        ``newcomer_slots`` engine slots free."""
-        if self.in_flight >= self.slots_for(top):
-            return False
+    def tenant_slots(self, top: bool, tenant: str) -> int:
+        """Slots a request of ``tenant`` may use: :meth:`slots_for`, and, for a tenant with
+        requests in flight, none of the ``newcomer_slots`` engine slots."""
+        slots = self.slots_for(top)
         if (self.newcomer_slots and tenant and self.fairness == "tokens"
                 and self.capacity is not None and self._running.get(tenant)):
-            return self.in_flight < max(1, self.capacity - self.newcomer_slots)
-        return True
+            return min(slots, max(1, self.capacity - self.newcomer_slots))
+        return slots
+
+    def may_start(self, top: bool, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`)."""
+        return self.in_flight < self.tenant_slots(top, tenant)
 
     @property
     def queued(self) -> int:
@@ -258,13 +267,13 @@ class VariantAdmission:
             raise Rejected("unavailable", f"variant {self.variant} has no running replica",
                            MIN_RETRY_AFTER_S)
         now = self._clock()
-        slots = self.slots_for(top)
         self._lift(tenant)
         key = self._key(priority, tenant, math.inf)
         ahead = [w for w in self._waiting() if self._order(w) <= key]
         if not ahead and self.may_start(top, tenant):
             return self._start(tenant, cost, now, size)
-        wait_s = self._estimate(sum(w.size for w in ahead) + size, slots)
+        wait_s = self._estimate(sum(w.size for w in ahead) + size,
+                                self.tenant_slots(top, tenant))
         fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
         if wait_s > self.queue_timeout_s or (fixed_bound and self.queued >= self.max_queued):
             raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
@@ -309,7 +318,8 @@ class VariantAdmission:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
         if full:  # service_s is the time a slot is held while the variant is full
             held = (self._clock() - slot.granted_at) / max(1e-3, size or slot.size)
-            self.service_s += EWMA_ALPHA * (held - self.service_s)
+            self._full_samples += 1  # the first ones replace the start-up measure quickly
+            self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
             self._learned = True
         self._grant()
         self._shed_late()
@@ -385,7 +395,7 @@ class VariantAdmission:
         work = 0.0
         for w in sorted(self._waiting(), key=self._order):
             work += w.size
-            if now + self._estimate(work, self.slots_for(w.top)) > w.deadline:
+            if now + self._estimate(work, self.tenant_slots(w.top, w.tenant)) > w.deadline:
                 w.future.set_exception(Rejected(
                     "shed", f"variant {self.variant} is at capacity and cannot start this "
                     f"request within queue_timeout_s {self.queue_timeout_s:g} (requests of "

@@ -32,7 +32,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
 from serve_app.common.failures import replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
-from serve_app.common.wire import ReplicaInfo
+from serve_app.common.wire import CALIBRATION_TOKENS, ReplicaInfo
 
 logger = get_logger(__name__)
 
@@ -145,6 +145,11 @@ class VariantAvailability:
                     self.replica_lost(app)
                 continue
             self._missed[app] = 0
+            if app not in self.info or \
+                    self.info[app].full_batch_service_s != info.full_batch_service_s:
+                logger.info("variant %s: a full batch of %d-token requests holds its engine "
+                            "%.2f s (start-up measure)", app, CALIBRATION_TOKENS,
+                            info.full_batch_service_s)
             self.info[app] = info
             self.adapters[app] = set(info.adapters)
         gone = [a for a in self.adapters if self._running.get(a, 0) == 0
