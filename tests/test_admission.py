@@ -94,14 +94,15 @@ def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
         q.set_capacity(2)
         assert q.service_s == PRIOR_SERVICE_S == 2.0
         held = [await q.acquire(0, True) for _ in range(2)]
-        # Each queued request adds service_s / slots = 1 s of wait: 10 fit in 10 s.
-        queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(10)]
+        # Each queued request adds service_s / slots = 1 s of wait: 8 fit in ADMIT_MARGIN
+        # (0.8) x 10 s.
+        queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(8)]
         await asyncio.sleep(0)
-        assert q.queued == 10
+        assert q.queued == 8
         with pytest.raises(Rejected) as e:
             await q.acquire(0, True)
         assert e.value.reason == "overloaded" and 1 <= e.value.retry_after_s <= 10
-        assert "would wait about 11 s" in e.value.message
+        assert "would wait about 9 s" in e.value.message
         for t in queued:
             t.cancel()
         for s in held:
@@ -142,11 +143,12 @@ def test_queue_deadline_rejects_before_anything_is_sent():
 def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", headroom=0, queue_timeout_s=3, clock=clock)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=3.75, clock=clock)
         q.set_capacity(1)
         q.service_s = 1.0
         held = await q.acquire(0, True)
-        lows = [asyncio.create_task(q.acquire(5, False)) for _ in range(3)]  # waits 1, 2, 3 s
+        # Waits 1, 2, 3 s: within ADMIT_MARGIN (0.8) x 3.75 s; the deadline is 3.75 s.
+        lows = [asyncio.create_task(q.acquire(5, False)) for _ in range(3)]
         await asyncio.sleep(0)
         assert q.queued == 3
         high = asyncio.create_task(q.acquire(0, True))  # goes first: the last low is at 4 s
@@ -396,7 +398,7 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
 
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", headroom=0, queue_timeout_s=10, clock=clock)
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=12.5, clock=clock)  # admits 10 s
         q.set_capacity(1, full_batch_service_s=1.0)  # a 16-token request: 1 s while full
         held = await q.acquire(0, True, size=3.0)
         long = [asyncio.create_task(q.acquire(0, True, size=3.0)) for _ in range(3)]  # 9 s

@@ -42,6 +42,10 @@ def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):
 
     for f in (on, off):
         assert f["timeouts"] == 0 and f["other_errors"] == 0, f
+        # Goodput: the queue holds what can start within queue_timeout_s (service time
+        # under load, from the replicas' start-up measure until learned), not a fixed 4 per
+        # slot. Measured 1.06-1.09 before ADMIT_MARGIN; the fixed bound gave about 0.5.
+        assert f["goodput_ratio"] >= 0.8, f
         assert f["answered"] >= 8 and f["answered"] + sum(f["refused"].values()) == FLOOD
         assert set(f["refused"]) <= {429, 503} and f["refused"], f
         assert f["refusals_with_retry_after"] == sum(f["refused"].values())

@@ -11,7 +11,7 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
   if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
-  slots``, is within ``queue_timeout_s``; else it is rejected at once (``overloaded``) with
+  slots``, is within :data:`ADMIT_MARGIN` x ``queue_timeout_s``; else it is rejected at once (``overloaded``) with
   a ``Retry-After``: no client is left hanging on a queue that cannot serve it in time. A
   request's *size* (:func:`request_size`) is its ``max_tokens`` (its token reservation) plus
   :data:`PREFILL_TOKENS`, relative to a request of
@@ -84,6 +84,11 @@ EWMA_ALPHA = 0.2
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
 #: router's next dispatch.
 HEADROOM = 0.25
+#: A request waits only if its estimated wait is within this share of ``queue_timeout_s``;
+#: it is shed only past its deadline. The gap absorbs the estimate's noise (one slow
+#: request moves ``service_s``), so an admitted request is seldom shed later: a refusal
+#: comes at arrival, when the client can still go elsewhere.
+ADMIT_MARGIN = 0.8
 #: Slots assumed while a variant's capacity is not known.
 UNKNOWN_CAPACITY = 1_000_000
 #: Bounds of the Retry-After a rejection suggests, s.
@@ -275,7 +280,8 @@ class VariantAdmission:
         wait_s = self._estimate(sum(w.size for w in ahead) + size,
                                 self.tenant_slots(top, tenant))
         fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
-        if wait_s > self.queue_timeout_s or (fixed_bound and self.queued >= self.max_queued):
+        if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
+                fixed_bound and self.queued >= self.max_queued):
             raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
                            f"requests running, {self.queued} queued; this one would wait about "
                            f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
