@@ -317,7 +317,10 @@ class VariantAdmission:
         if slot.released:
             return
         slot.released = True
-        full = self.capacity is not None and self.in_flight >= self.capacity
+        # Full: as busy as admission lets a busy tenant of an ordinary priority make it (the
+        # engines' slots but the reserved and the newcomer ones).
+        full = self.capacity is not None and self.in_flight >= max(
+            1, self.capacity - max(self.reserved_slots, self.newcomer_slots))
         self.in_flight -= 1
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
         if cost is not None:
