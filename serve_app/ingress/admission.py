@@ -224,14 +224,24 @@ class VariantAdmission:
             return self.capacity + math.ceil(self.capacity * self.headroom)
         return max(1, self.capacity - self.reserved_slots)
 
+    def _newcomer_rule(self, tenant: str) -> bool:
+        return bool(self.newcomer_slots and tenant and self.fairness == "tokens"
+                    and self.capacity is not None)
+
     def tenant_slots(self, top: bool, tenant: str) -> int:
         """Slots a request of ``tenant`` may use: :meth:`slots_for`, and, for a tenant with
         requests in flight, none of the ``newcomer_slots`` engine slots."""
         slots = self.slots_for(top)
-        if (self.newcomer_slots and tenant and self.fairness == "tokens"
-                and self.capacity is not None and self._running.get(tenant)):
+        if self._newcomer_rule(tenant) and self._running.get(tenant):
             return min(slots, max(1, self.capacity - self.newcomer_slots))
         return slots
+
+    def _work(self, w: _Waiter) -> float:
+        """What a queued request adds to the wait of those behind it: its size, or nothing
+        when it will start in a newcomer slot (its tenant has nothing in flight), which
+        the requests of busy tenants may not use anyway."""
+        return 0.0 if self._newcomer_rule(w.tenant) and not self._running.get(w.tenant) \
+            else w.size
 
     def may_start(self, top: bool, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`)."""
@@ -277,7 +287,7 @@ class VariantAdmission:
         ahead = [w for w in self._waiting() if self._order(w) <= key]
         if not ahead and self.may_start(top, tenant):
             return self._start(tenant, cost, now, size)
-        wait_s = self._estimate(sum(w.size for w in ahead) + size,
+        wait_s = self._estimate(sum(self._work(w) for w in ahead) + size,
                                 self.tenant_slots(top, tenant))
         fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
         if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
@@ -401,10 +411,12 @@ class VariantAdmission:
         """Reject the queued requests whose estimated start is past their deadline, worst
         priority first to go."""
         now = self._clock() if now is None else now
-        work = 0.0
+        ahead = 0.0
         for w in sorted(self._waiting(), key=self._order):
-            work += w.size
-            if now + self._estimate(work, self.tenant_slots(w.top, w.tenant)) > w.deadline:
+            if now + self._estimate(ahead + w.size,
+                                    self.tenant_slots(w.top, w.tenant)) <= w.deadline:
+                ahead += self._work(w)  # it stays: those behind it wait for it
+            else:
                 w.future.set_exception(Rejected(
                     "shed", f"variant {self.variant} is at capacity and cannot start this "
                     f"request within queue_timeout_s {self.queue_timeout_s:g} (requests of "
