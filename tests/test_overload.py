@@ -60,10 +60,11 @@ def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):
     # requests they push past their deadline, by design, when they arrive: 15.1 and 26.4 s
     # p95 after arrival in two runs (1.2 and 0.9 s in the same runs without priorities).
     assert off["refusal_p95_ms"] < REFUSAL_P95_BOUND_MS, off
-    # With priorities, the high-priority tenant is served first and never shed; without,
-    # it waits behind the flood (or is turned away with it). The median, not p95: the probe
-    # sends one request after another, so without priorities it gets only ~7 during the
-    # flood and their p95 is their worst one. Runs so far: p50 off/on 5.1x (2647/515 ms);
-    # the p95 ratio of that run was 2.0x.
-    assert on["probe_errors"] == 0 and on["probe_requests"] >= 5
-    assert off["probe_errors"] > 0 or off["flood_ttft_p50_ms"] > 2 * on["flood_ttft_p50_ms"], (on, off)
+    # The probe tenant is served in both runs: with priorities it goes first, and either way
+    # the flood's tenant leaves it an engine slot (admission.newcomer_slots: a tenant with
+    # requests in flight may not take the last one). Measured: during the flood p50 444 ms
+    # (priority on) and 465 ms (off) against 283 and 288 ms idle; before newcomer_slots,
+    # without priorities, the probe waited behind the flood (p50 off/on 5.1x).
+    for f in (on, off):
+        assert f["probe_errors"] == 0 and f["probe_requests"] >= 3, f
+        assert f["flood_ttft_p50_ms"] <= 3 * f["idle_ttft_p50_ms"], f
