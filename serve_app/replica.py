@@ -10,6 +10,8 @@ engine's (a change restarts replicas); ``user_config`` is applied in place by
 
 from __future__ import annotations
 
+import asyncio
+
 import os
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +32,9 @@ from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import ReplicaServer
 
 logger = get_logger(__name__)
+
+#: Longest the start-up full-batch measure may take, s (about 4 s on a 2-core host).
+CALIBRATION_TIMEOUT_S = 60
 
 
 class LLMReplica:
@@ -57,7 +62,12 @@ class LLMReplica:
                                     merged=merged_adapter(checked.model) or "")
         # What a full batch costs, for the router's admission (its queue bound and wait
         # estimate) before it has seen this variant under load.
-        self.server.full_batch_service_s = await self.engine.full_batch_service_s()
+        try:  # a failed measure must not fail the replica: admission then uses its prior
+            self.server.full_batch_service_s = await asyncio.wait_for(
+                self.engine.full_batch_service_s(), CALIBRATION_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("variant %s: the start-up full-batch measure failed (%s: %s)",
+                           variant, type(e).__name__, str(e)[:300])
         logger.info("variant %s: a full batch of %d requests of %d tokens took %.2f s",
                     variant, self.engine.max_num_seqs, CALIBRATION_TOKENS,
                     self.server.full_batch_service_s)

@@ -138,6 +138,7 @@ class MeshRouter:
                 queue.set_capacity(self.availability.slots(v.application),
                                    self.availability.full_batch_service_s(v.application))
         self.metrics.record_variant_states(self.availability.states())
+        self.metrics.refresh_gauges()
 
     def _admission_of(self, application: str) -> VariantAdmission:
         if application not in self._admission:

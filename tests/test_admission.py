@@ -191,13 +191,13 @@ def test_service_time_is_learned_while_full_and_starts_from_the_replicas_measure
         for _ in range(30):  # one at a time: the variant is never full, nothing learned
             slot = await q.acquire(0, True)
             clock.t += 0.5
-            q.release(slot)
+            q.release(slot, size=1.0)
         assert q.service_s == 3.0
         for _ in range(30):  # two at a time: full
             a, b = await q.acquire(0, True), await q.acquire(0, True)
             clock.t += 4.0
-            q.release(a)
-            q.release(b)
+            q.release(a, size=1.0)
+            q.release(b, size=1.0)
         assert q.service_s == pytest.approx(4.0, abs=0.05)
         q.set_capacity(4, full_batch_service_s=3.0)  # learned beats the start-up measure
         assert q.service_s == pytest.approx(4.0, abs=0.05) and q.max_queued in (30, 31)
@@ -215,7 +215,7 @@ def test_slower_service_sheds_queued_requests_before_their_deadline():
         await settle()
         assert q.queued == 4
         clock.t += 15  # the running request took 15 s, the first sample while full: it
-        q.release(held)  # replaces the prior (1 s) at once, so service_s is 15 s
+        q.release(held, size=1.0)  # replaces the prior (1 s) at once: service_s is 15 s
         await settle()
         # The first queued request got the slot; the others would start 15, 30, 45 s from
         # now (t = 30, 45, 60): the two past their deadline (t = 40) are shed.

@@ -87,7 +87,7 @@ class RequestAccount:
         lease = await limiter.acquire(tenant, reservation.total)
         self._tenant = (limiter, lease)
         if lease is not None and lease.quota.tokens is not None:
-            self.metrics.tokens_remaining.set(lease.quota.tokens[1], {"tenant": tenant.id})
+            self.metrics.record_tokens_remaining(tenant.id, lease.quota.tokens)
         return lease.quota.headers() if lease is not None else {}
 
     @property

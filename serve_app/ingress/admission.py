@@ -323,7 +323,8 @@ class VariantAdmission:
         """Give a slot back (once; later calls do nothing) and learn its service time.
         ``cost``: the request's real service (:func:`service_cost` of its usage), which
         replaces what it was charged at the start; None keeps that. ``size``: the
-        :func:`request_size` of what it generated (None: of its reservation)."""
+        :func:`request_size` of what it generated; None when it generated nothing (it
+        failed over, was refused, its client left): then it teaches ``service_s`` nothing."""
         if slot.released:
             return
         slot.released = True
@@ -335,8 +336,8 @@ class VariantAdmission:
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
-        if full:  # service_s is the time a slot is held while the variant is full
-            held = (self._clock() - slot.granted_at) / max(1e-3, size or slot.size)
+        if full and size is not None:  # held while full, by a request that generated tokens
+            held = (self._clock() - slot.granted_at) / max(1e-3, size)
             self._full_samples += 1  # the first ones replace the start-up measure quickly
             self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
             self._learned = True

@@ -145,8 +145,7 @@ class VariantAvailability:
                     self.replica_lost(app)
                 continue
             self._missed[app] = 0
-            if app not in self.info or \
-                    self.info[app].full_batch_service_s != info.full_batch_service_s:
+            if app not in self.info:
                 logger.info("variant %s: a full batch of %d-token requests holds its engine "
                             "%.2f s (start-up measure)", app, CALIBRATION_TOKENS,
                             info.full_batch_service_s)

@@ -85,8 +85,12 @@ class Dispatcher:
             # One may have just started, or (idle, scales to zero) just stopped: a call to
             # a variant at zero would wait at its handle instead of waiting for a cold start.
             await self.availability.refresh(max_age_s=0.5)
+        woke = False
         for i, variant in enumerate(plan.candidates):
             if self.availability.is_asleep(variant):
+                if woke:
+                    continue  # one cold start per request
+                woke = True
                 if plan.stream:  # headers now, comment lines while it starts
                     return RelayResponse(self._held(plan, account, plan.candidates[i:]),
                                          variant, account, {VARIANT_HEADER: variant},

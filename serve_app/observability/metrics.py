@@ -19,6 +19,8 @@ cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``va
 
 from __future__ import annotations
 
+import time
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 TAGS = ("route", "variant", "tenant", "adapter")
@@ -49,6 +51,7 @@ class MeshMetrics:
                                                  "request was held for a cold start, s.",
                                                  boundaries=_START_SECONDS,
                                                  tag_keys=("route", "variant"))
+        self._remaining: dict[str, tuple[int, int, float, float]] = {}
         self.tokens_remaining = Gauge("mesh_tenant_tokens_remaining", "Tokens left in the "
                                       "tenant's budget (tokens_per_minute, else "
                                       "tokens_per_day) after its last admitted request's "
@@ -127,6 +130,25 @@ class MeshMetrics:
             for state in VARIANT_STATES:
                 self.variant_state.set(float(s["state"] == state),
                                        {"variant": variant, "state": state})
+
+    def record_tokens_remaining(self, tenant: str, quota_tokens: tuple[int, int, float]
+                                ) -> None:
+        """A tenant's token quota after an admission: ``(limit, remaining, seconds until
+        full)`` (:class:`~serve_app.ingress.limits.Quota`). Set now, and again by
+        :meth:`refresh_gauges` with the window's refill since (Ray drops a gauge value that
+        is not set for a while, and a quiet tenant's budget refills)."""
+        self._remaining[tenant] = (*quota_tokens, time.monotonic())
+        self.tokens_remaining.set(quota_tokens[1], {"tenant": tenant})
+
+    def refresh_gauges(self) -> None:
+        """Set the token-remaining gauges again, each refilled linearly toward its limit
+        over its seconds-until-full since it was recorded (what this router knows; other
+        routers' use since is not in it)."""
+        now = time.monotonic()
+        for tenant, (limit, remaining, full_in_s, at) in self._remaining.items():
+            refilled = limit if full_in_s <= 0 else min(
+                limit, remaining + (limit - remaining) * (now - at) / full_in_s)
+            self.tokens_remaining.set(refilled, {"tenant": tenant})
 
     def record_tokens(self, tenant: str, reserved: int, used: int) -> None:
         """Account for one limited request's reservation and its settled cost, tokens."""
