@@ -77,6 +77,7 @@ class VariantAvailability:
         self._lost_until: dict[str, float] = {}  # app -> monotonic time, see replica_lost
         self._missed: dict[str, int] = {}  # app -> serving_info polls missed in a row
         self._refreshing: asyncio.Task | None = None
+        self._refreshing_status = False  # the refresh under way asks the controller
         self._task: asyncio.Task | None = None
         self.scales_to_zero: set[str] = set()  # apps whose LLMReplica has min_replicas 0
         self._statuses: dict[str, str] | None = None  # app -> status when details were read
@@ -101,11 +102,15 @@ class VariantAvailability:
                 costs the router ~50 ms of CPU, so the poll asks for it every
                 :data:`STATUS_EVERY` periods).
         """
-        if self._refreshing is not None:  # one is under way: its view is new enough
+        if self._refreshing is not None:  # one is under way: its view is new enough,
+            with_status = self._refreshing_status  # unless it skips the status we need
             await asyncio.shield(self._refreshing)
-            return
+            if with_status or not status:
+                return
+            return await self.refresh(max_age_s, status=status)
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
+        self._refreshing_status = status or self._running is None
         self._refreshing = asyncio.get_running_loop().create_task(self._refresh(status))
         try:
             await asyncio.shield(self._refreshing)
