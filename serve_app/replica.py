@@ -68,9 +68,10 @@ class LLMReplica:
         except Exception as e:
             logger.warning("variant %s: the start-up full-batch measure failed (%s: %s)",
                            variant, type(e).__name__, str(e)[:300])
-        logger.info("variant %s: a full batch of %d requests of %d tokens took %.2f s",
-                    variant, self.engine.max_num_seqs, CALIBRATION_TOKENS,
-                    self.server.full_batch_service_s)
+        else:
+            logger.info("variant %s: a full batch of %d requests of %d tokens took %.2f s",
+                        variant, self.engine.max_num_seqs, CALIBRATION_TOKENS,
+                        self.server.full_batch_service_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""

@@ -137,8 +137,7 @@ class MeshRouter:
                 queue.configure(**rc.admission.model_dump())
                 queue.set_capacity(self.availability.slots(v.application),
                                    self.availability.full_batch_service_s(v.application))
-        self.metrics.record_variant_states(self.availability.states())
-        self.metrics.refresh_gauges()
+        self.metrics.refresh_gauges(self.availability.states())
 
     def _admission_of(self, application: str) -> VariantAdmission:
         if application not in self._admission:

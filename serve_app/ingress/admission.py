@@ -184,8 +184,7 @@ class VariantAdmission:
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
         self.service_s = PRIOR_SERVICE_S
-        self._learned = False  # service_s measured on this variant while full
-        self._full_samples = 0
+        self._full_samples = 0  # releases service_s was learned from (the variant full)
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
         self._clock = clock
@@ -209,7 +208,7 @@ class VariantAdmission:
         its replicas' start-up measure of a full batch (s; 0: none), which ``service_s``
         is until the variant has been full."""
         self.capacity = slots
-        if not self._learned:
+        if not self._full_samples:
             self.service_s = full_batch_service_s or PRIOR_SERVICE_S
         self._grant()
 
@@ -340,7 +339,6 @@ class VariantAdmission:
             held = (self._clock() - slot.granted_at) / max(1e-3, size)
             self._full_samples += 1  # the first ones replace the start-up measure quickly
             self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
-            self._learned = True
         self._grant()
         self._shed_late()
 

@@ -149,13 +149,7 @@ class VariantAvailability:
                 if self._missed[app] >= MISSED_POLLS_LOST or replica_gone(info):
                     self.replica_lost(app)
                 continue
-            self._missed[app] = 0
-            if app not in self.info:
-                logger.info("variant %s: a full batch of %d-token requests holds its engine "
-                            "%.2f s (start-up measure)", app, CALIBRATION_TOKENS,
-                            info.full_batch_service_s)
-            self.info[app] = info
-            self.adapters[app] = set(info.adapters)
+            self._take(app, info)
         gone = [a for a in self.adapters if self._running.get(a, 0) == 0
                 and not (a in self.scales_to_zero and a in self._app_status)]
         for app in gone:  # a sleeping variant keeps what it served when last warm
@@ -196,6 +190,16 @@ class VariantAvailability:
                     logger.info("variant %s is %s", app, state)
                 self._state[app] = (state, now)
 
+    def _take(self, app: str, info: ReplicaInfo) -> None:
+        """What a replica of ``app`` answered ``serving_info``: what the view keeps of it."""
+        self._missed[app] = 0
+        if app not in self.info:
+            logger.info("variant %s: a full batch of %d-token requests holds its engine "
+                        "%.2f s (start-up measure)", app, CALIBRATION_TOKENS,
+                        info.full_batch_service_s)
+        self.info[app] = info
+        self.adapters[app] = set(info.adapters)
+
     @staticmethod
     def _replicas(app, state: str) -> int:
         deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
@@ -210,7 +214,7 @@ class VariantAvailability:
             # failed (DEPLOY_FAILED), the status lists no deployments at all, yet the old
             # replicas keep serving: keep what we knew.
             return (self._running or {}).get(name, 0)
-        return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
+        return self._replicas(app, "RUNNING")
 
     # -- variants that scale to zero ----------------------------------------------------------
 
@@ -254,9 +258,7 @@ class VariantAvailability:
         ``info`` (the next status poll gives the exact count)."""
         if self._running is not None:
             self._running[application] = max(1, self._running.get(application, 0))
-        self.info[application] = info
-        self.adapters[application] = set(info.adapters)
-        self._missed[application] = 0
+        self._take(application, info)
         self.used(application)
         self._update_states()
         if self.on_refresh is not None:
@@ -279,8 +281,8 @@ class VariantAvailability:
         return info.max_num_seqs * running if info else None
 
     def full_batch_service_s(self, application: str) -> float:
-        """What the application's replicas measured at start-up for a full batch, s (the
-        slowest replica's; 0.0 when unknown)."""
+        """What a replica of the application measured at start-up for a full batch, s (the
+        one whose ``serving_info`` answer the view holds; 0.0 when unknown)."""
         info = self.info.get(application)
         return info.full_batch_service_s if info else 0.0
 

@@ -37,20 +37,16 @@ from serve_app.ingress.relay import RelayResponse
 logger = get_logger(__name__)
 
 
-def _error_fields(body) -> dict:
+def _error_of(head: Head) -> MeshError:
+    """A replica's error answer (an OpenAI error body) as the MeshError it stands for."""
     try:
-        return json.loads(body or "{}").get("error") or {}
+        fields = json.loads(head.body or "{}").get("error") or {}
     except (ValueError, AttributeError):
-        return {}
-
-
-def _error_message(body) -> str:
-    return str(_error_fields(body).get("message") or body or "the variant refused the request")
-
-
-def _error_code(body) -> str | None:
-    code = _error_fields(body).get("code")
-    return str(code) if code is not None else None
+        fields = {}
+    code = fields.get("code")
+    return MeshError(head.status, str(fields.get("message") or head.body
+                                      or "the variant refused the request"),
+                     param=fields.get("param"), code=str(code) if code is not None else None)
 
 
 class Dispatcher:
@@ -137,8 +133,7 @@ class Dispatcher:
             head, stream = head_and_stream
             account.replica = head.headers.get(REPLICA_HEADER, "")
             if not head.stream:  # vLLM refused the request itself (its status comes in-band)
-                raise MeshError(head.status, _error_message(head.body),
-                                code=_error_code(head.body))
+                raise _error_of(head)
             async for item in stream:
                 yield item
             return

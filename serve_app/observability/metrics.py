@@ -123,14 +123,6 @@ class MeshMetrics:
         if error_kind:
             self.errors.inc(1, {**tags, "kind": error_kind})
 
-    def record_variant_states(self, states: dict[str, dict]) -> None:
-        """Set ``mesh_variant_state`` from :meth:`VariantAvailability.states` (set again on
-        every availability poll: Ray drops gauge values that are not set for a while)."""
-        for variant, s in states.items():
-            for state in VARIANT_STATES:
-                self.variant_state.set(float(s["state"] == state),
-                                       {"variant": variant, "state": state})
-
     def record_tokens_remaining(self, tenant: str, quota_tokens: tuple[int, int, float]
                                 ) -> None:
         """A tenant's token quota after an admission: ``(limit, remaining, seconds until
@@ -140,10 +132,16 @@ class MeshMetrics:
         self._remaining[tenant] = (*quota_tokens, time.monotonic())
         self.tokens_remaining.set(quota_tokens[1], {"tenant": tenant})
 
-    def refresh_gauges(self) -> None:
-        """Set the token-remaining gauges again, each refilled linearly toward its limit
-        over its seconds-until-full since it was recorded (what this router knows; other
-        routers' use since is not in it)."""
+    def refresh_gauges(self, variant_states: dict[str, dict]) -> None:
+        """Set the router's gauges, on every availability poll (Ray drops a gauge value that
+        is not set for a while): ``mesh_variant_state`` from ``variant_states``
+        (:meth:`VariantAvailability.states`), and the token-remaining ones, each refilled
+        linearly toward its limit over its seconds-until-full since it was recorded (what
+        this router knows; other routers' use since is not in it)."""
+        for variant, s in variant_states.items():
+            for state in VARIANT_STATES:
+                self.variant_state.set(float(s["state"] == state),
+                                       {"variant": variant, "state": state})
         now = time.monotonic()
         for tenant, (limit, remaining, full_in_s, at) in self._remaining.items():
             refilled = limit if full_in_s <= 0 else min(
