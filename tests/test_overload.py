@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from serve_app.ingress.admission import ADMIT_MARGIN
 from serve_app.tools.drills import format_figures, overload_drill, without_priorities
 
 pytestmark = pytest.mark.integration
@@ -44,8 +45,10 @@ def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):
         assert f["timeouts"] == 0 and f["other_errors"] == 0, f
         # Goodput: the queue holds what can start within queue_timeout_s (service time
         # under load, from the replicas' start-up measure until learned), not a fixed 4 per
-        # slot. Measured 1.06-1.09 before ADMIT_MARGIN; the fixed bound gave about 0.5.
-        assert f["goodput_ratio"] >= 0.8, f
+        # slot. The ratio is the last answer's time over queue_timeout_s, and admission aims
+        # at ADMIT_MARGIN (0.8) of it, so an exact estimate gives about 0.8: measured
+        # 0.78-1.08 (1.06-1.09 before the margin); the fixed bound gave about 0.5.
+        assert f["goodput_ratio"] >= 0.8 * ADMIT_MARGIN, f
         assert f["answered"] >= 8 and f["answered"] + sum(f["refused"].values()) == FLOOD
         assert set(f["refused"]) <= {429, 503} and f["refused"], f
         assert f["refusals_with_retry_after"] == sum(f["refused"].values())
