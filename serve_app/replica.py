@@ -91,6 +91,20 @@ class LLMReplica:
         self._adapter_metrics.refresh()
         return {"adapters": self.server.adapters.resident_names(), "at": time.time()}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (pushed every ``metrics_interval_s``):
+        :meth:`ReplicaServer.autoscaling_stats`, read by the resident-budget policy
+        (:mod:`serve_app.control.resident_policy`); other policies ignore them."""
+        return self.server.autoscaling_stats()
+
+    async def evict(self) -> None:
+        """The router's resident budget evicts this replica: with the resident-budget policy,
+        Serve stops it once it has no request in flight (``downscale_to_zero_delay_s``)."""
+        if not self.server.evicted:
+            logger.info("variant %s: evicted by the router's resident budget; stopping once "
+                        "idle", self.server.variant)
+        self.server.evicted = True
+
     async def serving_info(self) -> ReplicaInfo:
         """What the router's availability poll reads (:class:`ReplicaInfo`)."""
         return self.server.serving_info()

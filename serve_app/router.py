@@ -36,6 +36,7 @@ from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, requ
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.ingress.cold_start import ColdStarts
+from serve_app.ingress.resident_budget import ResidentBudget
 from serve_app.ingress.dispatch import Dispatcher
 from serve_app.ingress.limits import TenantLimiter
 from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
@@ -86,7 +87,9 @@ class MeshRouter:
         self.rollouts = RolloutClient(controller)
         self.controller = controller
         self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
-        self.cold_starts = ColdStarts(self._handle, self.availability, self.metrics)
+        self.budget = ResidentBudget(self._handle, self.availability, self._busy, self.metrics)
+        self.cold_starts = ColdStarts(self._handle, self.availability, self.metrics,
+                                      self.budget)
         self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability,
                                      self.cold_starts)
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
@@ -116,6 +119,9 @@ class MeshRouter:
         self.config = new
         self._tenants = new.tenant_by_key_digest()
         self.planner = RequestPlanner(new, splits, self.rollouts.weighted, self.availability)
+        budget = new.resident_budget
+        self.budget.configure(budget.max_variants if budget else None,
+                              budget.evict_timeout_s if budget else 60.0)
         self._update_slots()
         if not new.tenants:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
@@ -138,6 +144,11 @@ class MeshRouter:
                 queue.set_capacity(self.availability.slots(v.application),
                                    self.availability.full_batch_service_s(v.application))
         self.metrics.refresh_gauges(self.availability.states())
+
+    def _busy(self, application: str) -> bool:
+        """This router has requests in flight or queued for ``application``."""
+        queue = self._admission.get(application)
+        return queue is not None and bool(queue.in_flight or queue.queued)
 
     def _admission_of(self, application: str) -> VariantAdmission:
         if application not in self._admission:
@@ -229,7 +240,8 @@ class MeshRouter:
         """Router liveness, the weights in force per route (and per adapter version split),
         which variants have a running replica (as of the last poll, at most ~1 s old), and
         per variant that scales to zero its state (``warm``, ``starting``, ``zero``) and
-        since when (epoch s)."""
+        since when (epoch s); with a resident budget, the budget and the variants resident
+        now (``resident_budget``, else null)."""
         config = self._require_config()
         weights = self.rollouts.weights()
         return {"status": "ok", "open_mode": not config.tenants,
@@ -237,7 +249,8 @@ class MeshRouter:
                 "adapters": {k: w for k, w in weights.items() if k not in config.routes},
                 "available": {a: self.availability.is_available(a)
                               for a in sorted(config.applications())},
-                "scale_to_zero": self.availability.states()}
+                "scale_to_zero": self.availability.states(),
+                "resident_budget": self.budget.status()}
 
     @app.get("/admin/adapters")
     async def adapter_status(self, request: Request) -> dict[str, Any]:

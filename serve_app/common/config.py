@@ -311,16 +311,36 @@ class Tenant(Strict):
         return "*" in self.routes or route in self.routes
 
 
+class ResidentBudget(Strict):
+    """A mesh-wide budget of resident variants (``MeshRouter`` ``user_config``
+    ``resident_budget``; :mod:`serve_app.ingress.resident_budget`).
+
+    Attributes:
+        max_variants: most variant applications with a running or starting replica at once.
+            A cold start that would pass it first evicts the least recently used idle variant
+            whose ``autoscaling_config.policy`` is the resident-budget policy
+            (:mod:`serve_app.control.resident_policy`); with none idle, 503
+            ``resident_budget_full`` with ``Retry-After``.
+        evict_timeout_s: longest a cold start waits for the evicted variant to reach zero
+            replicas, s; past it, 503 ``resident_budget_full``.
+    """
+
+    max_variants: int = Field(ge=1)
+    evict_timeout_s: float = Field(default=60.0, gt=0, le=600)
+
+
 class RouterConfig(Strict):
     """``user_config`` of the ``MeshRouter`` deployment.
 
     Attributes:
         routes: route name (the OpenAI ``model`` field) -> its variants and weights.
         tenants: who may call; empty means open mode (no auth, logged loudly, no pinning).
+        resident_budget: optional budget of resident variants (:class:`ResidentBudget`).
     """
 
     routes: dict[str, RouteConfig] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
+    resident_budget: ResidentBudget | None = None
 
     @model_validator(mode="after")
     def _tenants_consistent(self) -> RouterConfig:

@@ -16,7 +16,9 @@ is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.c
 Its running replica is asked ``serving_info`` only while the router sends it requests
 (:meth:`VariantAvailability.used` within :data:`IDLE_POLL_S`): Serve's autoscaler counts
 every call, and a poll once a second would keep it from ever reaching zero. What it served
-when last warm (adapters, ``max_num_seqs``) is kept while it sleeps.
+when last warm (adapters, ``max_num_seqs``) is kept while it sleeps. A variant the resident
+budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no new requests: it is
+asleep from the moment its eviction starts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from serve_app.common.adapters import adapter_name
 from serve_app.common.failures import replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.wire import CALIBRATION_TOKENS, ReplicaInfo
+from serve_app.control.resident_policy import POLICY_FUNCTION
 
 logger = get_logger(__name__)
 
@@ -86,6 +89,8 @@ class VariantAvailability:
         self._state: dict[str, tuple[str, float]] = {}  # app -> (state, since: epoch s)
         self._used_at: dict[str, float] = {}  # app -> monotonic time of its last request
         self.waking: set[str] = set()  # apps a cold start is waking (cold_start sets it)
+        self.evictable: set[str] = set()  # apps whose LLMReplica uses the resident policy
+        self.evicting: set[str] = set()  # apps the resident budget is evicting (it sets it)
 
     async def start(self) -> None:
         """Take a first view, then keep refreshing it in the background."""
@@ -168,15 +173,18 @@ class VariantAvailability:
             logger.warning("could not read Serve deployment details: %s", e)
             return
         self._statuses = dict(self._app_status)
-        zero = set()
+        zero, evictable = set(), set()
         for name, app in (details.get("applications") or {}).items():
             deployment = (app.get("deployments") or {}).get(REPLICA_DEPLOYMENT) or {}
             scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
             if scaling and scaling.get("min_replicas", 1) == 0:
                 zero.add(name)
-        if zero != self.scales_to_zero:
-            logger.info("variants that scale to zero: %s", sorted(zero) or "none")
-        self.scales_to_zero = zero
+                if (scaling.get("policy") or {}).get("policy_function") == POLICY_FUNCTION:
+                    evictable.add(name)
+        if zero != self.scales_to_zero or evictable != self.evictable:
+            logger.info("variants that scale to zero: %s (the resident budget may evict: "
+                        "%s)", sorted(zero) or "none", sorted(evictable) or "none")
+        self.scales_to_zero, self.evictable = zero, evictable
 
     def _update_states(self) -> None:
         now = time.time()
@@ -231,6 +239,19 @@ class VariantAvailability:
     def _in_use(self, application: str) -> bool:
         return time.monotonic() - self._used_at.get(application, float("-inf")) < IDLE_POLL_S
 
+    def last_used(self, application: str) -> float:
+        """Monotonic time of the router's last request to ``application`` (-inf: none)."""
+        return self._used_at.get(application, float("-inf"))
+
+    def deployed_variants(self) -> list[str]:
+        """The applications in the last Serve status (variants and the router's own)."""
+        return sorted(self._app_status)
+
+    def resident(self, application: str) -> bool:
+        """``application`` has a RUNNING or STARTING replica, or a cold start under way."""
+        return (application in self.waking or self._starting.get(application, 0) > 0
+                or (self._running or {}).get(application, 0) > 0)
+
     def state(self, application: str) -> str:
         """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales
         to zero; ``warm`` or ``down`` for the others."""
@@ -248,9 +269,11 @@ class VariantAvailability:
                 for app, (state, since) in sorted(self._state.items())}
 
     def is_asleep(self, application: str) -> bool:
-        """A variant that scales to zero has no RUNNING replica and can be woken: its
-        application is deployed (RUNNING, or DEPLOYING an update) and not being deleted."""
-        return (application in self.scales_to_zero and self.state(application) != "warm"
+        """A variant that scales to zero has no RUNNING replica (or is being evicted) and can
+        be woken: its application is deployed (RUNNING, or DEPLOYING an update) and not being
+        deleted."""
+        return (application in self.scales_to_zero
+                and (self.state(application) != "warm" or application in self.evicting)
                 and self._app_status.get(application) in ("RUNNING", "DEPLOYING"))
 
     def mark_warm(self, application: str, info: ReplicaInfo) -> None:
@@ -276,7 +299,7 @@ class VariantAvailability:
             return None
         running = self._running.get(application, 0)
         info = self.info.get(application)
-        if running == 0:
+        if running == 0 or application in self.evicting:
             return 0
         return info.max_num_seqs * running if info else None
 
@@ -295,9 +318,10 @@ class VariantAvailability:
         self._lost_until[application] = time.monotonic() + LOST_REPLICA_S
 
     def is_available(self, application: str) -> bool:
-        """True when the application has a RUNNING replica (or nothing is known yet) and has
-        not just lost one."""
-        if self._lost_until.get(application, 0.0) > time.monotonic():
+        """True when the application has a RUNNING replica (or nothing is known yet), has
+        not just lost one and is not being evicted."""
+        if self._lost_until.get(application, 0.0) > time.monotonic() \
+                or application in self.evicting:
             return False
         return self._running is None or self._running.get(application, 0) > 0
 

@@ -16,6 +16,10 @@ with ``Retry-After`` (the wake goes on, and later requests join it). A stream wa
 response headers sent and an SSE comment line (``: waiting for smollm-v2 to start``) every
 :data:`COMMENT_EVERY_S`, which clients ignore (WHATWG HTML, "Server-sent events": lines
 starting with ``:``) and which keep proxies' read timeouts from firing.
+
+With a resident budget (:mod:`serve_app.ingress.resident_budget`), the wake first makes room:
+it may evict the least recently used idle variant, or refuse with 503
+``resident_budget_full``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
+from serve_app.ingress.resident_budget import ResidentBudget
 
 logger = get_logger(__name__)
 
@@ -48,10 +53,12 @@ class ColdStarts:
             ``cold_start_held``, ``cold_start_wait_seconds``); None in unit tests.
     """
 
-    def __init__(self, handle_for: Callable, availability, metrics=None) -> None:
+    def __init__(self, handle_for: Callable, availability, metrics=None,
+                 budget: ResidentBudget | None = None) -> None:
         self.handle_for = handle_for
         self.availability = availability
         self.metrics = metrics
+        self.budget = budget
         self._wakes: dict[str, asyncio.Task] = {}
 
     def wake(self, application: str) -> asyncio.Task:
@@ -68,8 +75,14 @@ class ColdStarts:
         t0 = time.monotonic()
         logger.info("cold start: waking variant %s (it has no replica)", application)
         try:
+            if self.budget is not None:
+                await self.budget.make_room(application)
             info = await asyncio.wait_for(self.handle_for(application).serving_info.remote(),
                                           WAKE_GIVE_UP_S)
+        except MeshError as e:  # the resident budget is full
+            logger.warning("cold start of %s refused: %s", application, e.message)
+            self._count(application, "budget_full")
+            raise
         except BaseException as e:
             logger.warning("cold start of %s failed after %.1f s: %s: %s", application,
                            time.monotonic() - t0, type(e).__name__, str(e)[:300])
@@ -97,8 +110,9 @@ class ColdStarts:
             route: for the metrics.
 
         Raises:
-            MeshError: 503 ``cold_start_timeout`` (not warm within ``timeout_s``) or
-                ``cold_start_failed`` (the wake call failed), with ``Retry-After``.
+            MeshError: 503 ``cold_start_timeout`` (not warm within ``timeout_s``),
+                ``cold_start_failed`` (the wake call failed) or ``resident_budget_full`` (no
+                room: :meth:`ResidentBudget.make_room`), with ``Retry-After``.
         """
         t0 = time.monotonic()
         outcome = "served"
@@ -112,6 +126,9 @@ class ColdStarts:
                             headers={"Retry-After": str(COLD_START_RETRY_AFTER_S)}) from None
         except asyncio.CancelledError:
             outcome = "client_left"
+            raise
+        except MeshError:  # resident_budget_full, as the budget words it
+            outcome = "budget_full"
             raise
         except Exception as e:
             outcome = "failed"

@@ -38,19 +38,24 @@ class MeshMetrics:
 
     def __init__(self) -> None:
         self.cold_starts = Counter("mesh_cold_starts", "Cold starts of variants that scale to "
-                                   "zero, by outcome: started, failed.",
+                                   "zero, by outcome: started, failed, budget_full.",
                                    tag_keys=("variant", "outcome"))
         self.cold_start_seconds = Histogram("mesh_cold_start_seconds", "Time from waking a "
                                             "variant at zero replicas to its first answer, s.",
                                             boundaries=_START_SECONDS, tag_keys=("variant",))
         self.cold_start_held = Counter("mesh_cold_start_held_requests", "Requests held for a "
                                        "cold start, by outcome: served (went on to "
-                                       "admission), timed_out, failed, client_left.",
+                                       "admission), timed_out, failed, budget_full, "
+                                       "client_left.",
                                        tag_keys=("route", "variant", "outcome"))
         self.cold_start_wait_seconds = Histogram("mesh_cold_start_wait_seconds", "Time a "
                                                  "request was held for a cold start, s.",
                                                  boundaries=_START_SECONDS,
                                                  tag_keys=("route", "variant"))
+        self.evictions = Counter("mesh_resident_evictions", "Variants the resident budget "
+                                 "evicted to make room for a cold start, by outcome: stopped "
+                                 "(reached zero replicas), timed_out.",
+                                 tag_keys=("variant", "outcome"))
         self._remaining: dict[str, tuple[int, int, float, float]] = {}
         self.tokens_remaining = Gauge("mesh_tenant_tokens_remaining", "Tokens left in the "
                                       "tenant's budget (tokens_per_minute, else "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.paths import resolve_repo_path
 from serve_app.common.wire import (REPLICA_HEADER, Accepted, GenerateRequest, Head, ReplicaInfo,
                                    Tail, Usage, sse_error)
+from serve_app.control.resident_policy import EVICTED, IDLE_S, IN_FLIGHT
 from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import AdapterSet
 from serve_app.server.openai_body import (engine_body, for_client, in_band_error, usage_chunk,
@@ -115,6 +117,8 @@ class ReplicaServer:
         self.adapters = adapters
         self.config: ReplicaConfig | None = None
         self.in_flight = 0  # requests inside generate()
+        self.idle_since = time.monotonic()  # when in_flight last fell to 0
+        self.evicted = False  # the router's resident budget evicted this replica
         self.full_batch_service_s = 0.0  # the engine's start-up calibration (LLMReplica sets it)
         self._rng = rng or random.Random()
 
@@ -151,6 +155,14 @@ class ReplicaServer:
         return {"variant": self.variant, "in_flight": self.in_flight,
                 "engine_unfinished": self.engine.num_unfinished(),
                 "adapters": self.adapters.status()}
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """What the resident-budget autoscaling policy reads
+        (:mod:`serve_app.control.resident_policy`): requests in flight, seconds idle (0 while
+        any is in flight; the router's polls do not count) and whether it was evicted."""
+        idle_s = 0.0 if self.in_flight else time.monotonic() - self.idle_since
+        return {IN_FLIGHT: float(self.in_flight), IDLE_S: round(idle_s, 3),
+                EVICTED: float(self.evicted)}
 
     def serving_info(self) -> ReplicaInfo:
         """Adapter versions that take new requests here and the engine's scheduling facts."""
@@ -208,6 +220,8 @@ class ReplicaServer:
                     else item
         finally:
             self.in_flight -= 1
+            if not self.in_flight:
+                self.idle_since = time.monotonic()
             if live is not None:
                 self.adapters.release(live)
 

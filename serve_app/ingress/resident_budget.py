@@ -1,0 +1,163 @@
+"""A mesh-wide budget of resident variants: before a cold start, evict the least recently
+used idle variant.
+
+With ``resident_budget: {max_variants: N}`` in the router's ``user_config``, at most N
+variant applications have a running or starting replica at once (LRU model swapping: keep
+the models in use resident, swap the rest out). A cold start
+(:mod:`serve_app.ingress.cold_start`) first asks :meth:`ResidentBudget.make_room`:
+
+1. With fewer than N other variants resident, it goes ahead.
+2. Else it evicts the least recently used *evictable* variant: one whose ``LLMReplica``
+   uses the resident-budget autoscaling policy (:mod:`serve_app.control.resident_policy`),
+   with a RUNNING replica, no replica starting, and no request of this router in flight or
+   queued for it. It tells the variant's replicas (``LLMReplica.evict``), takes it out of
+   routing (its requests wait for a cold start instead), and waits until it has no replica
+   (at most ``evict_timeout_s``). The policy stops the last replica only while its engine
+   has no request in flight, whoever sent it: a variant with work is never evicted.
+3. With nothing evictable: 503 ``resident_budget_full`` with ``Retry-After``.
+
+One lock orders the router's cold starts, so two at once do not both take the last room.
+Each router replica keeps its own view (the Serve controller's replica counts, ~1 s old):
+two routers that start different variants at the same moment may pass the budget by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from serve_app.common.errors import MeshError
+from serve_app.common.logs import get_logger
+
+logger = get_logger(__name__)
+
+#: ``Retry-After`` of ``resident_budget_full``, s: about one request's time on a busy variant.
+BUDGET_RETRY_AFTER_S = 10
+#: Seconds between the eviction's status checks; ``evict`` is sent again every
+#: :data:`EVICT_RESEND_EVERY` of them (it reaches one replica per call).
+EVICT_CHECK_S = 1.0
+EVICT_RESEND_EVERY = 5
+#: Longest one ``evict`` call may take, s.
+EVICT_CALL_TIMEOUT_S = 10.0
+
+
+class ResidentBudget:
+    """The router's resident budget.
+
+    Args:
+        handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
+        availability: the availability view (states, ``evictable``, ``evicting``, last use).
+        busy: application -> whether this router has requests in flight or queued for it.
+        metrics: the router's metrics (``evictions``); None in unit tests.
+    """
+
+    def __init__(self, handle_for: Callable, availability, busy: Callable[[str], bool],
+                 metrics=None) -> None:
+        self.handle_for = handle_for
+        self.availability = availability
+        self.busy = busy
+        self.metrics = metrics
+        self.max_variants: int | None = None  # None: no budget
+        self.evict_timeout_s = 60.0
+        self._lock = asyncio.Lock()
+        self._evictions: dict[str, asyncio.Task] = {}
+
+    def configure(self, max_variants: int | None, evict_timeout_s: float = 60.0) -> None:
+        self.max_variants = max_variants
+        self.evict_timeout_s = evict_timeout_s
+
+    def resident(self, but: str = "") -> list[str]:
+        """Variants with a running or starting replica (or a cold start under way), ``but``
+        left out."""
+        return [a for a in self.availability.deployed_variants()
+                if a != but and self.availability.resident(a)]
+
+    def victim(self, application: str) -> str | None:
+        """The least recently used variant that may be evicted to make room for
+        ``application``; None if none may."""
+        idle = [a for a in self.resident(but=application)
+                if a in self.availability.evictable and a not in self.availability.evicting
+                and self.availability.state(a) == "warm" and not self.busy(a)]
+        return min(idle, key=self.availability.last_used, default=None)
+
+    async def make_room(self, application: str) -> None:
+        """Return once ``application`` may start within the budget (evicting one variant if
+        need be). No budget: returns at once.
+
+        Raises:
+            MeshError: 503 ``resident_budget_full`` with ``Retry-After``: every resident
+                variant is in use (or cannot be evicted), or the evicted one did not stop
+                within ``evict_timeout_s``.
+        """
+        if self.max_variants is None:
+            return
+        if (evicting := self._evictions.get(application)) is not None:
+            await asyncio.shield(evicting)  # it is stopping: start it again once it stopped
+        async with self._lock:
+            await self.availability.refresh(status=True)
+            resident = self.resident(but=application)
+            if len(resident) < self.max_variants:
+                return
+            victim = self.victim(application)
+            if victim is None:
+                raise self._full(application, resident, "every one of them is in use or "
+                                 "cannot be evicted")
+            task = asyncio.get_running_loop().create_task(self._evict(victim, application))
+            self._evictions[victim] = task
+            try:
+                stopped = await asyncio.shield(task)
+            finally:
+                if task.done():
+                    self._evictions.pop(victim, None)
+            if not stopped:
+                raise self._full(application, resident, f"{victim} did not stop within "
+                                 f"evict_timeout_s {self.evict_timeout_s:g}")
+
+    async def _evict(self, victim: str, for_application: str) -> bool:
+        """Evict ``victim`` and wait until it has no replica; whether it got there."""
+        t0 = time.monotonic()
+        logger.info("resident budget (%d variants) is full: evicting %s, the least recently "
+                    "used idle variant, to start %s", self.max_variants, victim,
+                    for_application)
+        self.availability.evicting.add(victim)
+        stopped = False
+        try:
+            for check in range(int(self.evict_timeout_s / EVICT_CHECK_S) + 1):
+                if check:
+                    await asyncio.sleep(EVICT_CHECK_S)
+                    await self.availability.refresh(status=True)
+                if not self.availability.resident(victim):
+                    stopped = True
+                    break
+                if check % EVICT_RESEND_EVERY == 0 and self.availability.state(victim) == "warm":
+                    try:
+                        await asyncio.wait_for(self.handle_for(victim).evict.remote(),
+                                               EVICT_CALL_TIMEOUT_S)
+                    except Exception as e:  # the status check below tells whether it stopped
+                        logger.warning("evict call to %s failed: %s: %s", victim,
+                                       type(e).__name__, str(e)[:300])
+        finally:
+            self.availability.evicting.discard(victim)
+        took = time.monotonic() - t0
+        if stopped:
+            logger.info("resident budget: %s has no replica after %.1f s", victim, took)
+        else:
+            logger.warning("resident budget: %s still has a replica after %.1f s", victim, took)
+        if self.metrics is not None:
+            self.metrics.evictions.inc(1, {"variant": victim,
+                                           "outcome": "stopped" if stopped else "timed_out"})
+        return stopped
+
+    def _full(self, application: str, resident: list[str], why: str) -> MeshError:
+        return MeshError(503, f"variant {application} cannot start: the mesh's resident "
+                         f"budget of {self.max_variants} variant(s) is full ({', '.join(resident)}"
+                         f"), and {why}; retry later", code="resident_budget_full",
+                         headers={"Retry-After": str(BUDGET_RETRY_AFTER_S)})
+
+    def status(self) -> dict | None:
+        """For ``/health``: the budget and the variants resident now; None without one."""
+        if self.max_variants is None:
+            return None
+        return {"max_variants": self.max_variants, "resident": self.resident(),
+                "evicting": sorted(self.availability.evicting)}
