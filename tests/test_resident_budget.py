@@ -80,21 +80,27 @@ def details_of(evictable: set[str], zero: set[str]) -> dict:
 
 
 class Replicas:
-    """Variants' handles: ``evict`` stops the replica (as the policy then makes Serve do)
+    """Variants' handles: ``evict()`` stops the replica (as the policy then makes Serve do)
     unless the app is in ``stubborn``; ``serving_info`` on a stopped app starts it."""
 
     def __init__(self, apps: dict[str, dict]):
         self.apps = apps
-        self.evicted: list[str] = []
+        self.evicted: list[str] = []  # evict() calls
+        self.kept: list[str] = []  # evict(False) calls: the eviction was given up
+        self.info_calls: list[str] = []  # serving_info calls (a poll, or a wake)
         self.stubborn: set[str] = set()
 
     def __call__(self, application):
-        async def evict():
+        async def evict(evicted=True):
+            if not evicted:
+                self.kept.append(application)
+                return
             self.evicted.append(application)
             if application not in self.stubborn:
                 self.apps[application] = {}
 
         async def serving_info():
+            self.info_calls.append(application)
             self.apps[application] = {"RUNNING": 1}
             return INFO
         return SimpleNamespace(evict=SimpleNamespace(remote=evict),
@@ -172,9 +178,15 @@ def test_with_nothing_evictable_the_cold_start_is_refused_with_retry_after(budge
 def test_an_eviction_that_does_not_stop_in_time_refuses_and_serves_the_victim_again(budget):
     async def main():
         await budget.view.refresh()
+        budget.view.used("a")  # in use: polled, but not while it is being evicted
         budget.replicas.stubborn.add("a")  # e.g. a request from another router runs there
         with pytest.raises(MeshError, match="did not stop within evict_timeout_s"):
             await budget.budget.make_room("b")
-        assert budget.evictions == [("a", "timed_out")]
+        # One poll in make_room's refresh before the eviction began, none in its ~50 status
+        # checks after (a poll that arrived once it stopped would wake it).
+        assert budget.replicas.info_calls == ["a"]
+        await budget.view.refresh()
+        assert budget.replicas.info_calls == ["a", "a"]  # it stays: polled again
+        assert budget.evictions == [("a", "timed_out")] and budget.replicas.kept == ["a"]
         assert budget.view.is_available("a") and not budget.view.evicting
     asyncio.run(main())

@@ -4,7 +4,9 @@ module stays short. An idle variant reaches zero replicas and its engine's memor
 back; requests sent during one cold start (half of them streamed) all answer, one replica
 starts, and each stream's first data line is a real chunk; a request the split sends to the
 sleeping canary is served by smollm-v1 at once and wakes it; a stream in flight keeps its
-variant up past the downscale delay."""
+variant up past the downscale delay. Then serve_configs/resident_budget.yaml in place (two
+routes, one variant each, room for one engine): routes used alternately swap their variants,
+and a variant with a request in flight is never evicted."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from serve_app.tools import prometheus
 from serve_app.tools.servers import free_port
 
 from test_observability import dashboard
-from test_traffic_safety import wait_for_metric
+from test_traffic_safety import metric_total, wait_for_metric
 
 pytestmark = pytest.mark.integration
 
@@ -55,9 +57,9 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
 
 
 def chat(http: httpx.Client, *, pin: str | None = None, user: str | None = None,
-         max_tokens: int = 8, **extra) -> httpx.Response:
+         max_tokens: int = 8, model: str = "smollm", **extra) -> httpx.Response:
     headers = {**AUTH, **({"x-mesh-variant": pin} if pin else {})}
-    body = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+    body = {"model": model, "messages": [{"role": "user", "content": "What is 2 + 2?"}],
             "temperature": 0, "max_tokens": max_tokens, **extra}
     if user:
         body["user"] = user
@@ -213,3 +215,86 @@ def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy
     if usage:
         assert usage[-1]["completion_tokens"] == tokens
 
+
+
+# -- the resident budget (serve_configs/resident_budget.yaml) ---------------------------------
+
+BUDGET_ROUTES = {"smollm": "smollm-v1", "smollm-fr": "smollm-fr-v1"}
+
+
+@pytest.fixture(scope="module")
+def budget(sleepy):
+    """resident_budget.yaml deployed in place (sleepy's teardown restores canary.yaml)."""
+    cfg = sleepy.config("resident_budget.yaml")
+    for app in cfg["applications"][1:]:  # the YAML alias: both variants' one dict
+        app["deployments"][0]["autoscaling_config"].update(metrics_interval_s=1,
+                                                           look_back_period_s=3)
+    sleepy.deploy(cfg)
+    # The router learns that both scale to zero from a status poll after the deploy. Until
+    # then it polls smollm-v1 as an always-on variant, which may wake it once after the
+    # deploy stopped it (initial_replicas 0): the swaps below start from either state.
+    with sleepy.http() as http:
+        wait_until(lambda: sorted(http.get("/health").json()["scale_to_zero"])
+                   == sorted(BUDGET_ROUTES.values()), 60,
+                   "the router sees both variants scale to zero", every_s=1)
+    return sleepy
+
+
+def evictions(mesh, app: str) -> float:
+    return metric_total(mesh, "ray_mesh_resident_evictions_total", variant=app,
+                        outcome="stopped")
+
+
+def test_a_budget_of_one_swaps_two_routes_used_alternately(budget):
+    apps = list(BUDGET_ROUTES.values())
+    before = {app: evictions(budget, app) for app in apps}
+    seen, stop = [], threading.Event()
+
+    def watch():  # how many of the two variants have a replica (in any state)
+        while not stop.is_set():
+            seen.append(sum(bool(replicas(budget, app)) for app in apps))
+            time.sleep(0.5)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    answers = []
+    with budget.http() as http:
+        for route in ["smollm", "smollm-fr", "smollm"]:
+            t0 = time.monotonic()
+            r = chat(http, model=route)
+            answers.append((route, r.status_code, r.headers.get("x-mesh-variant"),
+                            round(time.monotonic() - t0, 1)))
+    stop.set()
+    watcher.join()
+    print(f"\n[resident budget] (route, status, variant, s): {answers}")
+    assert [a[1] for a in answers] == [200] * 3, answers
+    assert [a[2] for a in answers] == ["smollm-v1", "smollm-fr-v1", "smollm-v1"]
+    assert max(seen) == 1  # never both: each swap waited for the other's replica to go
+    for app in apps:  # each was evicted once to start the other
+        wait_for_metric(budget, "ray_mesh_resident_evictions_total", before[app] + 1, 30,
+                        variant=app, outcome="stopped")
+
+
+def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
+    wait_until(lambda: running(budget, "smollm-v1"), 180, "smollm-v1 runs")
+    before = {r["replica_id"] for r in running(budget, "smollm-v1")}
+    body = {"model": "smollm", "messages": [{"role": "user", "content": "Count to 100."}],
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with budget.http() as http, httpx.stream("POST", f"{budget.base_url}/v1/chat/completions",
+                                             json=body, headers=AUTH, timeout=300) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        t0 = time.monotonic()
+        refused = chat(http, model="smollm-fr")
+        took = time.monotonic() - t0
+        health = http.get("/health").json()["resident_budget"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    print(f"\n[resident budget] refused in {took:.2f} s while a stream ran: "
+          f"{refused.json()['error']['message']}")
+    assert r.status_code == 200 and json.loads(first[len("data: "):])["choices"]
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "resident_budget_full"
+    assert refused.headers["retry-after"] == "10" and took < 10
+    assert health == {"max_variants": 1, "resident": ["smollm-v1"], "evicting": []}
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert {r["replica_id"] for r in running(budget, "smollm-v1")} == before
+    assert not replicas(budget, "smollm-fr-v1")

@@ -85,6 +85,7 @@ class VariantAvailability:
         self.scales_to_zero: set[str] = set()  # apps whose LLMReplica has min_replicas 0
         self._statuses: dict[str, str] | None = None  # app -> status when details were read
         self._starting: dict[str, int] = {}  # app -> STARTING replicas
+        self._replica_count: dict[str, int] = {}  # app -> replicas in any state (STOPPING too)
         self._app_status: dict[str, str] = {}
         self._state: dict[str, tuple[str, float]] = {}  # app -> (state, since: epoch s)
         self._used_at: dict[str, float] = {}  # app -> monotonic time of its last request
@@ -137,12 +138,17 @@ class VariantAvailability:
             self._running = running
             self._starting = {name: self._replicas(app, "STARTING")
                               for name, app in serve_status.applications.items()}
+            self._replica_count = {name: self._replicas(app)
+                                   for name, app in serve_status.applications.items()}
             self._app_status = {name: getattr(app.status, "value", str(app.status))
                                 for name, app in serve_status.applications.items()}
             await self._read_autoscaling()
         self._update_states()
+        # Not a sleeper that is idle or being evicted: a call that reaches its handle just
+        # after its replica stopped would wake it.
         up = [app for app, n in self._running.items()
-              if n > 0 and (app not in self.scales_to_zero or self._in_use(app))]
+              if n > 0 and app not in self.evicting
+              and (app not in self.scales_to_zero or self._in_use(app))]
         # A call to a replica that just died queues until its replacement starts: time-box it
         # so one dead variant never freezes this view.
         answers = await asyncio.gather(
@@ -209,9 +215,13 @@ class VariantAvailability:
         self.adapters[app] = set(info.adapters)
 
     @staticmethod
-    def _replicas(app, state: str) -> int:
+    def _replicas(app, state: str | None = None) -> int:
+        """``LLMReplica`` replicas of an application in ``state`` (None: in any state)."""
         deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
-        return deployment.replica_states.get(state, 0) if deployment else 0
+        if not deployment:
+            return 0
+        states = deployment.replica_states
+        return sum(states.values()) if state is None else states.get(state, 0)
 
     def _running_replicas(self, name: str, app) -> int:
         """RUNNING ``LLMReplica`` replicas of an application in a ``serve.status()``."""
@@ -247,10 +257,16 @@ class VariantAvailability:
         """The applications in the last Serve status (variants and the router's own)."""
         return sorted(self._app_status)
 
+    def running(self, application: str) -> int:
+        """RUNNING ``LLMReplica`` replicas of ``application`` in the last status (0: none or
+        not polled yet)."""
+        return (self._running or {}).get(application, 0)
+
     def resident(self, application: str) -> bool:
-        """``application`` has a RUNNING or STARTING replica, or a cold start under way."""
-        return (application in self.waking or self._starting.get(application, 0) > 0
-                or (self._running or {}).get(application, 0) > 0)
+        """``application`` has a replica (starting, running or stopping: its engine may hold
+        memory until the replica is gone) or a cold start under way."""
+        return (application in self.waking or self._replica_count.get(application, 0) > 0
+                or self.running(application) > 0)
 
     def state(self, application: str) -> str:
         """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales

@@ -35,7 +35,8 @@ logger = get_logger(__name__)
 #: ``Retry-After`` of ``resident_budget_full``, s: about one request's time on a busy variant.
 BUDGET_RETRY_AFTER_S = 10
 #: Seconds between the eviction's status checks; ``evict`` is sent again every
-#: :data:`EVICT_RESEND_EVERY` of them (it reaches one replica per call).
+#: :data:`EVICT_RESEND_EVERY` of them while the variant runs several replicas (a call
+#: reaches one).
 EVICT_CHECK_S = 1.0
 EVICT_RESEND_EVERY = 5
 #: Longest one ``evict`` call may take, s.
@@ -117,8 +118,8 @@ class ResidentBudget:
     async def _evict(self, victim: str, for_application: str) -> bool:
         """Evict ``victim`` and wait until it has no replica; whether it got there."""
         t0 = time.monotonic()
-        logger.info("resident budget (%d variants) is full: evicting %s, the least recently "
-                    "used idle variant, to start %s", self.max_variants, victim,
+        logger.info("resident budget (max_variants %d) is full: evicting %s, the least "
+                    "recently used idle variant, to start %s", self.max_variants, victim,
                     for_application)
         self.availability.evicting.add(victim)
         stopped = False
@@ -130,24 +131,35 @@ class ResidentBudget:
                 if not self.availability.resident(victim):
                     stopped = True
                     break
-                if check % EVICT_RESEND_EVERY == 0 and self.availability.state(victim) == "warm":
-                    try:
-                        await asyncio.wait_for(self.handle_for(victim).evict.remote(),
-                                               EVICT_CALL_TIMEOUT_S)
-                    except Exception as e:  # the status check below tells whether it stopped
-                        logger.warning("evict call to %s failed: %s: %s", victim,
-                                       type(e).__name__, str(e)[:300])
+                # A call reaches one replica: send it again while several run. Not to a
+                # lone replica: a call that arrives once it stopped would wake the variant.
+                if check == 0 or (check % EVICT_RESEND_EVERY == 0
+                                  and self.availability.running(victim) > 1):
+                    await self._call_evict(victim, True)
+            if not stopped and self.availability.state(victim) == "warm":
+                await self._call_evict(victim, False)  # it stays (another router's request?)
         finally:
             self.availability.evicting.discard(victim)
         took = time.monotonic() - t0
         if stopped:
             logger.info("resident budget: %s has no replica after %.1f s", victim, took)
         else:
-            logger.warning("resident budget: %s still has a replica after %.1f s", victim, took)
+            logger.warning("resident budget: %s still has a replica after %.1f s; it stays",
+                           victim, took)
         if self.metrics is not None:
             self.metrics.evictions.inc(1, {"variant": victim,
                                            "outcome": "stopped" if stopped else "timed_out"})
         return stopped
+
+    async def _call_evict(self, victim: str, evicted: bool) -> None:
+        """``LLMReplica.evict(evicted)`` on one replica of ``victim``; a failure is logged (the
+        status checks tell whether it stopped)."""
+        try:
+            await asyncio.wait_for(self.handle_for(victim).evict.remote(evicted),
+                                   EVICT_CALL_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("evict(%s) call to %s failed: %s: %s", evicted, victim,
+                           type(e).__name__, str(e)[:300])
 
     def _full(self, application: str, resident: list[str], why: str) -> MeshError:
         return MeshError(503, f"variant {application} cannot start: the mesh's resident "
