@@ -54,7 +54,8 @@ def report(in_flight=0.0, idle_s=0.0, evicted=0.0) -> dict[str, float]:
     (report(idle_s=5), 0.0, 1),                      # idle, but not for downscale_delay_s
     (report(idle_s=31), 0.0, 0),                     # idle past downscale_delay_s: it goes
     (report(idle_s=0.5, evicted=1), 0.0, 0),         # evicted and idle: it goes at once
-    (report(idle_s=0.5, evicted=1), 0.4, 0),         # the router's own calls do not hold it
+    (report(idle_s=0.5, evicted=1), 0.4, 1),         # requests in Serve's look-back window:
+                                                     # at zero, Serve would start it again
     (report(in_flight=1, evicted=1), 1.0, 1),        # a request in flight: never
     (None, 0.0, 1),                                  # no report yet (just started): it stays
 ])

@@ -9,10 +9,12 @@ router's resident budget must evict its least recently used variant *now*. This 
 turns it around: set ``downscale_to_zero_delay_s`` short (the eviction's delay, 1 s in the
 shipped config) and the policy holds the last replica until it may go:
 
-- while its engine has requests in flight, never;
+- while its engine has requests in flight, or Serve counted requests to it within
+  ``look_back_period_s`` (at zero replicas, Serve's cold-start path would start one again
+  at once for those), never;
 - once its replica has been idle (no ``generate`` call) for ``downscale_delay_s`` (Serve's
-  own idle scale-down, timed by the replica, which does not count the router's polls);
-- at once when the router evicted it (``LLMReplica.evict``) and it is idle.
+  own idle scale-down, timed by the replica);
+- as soon as it is idle when the router evicted it (``LLMReplica.evict``).
 
 Each replica reports its ``mesh_in_flight``, ``mesh_idle_s`` and ``mesh_evicted`` with
 Serve's custom autoscaling metrics (``LLMReplica.record_autoscaling_stats``, pushed every
@@ -46,8 +48,12 @@ def latest(raw_metrics: dict | None, name: str) -> dict[Any, float]:
 
 
 def may_stop(ctx) -> bool:
-    """Whether the variant's replicas may all go: every running replica has reported, none
-    has a request in flight, and each was evicted or has been idle ``downscale_delay_s``."""
+    """Whether the variant's replicas may all go: no request in Serve's look-back window
+    (with one, Serve's cold-start path would start a replica again at once), every running
+    replica has reported, none has a request in flight, and each was evicted or has been
+    idle ``downscale_delay_s``."""
+    if ctx.total_num_requests > 0:
+        return False
     raw = ctx.raw_metrics
     in_flight, idle_s, evicted = (latest(raw, m) for m in (IN_FLIGHT, IDLE_S, EVICTED))
     replicas = list(ctx.running_replicas)
