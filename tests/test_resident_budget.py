@@ -191,3 +191,17 @@ def test_an_eviction_that_does_not_stop_in_time_refuses_and_serves_the_victim_ag
         assert budget.evictions == [("a", "timed_out")] and budget.replicas.kept == ["a"]
         assert budget.view.is_available("a") and not budget.view.evicting
     asyncio.run(main())
+
+
+def test_a_request_for_the_victim_during_its_eviction_does_not_stop_the_eviction(budget):
+    async def main():
+        await budget.view.refresh()
+        budget.replicas.stubborn.add("a")  # it takes a few status checks to stop
+        room = asyncio.ensure_future(budget.budget.make_room("b"))
+        await asyncio.sleep(0.05)
+        assert budget.view.is_asleep("a") and not budget.view.is_available("a")
+        budget.view.waking.add("a")  # a request for it waits to wake it again
+        budget.apps["a"] = {}
+        await room  # a has no replica: b may start
+        assert budget.evictions == [("a", "stopped")]
+    asyncio.run(main())

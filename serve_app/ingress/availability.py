@@ -262,11 +262,14 @@ class VariantAvailability:
         not polled yet)."""
         return (self._running or {}).get(application, 0)
 
+    def has_replica(self, application: str) -> bool:
+        """``application`` has a replica: starting, running or stopping (its engine may hold
+        memory until the replica is gone)."""
+        return self._replica_count.get(application, 0) > 0 or self.running(application) > 0
+
     def resident(self, application: str) -> bool:
-        """``application`` has a replica (starting, running or stopping: its engine may hold
-        memory until the replica is gone) or a cold start under way."""
-        return (application in self.waking or self._replica_count.get(application, 0) > 0
-                or self.running(application) > 0)
+        """``application`` has a replica (:meth:`has_replica`) or a cold start under way."""
+        return application in self.waking or self.has_replica(application)
 
     def state(self, application: str) -> str:
         """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales

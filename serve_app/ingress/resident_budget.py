@@ -128,7 +128,8 @@ class ResidentBudget:
                 if check:
                     await asyncio.sleep(EVICT_CHECK_S)
                     await self.availability.refresh(status=True)
-                if not self.availability.resident(victim):
+                # Its replicas, not a cold start of it: a request for it may wait to wake it.
+                if not self.availability.has_replica(victim):
                     stopped = True
                     break
                 # A call reaches one replica: send it again while several run. Not to a
