@@ -74,12 +74,20 @@ class ResidentBudget:
         return [a for a in self.availability.deployed_variants()
                 if a != but and self.availability.resident(a)]
 
+    def why_kept(self, application: str) -> str:
+        """Why a resident variant may not be evicted now ("" if it may)."""
+        if application not in self.availability.evictable:
+            return "does not use the resident-budget autoscaling policy"
+        if application in self.availability.evicting:
+            return "is being evicted"
+        if self.availability.state(application) != "warm":
+            return "is starting"
+        return "has requests in flight or queued" if self.busy(application) else ""
+
     def victim(self, application: str) -> str | None:
         """The least recently used variant that may be evicted to make room for
         ``application``; None if none may."""
-        idle = [a for a in self.resident(but=application)
-                if a in self.availability.evictable and a not in self.availability.evicting
-                and self.availability.state(a) == "warm" and not self.busy(a)]
+        idle = [a for a in self.resident(but=application) if not self.why_kept(a)]
         return min(idle, key=self.availability.last_used, default=None)
 
     async def make_room(self, application: str) -> None:
@@ -102,8 +110,8 @@ class ResidentBudget:
                 return
             victim = self.victim(application)
             if victim is None:
-                raise self._full(application, resident, "every one of them is in use or "
-                                 "cannot be evicted")
+                raise self._full(application, resident, "none may be evicted: " + "; ".join(
+                    f"{a} {self.why_kept(a)}" for a in resident))
             task = asyncio.get_running_loop().create_task(self._evict(victim, application))
             self._evictions[victim] = task
             try:
