@@ -316,8 +316,8 @@ class ResidentBudget(Strict):
     ``resident_budget``; :mod:`serve_app.ingress.resident_budget`).
 
     Attributes:
-        max_variants: most variant applications with a running or starting replica at once.
-            A cold start that would pass it first evicts the least recently used idle variant
+        max_variants: most variant applications with a replica (starting, running or
+            stopping) at once. A cold start that would pass it first evicts the least recently used idle variant
             whose ``autoscaling_config.policy`` is the resident-budget policy
             (:mod:`serve_app.control.resident_policy`); with none idle, 503
             ``resident_budget_full`` with ``Retry-After``.

@@ -2,8 +2,8 @@
 used idle variant.
 
 With ``resident_budget: {max_variants: N}`` in the router's ``user_config``, at most N
-variant applications have a running or starting replica at once (LRU model swapping: keep
-the models in use resident, swap the rest out). A cold start
+variant applications have a replica (starting, running or stopping) at once (LRU model
+swapping: keep the models in use resident, swap the rest out). A cold start
 (:mod:`serve_app.ingress.cold_start`) first asks :meth:`ResidentBudget.make_room`:
 
 1. With fewer than N other variants resident, it goes ahead.
@@ -69,8 +69,8 @@ class ResidentBudget:
         self.evict_timeout_s = evict_timeout_s
 
     def resident(self, but: str = "") -> list[str]:
-        """Variants with a running or starting replica (or a cold start under way), ``but``
-        left out."""
+        """Variants with a replica or a cold start under way
+        (:meth:`VariantAvailability.resident`), ``but`` left out."""
         return [a for a in self.availability.deployed_variants()
                 if a != but and self.availability.resident(a)]
 
@@ -114,11 +114,9 @@ class ResidentBudget:
                     f"{a} {self.why_kept(a)}" for a in resident))
             task = asyncio.get_running_loop().create_task(self._evict(victim, application))
             self._evictions[victim] = task
-            try:
-                stopped = await asyncio.shield(task)
-            finally:
-                if task.done():
-                    self._evictions.pop(victim, None)
+            task.add_done_callback(lambda t: self._evictions.get(victim) is t
+                                   and self._evictions.pop(victim))
+            stopped = await asyncio.shield(task)
             if not stopped:
                 raise self._full(application, resident, f"{victim} did not stop within "
                                  f"evict_timeout_s {self.evict_timeout_s:g}")
