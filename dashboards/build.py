@@ -42,7 +42,8 @@ def p95(metric: str, by: str = BY, selector: str = SEL, q: float = 0.95) -> str:
 
 #: The row of variants that scale to zero: tests/test_scale_to_zero.py checks its queries (it
 #: has the cold starts); tests/test_observability.py checks every other row.
-SCALE_TO_ZERO_ROW = "Scale to zero: variant states and cold starts (serve_app/ingress/cold_start.py)"
+SCALE_TO_ZERO_ROW = ("Scale to zero: variant states, cold starts and the resident budget "
+                     "(serve_app/ingress/cold_start.py)")
 
 #: (row, [(title, unit, [(PromQL, legend)])]) in dashboard order.
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
@@ -149,6 +150,9 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "(rate(ray_mesh_cold_start_seconds_bucket[1h])))", "start {{variant}}"),
             ("histogram_quantile(0.95, sum by (le, variant) "
              "(rate(ray_mesh_cold_start_wait_seconds_bucket[1h])))", "held {{variant}}")]),
+        ("Resident budget: evictions (serve_app/ingress/resident_budget.py)", "short", [
+            ("sum by (variant, outcome) (increase(ray_mesh_resident_evictions_total[1h]))",
+             "evicted {{variant}} {{outcome}}")]),
     ]),
     ("Replicas of a variant (the affinity router, serve_app/ingress/replica_router.py)", [
         ("Replica routing decisions", "reqps", [

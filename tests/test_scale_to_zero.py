@@ -6,7 +6,8 @@ starts, and each stream's first data line is a real chunk; a request the split s
 sleeping canary is served by smollm-v1 at once and wakes it; a stream in flight keeps its
 variant up past the downscale delay. Then serve_configs/resident_budget.yaml in place (two
 routes, one variant each, room for one engine): routes used alternately swap their variants,
-and a variant with a request in flight is never evicted."""
+and a variant with a request in flight is never evicted. Last, the dashboard's scale-to-zero
+panels (cold starts, evictions) have data."""
 
 from __future__ import annotations
 
@@ -190,16 +191,6 @@ def test_the_split_serves_a_sleeping_canarys_callers_elsewhere_and_wakes_it(slee
                    "the caller goes back to the canary once it runs", every_s=1)
 
 
-def test_the_dashboards_scale_to_zero_panels_have_data(sleepy):
-    """Their series come from this module's cold starts (test_observability checks the rest
-    of the dashboard)."""
-    build = dashboard()
-    queries = build.queries({build.SCALE_TO_ZERO_ROW})
-    assert len(queries) == 5
-    missing = prometheus.without_data(sleepy.sleepy_prometheus, queries, 60, every_s=2)
-    assert not missing, f"panels without data: {missing}"
-
-
 def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy):
     wait_until(lambda: running(sleepy), 180, "the canary runs")
     before = {r["replica_id"] for r in running(sleepy)}
@@ -298,3 +289,13 @@ def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
     assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
     assert {r["replica_id"] for r in running(budget, "smollm-v1")} == before
     assert not replicas(budget, "smollm-fr-v1")
+
+
+def test_the_dashboards_scale_to_zero_panels_have_data(budget):
+    """Their series come from this module's cold starts and evictions (test_observability
+    checks the rest of the dashboard)."""
+    build = dashboard()
+    queries = build.queries({build.SCALE_TO_ZERO_ROW})
+    assert len(queries) == 6
+    missing = prometheus.without_data(budget.sleepy_prometheus, queries, 60, every_s=2)
+    assert not missing, f"panels without data: {missing}"
