@@ -97,15 +97,9 @@ class LLMReplica:
         (:mod:`serve_app.control.resident_policy`); other policies ignore them."""
         return self.server.autoscaling_stats()
 
-    async def evict(self, evicted: bool = True) -> None:
-        """The router's resident budget evicts this replica (``evicted``; False: it gave up
-        on the eviction): with the resident-budget policy, Serve stops an evicted replica
-        once it has no request in flight (after ``downscale_to_zero_delay_s``)."""
-        if evicted != self.server.evicted:
-            logger.info("variant %s: %s", self.server.variant,
-                        "evicted by the router's resident budget; stopping once idle"
-                        if evicted else "no longer evicted; staying")
-        self.server.evicted = evicted
+    async def evict(self, for_s: float = 60.0) -> None:
+        """:meth:`ReplicaServer.evict`: the router's resident budget evicts this replica."""
+        self.server.evict(for_s)
 
     async def serving_info(self) -> ReplicaInfo:
         """What the router's availability poll reads (:class:`ReplicaInfo`)."""

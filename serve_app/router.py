@@ -93,7 +93,7 @@ class MeshRouter:
         self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability,
                                      self.cold_starts)
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
-                                    self.rollouts.observe_shadow)
+                                    self.rollouts.observe_shadow, self.availability.is_asleep)
         await self.availability.start()
         await self.limiter.start()
         self.rollouts.start()
@@ -146,9 +146,11 @@ class MeshRouter:
         self.metrics.refresh_gauges(self.availability.states())
 
     def _busy(self, application: str) -> bool:
-        """This router has requests in flight or queued for ``application``."""
+        """This router has requests (or shadow mirrors) in flight or queued for
+        ``application``."""
         queue = self._admission.get(application)
-        return queue is not None and bool(queue.in_flight or queue.queued)
+        return bool(queue is not None and (queue.in_flight or queue.queued)
+                    or self.shadows.in_flight.get(application, 0))
 
     def _admission_of(self, application: str) -> VariantAdmission:
         if application not in self._admission:

@@ -7,6 +7,7 @@ tests/test_scale_to_zero.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -56,7 +57,8 @@ def report(in_flight=0.0, idle_s=0.0, evicted=0.0) -> dict[str, float]:
     (report(idle_s=0.5, evicted=1), 0.0, 0),         # evicted and idle: it goes at once
     (report(idle_s=0.5, evicted=1), 0.4, 1),         # requests in Serve's look-back window:
                                                      # at zero, Serve would start it again
-    (report(in_flight=1, evicted=1), 1.0, 1),        # a request in flight: never
+    (report(in_flight=1, evicted=1), 0.0, 1),        # a request in flight (another
+                                                     # router's, Serve's window empty): never
     (None, 0.0, 1),                                  # no report yet (just started): it stays
 ])
 def test_the_policy_holds_the_last_replica_until_it_may_go(reports, requests, want):
@@ -87,13 +89,13 @@ class Replicas:
     def __init__(self, apps: dict[str, dict]):
         self.apps = apps
         self.evicted: list[str] = []  # evict() calls
-        self.kept: list[str] = []  # evict(False) calls: the eviction was given up
+        self.kept: list[str] = []  # evict(0) calls: the eviction was given up
         self.info_calls: list[str] = []  # serving_info calls (a poll, or a wake)
         self.stubborn: set[str] = set()
 
     def __call__(self, application):
-        async def evict(evicted=True):
-            if not evicted:
+        async def evict(for_s=60.0):
+            if not for_s:
                 self.kept.append(application)
                 return
             self.evicted.append(application)
@@ -206,3 +208,42 @@ def test_a_request_for_the_victim_during_its_eviction_does_not_stop_the_eviction
         await room  # a has no replica: b may start
         assert budget.evictions == [("a", "stopped")]
     asyncio.run(main())
+
+
+def test_a_variant_whose_replica_is_stopping_is_waited_for_not_refused(budget):
+    async def main():
+        budget.apps["a"] = {"STOPPING": 1}  # e.g. idle past downscale_delay_s
+        await budget.view.refresh()
+        room = asyncio.ensure_future(budget.budget.make_room("b"))
+        await asyncio.sleep(0.05)
+        assert not room.done()  # it waits for a to be gone
+        budget.apps["a"] = {}
+        await room
+        assert budget.replicas.evicted == [] and budget.evictions == []  # nothing evicted
+    asyncio.run(main())
+
+
+def test_a_variant_that_runs_needs_no_room(budget):
+    async def main():
+        budget.apps["b"] = {"RUNNING": 1}  # e.g. its own eviction gave up: it stays
+        await budget.view.refresh()
+        await budget.budget.make_room("b")  # two resident, but b takes nothing new
+        assert budget.replicas.evicted == []
+    asyncio.run(main())
+
+
+def test_a_replicas_eviction_lapses_and_can_be_undone():
+    from test_replica_server import FakeEngine, server
+    from serve_app.server.serving import EngineAnswer
+
+    s = server(FakeEngine(EngineAnswer("{}")))
+    assert s.autoscaling_stats()[EVICTED] == 0.0
+    s.evict(60.0)
+    assert s.autoscaling_stats()[EVICTED] == 1.0
+    s.evict(0.0)  # the router gave up
+    assert s.autoscaling_stats()[EVICTED] == 0.0
+    s.evict(0.01)
+    time.sleep(0.05)
+    assert s.autoscaling_stats()[EVICTED] == 0.0  # lapsed: a router that died leaves nothing
+    stats = s.autoscaling_stats()
+    assert stats[IN_FLIGHT] == 0.0 and stats[IDLE_S] > 0.0

@@ -267,6 +267,13 @@ class VariantAvailability:
         memory until the replica is gone)."""
         return self._replica_count.get(application, 0) > 0 or self.running(application) > 0
 
+    def is_stopping(self, application: str) -> bool:
+        """``application`` has replicas, none RUNNING or STARTING, and no cold start under
+        way: they are on their way out."""
+        return (self.has_replica(application) and not self.running(application)
+                and not self._starting.get(application, 0)
+                and application not in self.waking)
+
     def resident(self, application: str) -> bool:
         """``application`` has a replica (:meth:`has_replica`) or a cold start under way."""
         return application in self.waking or self.has_replica(application)

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
-from serve_app.ingress.resident_budget import ResidentBudget
+from serve_app.ingress.resident_budget import BUDGET_FULL, ResidentBudget
 
 logger = get_logger(__name__)
 
@@ -41,6 +41,11 @@ COMMENT_EVERY_S = 5.0
 WAKE_GIVE_UP_S = 1800.0
 #: ``Retry-After`` of a ``cold_start_timeout``, s: the variant is still starting.
 COLD_START_RETRY_AFTER_S = 10
+
+
+def budget_full(e: BaseException) -> bool:
+    """``e`` is the resident budget's refusal (:meth:`ResidentBudget.make_room`)."""
+    return isinstance(e, MeshError) and e.code == BUDGET_FULL
 
 
 class ColdStarts:
@@ -79,14 +84,13 @@ class ColdStarts:
                 await self.budget.make_room(application)
             info = await asyncio.wait_for(self.handle_for(application).serving_info.remote(),
                                           WAKE_GIVE_UP_S)
-        except MeshError as e:  # the resident budget is full
-            logger.warning("cold start of %s refused: %s", application, e.message)
-            self._count(application, "budget_full")
-            raise
         except BaseException as e:
-            logger.warning("cold start of %s failed after %.1f s: %s: %s", application,
-                           time.monotonic() - t0, type(e).__name__, str(e)[:300])
-            self._count(application, "failed")
+            if budget_full(e):
+                logger.warning("cold start of %s refused: %s", application, e.message)
+            else:
+                logger.warning("cold start of %s failed after %.1f s: %s: %s", application,
+                               time.monotonic() - t0, type(e).__name__, str(e)[:300])
+            self._count(application, "budget_full" if budget_full(e) else "failed")
             raise
         finally:
             self.availability.waking.discard(application)
@@ -127,10 +131,10 @@ class ColdStarts:
         except asyncio.CancelledError:
             outcome = "client_left"
             raise
-        except MeshError:  # resident_budget_full, as the budget words it
-            outcome = "budget_full"
-            raise
         except Exception as e:
+            if budget_full(e):  # as the budget words it
+                outcome = "budget_full"
+                raise
             outcome = "failed"
             raise MeshError(503, f"variant {application} could not be started from zero "
                             f"replicas ({type(e).__name__}); retry later",

@@ -7,14 +7,17 @@ swapping: keep the models in use resident, swap the rest out). A cold start
 (:mod:`serve_app.ingress.cold_start`) first asks :meth:`ResidentBudget.make_room`:
 
 1. With fewer than N other variants resident, it goes ahead.
-2. Else it evicts the least recently used *evictable* variant: one whose ``LLMReplica``
+2. Else, if a resident variant's replica is stopping already, it waits for that one.
+3. Else it evicts the least recently used *evictable* variant: one whose ``LLMReplica``
    uses the resident-budget autoscaling policy (:mod:`serve_app.control.resident_policy`),
-   with a RUNNING replica, no replica starting, and no request of this router in flight or
-   queued for it. It tells the variant's replicas (``LLMReplica.evict``), takes it out of
-   routing (its requests wait for a cold start instead), and waits until it has no replica
-   (at most ``evict_timeout_s``). The policy stops the last replica only while its engine
-   has no request in flight, whoever sent it: a variant with work is never evicted.
-3. With nothing evictable: 503 ``resident_budget_full`` with ``Retry-After``.
+   with a RUNNING replica (not starting), and no request or shadow mirror of this router in
+   flight or queued for it. It takes it out of routing at once (its requests wait for a cold
+   start instead), tells its replicas (``LLMReplica.evict``, which lapses after
+   ``evict_timeout_s`` + :data:`EVICT_LAPSE_S`), and waits until it has no replica (at most
+   ``evict_timeout_s``; else it undoes the eviction). The policy stops the last replica only
+   while its engine has no request in flight, whoever sent it: a variant with work is never
+   evicted.
+4. With nothing evictable: 503 ``resident_budget_full`` with ``Retry-After``.
 
 One lock orders the router's cold starts, so two at once do not both take the last room.
 Each router replica keeps its own view (the Serve controller's replica counts, ~1 s old):
@@ -32,15 +35,20 @@ from serve_app.common.logs import get_logger
 
 logger = get_logger(__name__)
 
+#: The error code of the budget's refusal.
+BUDGET_FULL = "resident_budget_full"
 #: ``Retry-After`` of ``resident_budget_full``, s: about one request's time on a busy variant.
 BUDGET_RETRY_AFTER_S = 10
-#: Seconds between the eviction's status checks; ``evict`` is sent again every
-#: :data:`EVICT_RESEND_EVERY` of them while the variant runs several replicas (a call
-#: reaches one).
+#: Seconds between the eviction's status checks.
 EVICT_CHECK_S = 1.0
-EVICT_RESEND_EVERY = 5
+#: Seconds between ``evict`` calls while the variant runs several replicas (a call reaches
+#: one replica).
+EVICT_RESEND_S = 5.0
 #: Longest one ``evict`` call may take, s.
 EVICT_CALL_TIMEOUT_S = 10.0
+#: An eviction stands on a replica for ``evict_timeout_s`` plus this, s, then lapses (a
+#: router that gave up, or died, does not leave it standing).
+EVICT_LAPSE_S = 30.0
 
 
 class ResidentBudget:
@@ -91,13 +99,14 @@ class ResidentBudget:
         return min(idle, key=self.availability.last_used, default=None)
 
     async def make_room(self, application: str) -> None:
-        """Return once ``application`` may start within the budget (evicting one variant if
-        need be). No budget: returns at once.
+        """Return once ``application`` may start within the budget: at once when there is
+        room or it runs already; after a variant whose replica is stopping has stopped; or
+        after evicting the least recently used idle variant. No budget: returns at once.
 
         Raises:
-            MeshError: 503 ``resident_budget_full`` with ``Retry-After``: every resident
-                variant is in use (or cannot be evicted), or the evicted one did not stop
-                within ``evict_timeout_s``.
+            MeshError: 503 ``resident_budget_full`` with ``Retry-After``: no resident
+                variant may be evicted (the message says why for each), or the one waited
+                for did not stop within ``evict_timeout_s``.
         """
         if self.max_variants is None:
             return
@@ -105,14 +114,20 @@ class ResidentBudget:
             await asyncio.shield(evicting)  # it is stopping: start it again once it stopped
         async with self._lock:
             await self.availability.refresh(status=True)
+            if self.availability.running(application):
+                return  # it runs (its last eviction gave up): the wake joins its replica
             resident = self.resident(but=application)
             if len(resident) < self.max_variants:
                 return
-            victim = self.victim(application)
+            stopping = [a for a in resident if self.availability.is_stopping(a)]
+            victim = stopping[0] if stopping else self.victim(application)
             if victim is None:
                 raise self._full(application, resident, "none may be evicted: " + "; ".join(
                     f"{a} {self.why_kept(a)}" for a in resident))
-            task = asyncio.get_running_loop().create_task(self._evict(victim, application))
+            # Out of routing now, before any other request can pick it.
+            self.availability.evicting.add(victim)
+            task = asyncio.get_running_loop().create_task(
+                self._evict(victim, application, send=not stopping))
             self._evictions[victim] = task
             task.add_done_callback(lambda t: self._evictions.get(victim) is t
                                    and self._evictions.pop(victim))
@@ -121,30 +136,39 @@ class ResidentBudget:
                 raise self._full(application, resident, f"{victim} did not stop within "
                                  f"evict_timeout_s {self.evict_timeout_s:g}")
 
-    async def _evict(self, victim: str, for_application: str) -> bool:
-        """Evict ``victim`` and wait until it has no replica; whether it got there."""
+    async def _evict(self, victim: str, for_application: str, send: bool = True) -> bool:
+        """Evict ``victim`` (``send``; else it is stopping already) and wait until it has no
+        replica, at most ``evict_timeout_s``; whether it got there. ``victim`` is in
+        ``availability.evicting`` until then (the caller put it there)."""
         t0 = time.monotonic()
-        logger.info("resident budget (max_variants %d) is full: evicting %s, the least "
-                    "recently used idle variant, to start %s", self.max_variants, victim,
-                    for_application)
-        self.availability.evicting.add(victim)
-        stopped = False
+        deadline = t0 + self.evict_timeout_s
+        if send:
+            logger.info("resident budget (max_variants %d) is full: evicting %s, the least "
+                        "recently used idle variant, to start %s", self.max_variants, victim,
+                        for_application)
+        else:
+            logger.info("resident budget (max_variants %d) is full: waiting for %s, which is "
+                        "stopping, to start %s", self.max_variants, victim, for_application)
+        stopped, sent_at = False, float("-inf")
         try:
-            for check in range(int(self.evict_timeout_s / EVICT_CHECK_S) + 1):
-                if check:
-                    await asyncio.sleep(EVICT_CHECK_S)
-                    await self.availability.refresh(status=True)
+            while True:
                 # Its replicas, not a cold start of it: a request for it may wait to wake it.
                 if not self.availability.has_replica(victim):
                     stopped = True
                     break
+                if time.monotonic() >= deadline:
+                    break
                 # A call reaches one replica: send it again while several run. Not to a
                 # lone replica: a call that arrives once it stopped would wake the variant.
-                if check == 0 or (check % EVICT_RESEND_EVERY == 0
-                                  and self.availability.running(victim) > 1):
-                    await self._call_evict(victim, True)
-            if not stopped and self.availability.state(victim) == "warm":
-                await self._call_evict(victim, False)  # it stays (another router's request?)
+                if send and (sent_at == float("-inf") or (
+                        time.monotonic() - sent_at >= EVICT_RESEND_S
+                        and self.availability.running(victim) > 1)):
+                    sent_at = time.monotonic()
+                    await self._call_evict(victim, self.evict_timeout_s + EVICT_LAPSE_S)
+                await asyncio.sleep(EVICT_CHECK_S)
+                await self.availability.refresh(status=True)
+            if send and not stopped and self.availability.state(victim) == "warm":
+                await self._call_evict(victim, 0.0)  # it stays (another router's request?)
         finally:
             self.availability.evicting.discard(victim)
         took = time.monotonic() - t0
@@ -153,25 +177,25 @@ class ResidentBudget:
         else:
             logger.warning("resident budget: %s still has a replica after %.1f s; it stays",
                            victim, took)
-        if self.metrics is not None:
+        if send and self.metrics is not None:
             self.metrics.evictions.inc(1, {"variant": victim,
                                            "outcome": "stopped" if stopped else "timed_out"})
         return stopped
 
-    async def _call_evict(self, victim: str, evicted: bool) -> None:
-        """``LLMReplica.evict(evicted)`` on one replica of ``victim``; a failure is logged (the
-        status checks tell whether it stopped)."""
+    async def _call_evict(self, victim: str, for_s: float) -> None:
+        """``LLMReplica.evict(for_s)`` on one replica of ``victim`` (0: undo); a failure is
+        logged (the status checks tell whether it stopped)."""
         try:
-            await asyncio.wait_for(self.handle_for(victim).evict.remote(evicted),
+            await asyncio.wait_for(self.handle_for(victim).evict.remote(for_s),
                                    EVICT_CALL_TIMEOUT_S)
         except Exception as e:
-            logger.warning("evict(%s) call to %s failed: %s: %s", evicted, victim,
+            logger.warning("evict(%g) call to %s failed: %s: %s", for_s, victim,
                            type(e).__name__, str(e)[:300])
 
     def _full(self, application: str, resident: list[str], why: str) -> MeshError:
         return MeshError(503, f"variant {application} cannot start: the mesh's resident "
                          f"budget of {self.max_variants} variant(s) is full ({', '.join(resident)}"
-                         f"), and {why}; retry later", code="resident_budget_full",
+                         f"), and {why}; retry later", code=BUDGET_FULL,
                          headers={"Retry-After": str(BUDGET_RETRY_AFTER_S)})
 
     def status(self) -> dict | None:

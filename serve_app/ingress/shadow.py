@@ -5,8 +5,8 @@ After the primary variant has been chosen, :meth:`ShadowMirror.maybe_mirror` dec
 this request is mirrored: the route has a shadow (``routes.<route>.shadow``, or its rollout
 is in a shadow phase), the caller is sampled (the same sticky hashing as splits, salted
 ``route:shadow``), the tenant did not opt out (``shadow: false``), an adapter request's
-adapter is served by the shadow, and fewer than ``max_in_flight`` mirrors run (else the
-mirror is dropped and counted). A mirror is a task of its own:
+adapter is served by the shadow, and fewer than ``max_in_flight`` mirrors run and the shadow
+is not asleep (scaled to zero, or being evicted; else the mirror is dropped and counted). A mirror is a task of its own:
 
 - it sends the same body to the shadow variant through its ``DeploymentHandle``, streamed
   inside the mesh (so its TTFT can be measured), at vLLM priority :data:`SHADOW_PRIORITY`
@@ -165,14 +165,19 @@ class ShadowMirror:
     Args:
         handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
         serves: ``(application, adapter)`` -> whether it serves the adapter (availability).
+        asleep: application -> whether it is at zero replicas or being evicted
+            (availability's ``is_asleep``): a mirror would wake it, past the cold start's
+            one wake and the resident budget, so it is not mirrored to.
         metrics: the router's metrics (``ray_mesh_shadow_*``).
         to_controller: sends a :class:`Comparison` (without its sample) to the controller.
     """
 
     def __init__(self, handle_for: Callable, serves: Callable[[str, str], bool], metrics,
-                 to_controller: Callable[[Comparison], None]) -> None:
+                 to_controller: Callable[[Comparison], None],
+                 asleep: Callable[[str], bool] = lambda application: False) -> None:
         self.handle_for = handle_for
         self.serves = serves
+        self.asleep = asleep
         self.metrics = metrics
         self.to_controller = to_controller
         self.in_flight: dict[str, int] = {}
@@ -224,7 +229,8 @@ class ShadowMirror:
                     return None
                 wanted = plan.adapter
             version = wanted if "@" in wanted else None
-        if self.in_flight.get(shadow.application, 0) >= shadow.max_in_flight:
+        if self.in_flight.get(shadow.application, 0) >= shadow.max_in_flight \
+                or self.asleep(shadow.application):
             self.count(plan.route, shadow.application, "dropped")
             return None
         capture = PrimaryCapture()

@@ -88,7 +88,7 @@ class MeshMetrics:
         self.failovers = Counter("mesh_failovers", "Variants that failed before the first byte "
                                  "and were skipped.", tag_keys=("route", "variant"))
         self.shadow_requests = Counter("mesh_shadow_requests", "Mirrored requests by outcome: "
-                                       "compared, shadow_error, dropped (max_in_flight), "
+                                       "compared, shadow_error, dropped (max_in_flight, or asleep), "
                                        "primary_failed.", tag_keys=SHADOW_TAGS + ("outcome",))
         self.shadow_exact = Counter("mesh_shadow_exact_matches", "Mirrored pairs whose texts "
                                     "are equal.", tag_keys=SHADOW_TAGS)

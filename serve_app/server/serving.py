@@ -118,7 +118,7 @@ class ReplicaServer:
         self.config: ReplicaConfig | None = None
         self.in_flight = 0  # requests inside generate()
         self.idle_since = time.monotonic()  # when in_flight last fell to 0
-        self.evicted = False  # the router's resident budget evicted this replica
+        self.evicted_until = 0.0  # monotonic time the resident budget's eviction stands until
         self.full_batch_service_s = 0.0  # the engine's start-up calibration (LLMReplica sets it)
         self._rng = rng or random.Random()
 
@@ -156,13 +156,26 @@ class ReplicaServer:
                 "engine_unfinished": self.engine.num_unfinished(),
                 "adapters": self.adapters.status()}
 
+    def evict(self, for_s: float) -> None:
+        """The router's resident budget evicts this replica for ``for_s`` seconds (0: it gave
+        up on the eviction). With the resident-budget policy, Serve stops an evicted replica
+        once it has no request in flight (after ``downscale_to_zero_delay_s``). The eviction
+        lapses by itself, so a router that gave up, or died, does not leave it standing."""
+        evicted = for_s > 0
+        if evicted != (self.evicted_until > time.monotonic()):
+            logger.info("variant %s: %s", self.variant,
+                        "evicted by the router's resident budget; stopping once idle"
+                        if evicted else "no longer evicted; staying")
+        self.evicted_until = time.monotonic() + for_s if evicted else 0.0
+
     def autoscaling_stats(self) -> dict[str, float]:
         """What the resident-budget autoscaling policy reads
         (:mod:`serve_app.control.resident_policy`): requests in flight, seconds idle (0 while
-        any is in flight; the router's polls do not count) and whether it was evicted."""
-        idle_s = 0.0 if self.in_flight else time.monotonic() - self.idle_since
+        any is in flight; the router's polls do not count) and whether an eviction stands."""
+        now = time.monotonic()
+        idle_s = 0.0 if self.in_flight else now - self.idle_since
         return {IN_FLIGHT: float(self.in_flight), IDLE_S: round(idle_s, 3),
-                EVICTED: float(self.evicted)}
+                EVICTED: float(now < self.evicted_until)}
 
     def serving_info(self) -> ReplicaInfo:
         """Adapter versions that take new requests here and the engine's scheduling facts."""
