@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from serve_app.ingress.admission import ADMIT_MARGIN
-from serve_app.tools.drills import format_figures, overload_drill, without_priorities
+from serve_app.tools.drills import (ARRIVAL_CODES, format_figures, overload_drill,
+                                    without_priorities)
 
 pytestmark = pytest.mark.integration
 
@@ -55,14 +56,20 @@ def test_flood_is_answered_or_refused_fast_and_priority_keeps_serving(tenants):
         # No refusal waits past the request's deadline (queue_timeout_s), plus the host's cost
         # of a refusal: those at the deadline are the latest.
         assert f["refusal_p95_ms"] < QUEUE_TIMEOUT_MS + REFUSAL_P95_BOUND_MS, f
-    # Without priorities the refusals came at arrival in every run so far. One costs the
-    # proxy, the router and this client about 5 ms of CPU each, on 2 cores shared with the engine
+    # A refusal decided at arrival (`overloaded`) costs the proxy, the router and this
+    # client about 5 ms of CPU each, on 2 cores shared with the engine
     # (docs/traffic-safety.md): 100 at once came back within 0.4-0.8 s p95 here, and
     # 1.06-1.52 s on a slow CI day; 2 s tells that host cost from a refusal that waited in a
-    # queue. With priorities, the high-priority tenant's requests also shed queued flood
-    # requests they push past their deadline, by design, when they arrive: 15.1 and 26.4 s
-    # p95 after arrival in two runs (1.2 and 0.9 s in the same runs without priorities).
-    assert off["refusal_p95_ms"] < REFUSAL_P95_BOUND_MS, off
+    # queue. The others come later by design: a request that goes ahead of queued ones (a
+    # better priority, or, without priorities, the token-fair order that puts the probe's
+    # light tenant first) sheds those it pushes past their deadline when it arrives (`shed`:
+    # 4 of 52 refusals at 22-26 s in a CI run without priorities; 15.1 and 26.4 s p95 in two
+    # runs with them). Every refusal still comes before the deadline (asserted above).
+    for f in (on, off):
+        assert f["arrival_refusal_p95_ms"] < REFUSAL_P95_BOUND_MS, f
+        assert set(f["refused_by_code"]) <= {*ARRIVAL_CODES, "shed", "queue_timeout"}, f
+    late = sum(n for code, n in off["refused_by_code"].items() if code not in ARRIVAL_CODES)
+    assert late <= sum(off["refused"].values()) / 2, off  # without priorities, most at arrival
     # The probe tenant is served in both runs: with priorities it goes first, and either way
     # the flood's tenant leaves it an engine slot (admission.newcomer_slots: a tenant with
     # requests in flight may not take the last one). Measured: during the flood p50 444 ms

@@ -27,6 +27,12 @@ from serve_app.observability.stats import percentile
 from serve_app.tools.loadgen import Answer, LoadSpec, RequestResult, flood, probe
 
 
+#: Refusal codes decided at arrival (the rest, ``shed`` and ``queue_timeout``, come later:
+#: when a better-ordered arrival pushes a queued request past its deadline, or at it).
+ARRIVAL_CODES = ("overloaded", "concurrency_limit_exceeded", "rate_limit_exceeded",
+                 "tokens_exhausted")
+
+
 def _ttft_ms(results: list[RequestResult]) -> list[float]:
     return [r.ttft_s * 1000 for r in results if r.ok and r.ttft_s is not None]
 
@@ -44,6 +50,8 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
         (while the flood ran), ``probe_errors`` (all probes); for the flood: ``sent``, ``answered`` (200), ``refused``
         (status -> count), ``timeouts`` (client timeouts), ``other_errors``,
         ``refusals_with_retry_after``, ``refusal_p95_ms`` (arrival to refusal),
+        ``refused_by_code`` (error code -> count), ``arrival_refusal_p95_ms`` (the same
+        p95 over the refusals decided at arrival, :data:`ARRIVAL_CODES`; 0.0: none),
         ``flood_wall_s``, ``sustained_per_s`` (answers / the time of the last answer, s:
         the flood is sent at once), ``goodput_ratio`` (answers / (``sustained_per_s`` x
         ``queue_timeout_s``), the route's admission deadline).
@@ -86,6 +94,11 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
         "other_errors": sum(a.status == 0 and not a.timed_out for a in answers),
         "refusals_with_retry_after": sum(a.retry_after is not None for a in refused),
         "refusal_p95_ms": percentile([a.latency_s * 1000 for a in refused], 95),
+        "refused_by_code": dict(sorted(Counter(a.code or str(a.status)
+                                               for a in refused).items())),
+        "arrival_refusal_p95_ms": percentile([a.latency_s * 1000 for a in refused
+                                              if a.code in ARRIVAL_CODES], 95)
+        if any(a.code in ARRIVAL_CODES for a in refused) else 0.0,
         "flood_wall_s": wall,
     }
     figures["ttft_p95_ratio"] = figures["flood_ttft_p95_ms"] / figures["idle_ttft_p95_ms"]
@@ -99,11 +112,14 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
 def format_figures(label: str, f: dict[str, Any]) -> list[str]:
     """The drill's figures as a few readable lines."""
     refused = ", ".join(f"{n}x{s}" for s, n in f["refused"].items()) or "none"
+    codes = ", ".join(f"{n} {c}" for c, n in f["refused_by_code"].items()) or "none"
     return [
         f"{label}: flood of {f['sent']}: {f['answered']} answered, refused {refused} "
         f"({f['refusals_with_retry_after']} with Retry-After, p95 {f['refusal_p95_ms']:.0f} ms "
         f"after arrival), {f['timeouts']} client timeouts, {f['other_errors']} other errors, "
         f"{f['flood_wall_s']:.1f} s",
+        f"{label}: refusals by code: {codes}; those decided at arrival p95 "
+        f"{f['arrival_refusal_p95_ms']:.0f} ms",
         f"{label}: goodput: the engines finished {f['sustained_per_s']:.2f} flood requests/s; "
         f"{f['answered']} answers are {f['goodput_ratio']:.2f} x (that rate x queue_timeout_s)",
         f"{label}: high-priority TTFT p50/p95 idle {f['idle_ttft_p50_ms']:.0f}/"

@@ -177,12 +177,24 @@ class Answer:
         latency_s: from sending until the status arrived (a refusal) or the answer ended, s.
         retry_after: the ``Retry-After`` header of a refusal, if any.
         timed_out: the client's own timeout fired first.
+        code: a refusal's OpenAI error ``code`` (e.g. ``overloaded``, ``shed``), if any.
     """
 
     status: int
     latency_s: float
     retry_after: str | None = None
     timed_out: bool = False
+    code: str | None = None
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    """The OpenAI error ``code`` of a refusal's body; None for an answer or another body."""
+    if r.status_code == 200:
+        return None
+    try:
+        return (r.json().get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None
 
 
 async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int = 16,
@@ -203,7 +215,7 @@ async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int =
             try:
                 r = await http.post("/chat/completions", content=body, headers=headers)
                 return Answer(r.status_code, time.monotonic() - t0,
-                              r.headers.get("retry-after"))
+                              r.headers.get("retry-after"), code=_error_code(r))
             except httpx.TimeoutException:
                 return Answer(0, time.monotonic() - t0, timed_out=True)
             except httpx.HTTPError:
