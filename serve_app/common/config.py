@@ -317,9 +317,10 @@ class ResidentBudget(Strict):
 
     Attributes:
         max_variants: most variant applications with a replica (starting, running or
-            stopping) at once. A cold start that would pass it first evicts the least recently used idle variant
-            whose ``autoscaling_config.policy`` is the resident-budget policy
-            (:mod:`serve_app.control.resident_policy`); with none idle, 503
+            stopping) at once. A cold start that would pass it first evicts the least
+            recently used idle variant whose ``autoscaling_config.policy`` is the
+            resident-budget policy (:mod:`serve_app.control.resident_policy`); with none
+            idle, 503
             ``resident_budget_full`` with ``Retry-After``.
         evict_timeout_s: longest a cold start waits for the evicted variant to reach zero
             replicas, s; past it, 503 ``resident_budget_full``.

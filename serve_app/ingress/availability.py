@@ -247,7 +247,7 @@ class VariantAvailability:
                 and self.state(application) == "warm")
 
     def _in_use(self, application: str) -> bool:
-        return time.monotonic() - self._used_at.get(application, float("-inf")) < IDLE_POLL_S
+        return time.monotonic() - self.last_used(application) < IDLE_POLL_S
 
     def last_used(self, application: str) -> float:
         """Monotonic time of the router's last request to ``application`` (-inf: none)."""
@@ -281,7 +281,7 @@ class VariantAvailability:
     def state(self, application: str) -> str:
         """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales
         to zero; ``warm`` or ``down`` for the others."""
-        if self._running is not None and self._running.get(application, 0) > 0:
+        if self.running(application) > 0:
             return "warm"
         if application not in self.scales_to_zero:
             return "down" if self._running is not None else "warm"
@@ -323,7 +323,7 @@ class VariantAvailability:
         while unknown (not polled yet, or its replicas have not answered yet)."""
         if self._running is None:
             return None
-        running = self._running.get(application, 0)
+        running = self.running(application)
         info = self.info.get(application)
         if running == 0 or application in self.evicting:
             return 0
@@ -349,7 +349,7 @@ class VariantAvailability:
         if self._lost_until.get(application, 0.0) > time.monotonic() \
                 or application in self.evicting:
             return False
-        return self._running is None or self._running.get(application, 0) > 0
+        return self._running is None or self.running(application) > 0
 
     def prefer_available(self, candidates: Sequence[str]) -> list[str]:
         """``candidates`` with the available ones first, each group in its given order."""

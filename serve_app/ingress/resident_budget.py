@@ -149,8 +149,10 @@ class ResidentBudget:
         else:
             logger.info("resident budget (max_variants %d) is full: waiting for %s, which is "
                         "stopping, to start %s", self.max_variants, victim, for_application)
-        stopped, sent_at = False, float("-inf")
+        stopped, sent_at = False, time.monotonic()
         try:
+            if send:  # the victim was warm a moment ago (make_room chose it so)
+                await self._call_evict(victim, self.evict_timeout_s + EVICT_LAPSE_S)
             while True:
                 # Its replicas, not a cold start of it: a request for it may wait to wake it.
                 if not self.availability.has_replica(victim):
@@ -160,9 +162,8 @@ class ResidentBudget:
                     break
                 # A call reaches one replica: send it again while several run. Not to a
                 # lone replica: a call that arrives once it stopped would wake the variant.
-                if send and (sent_at == float("-inf") or (
-                        time.monotonic() - sent_at >= EVICT_RESEND_S
-                        and self.availability.running(victim) > 1)):
+                if send and self.availability.running(victim) > 1 \
+                        and time.monotonic() - sent_at >= EVICT_RESEND_S:
                     sent_at = time.monotonic()
                     await self._call_evict(victim, self.evict_timeout_s + EVICT_LAPSE_S)
                 await asyncio.sleep(EVICT_CHECK_S)
