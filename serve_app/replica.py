@@ -82,8 +82,16 @@ class LLMReplica:
         await self.engine.check_health()
 
     async def stats(self) -> dict[str, Any]:
-        """``pid`` and :meth:`ReplicaServer.stats` (tests and debugging)."""
-        return {"pid": os.getpid(), **self.server.stats()}
+        """``pid``, :meth:`ReplicaServer.stats` and the engine's own state
+        (:meth:`~serve_app.server.engine.EngineHandle.engine_state`; tests and debugging)."""
+        return {"pid": os.getpid(), **self.server.stats(), **self.engine.engine_state()}
+
+    async def kill_engine(self) -> None:
+        """Drills: kill this replica's engine as a crash would
+        (:meth:`~serve_app.server.engine.EngineHandle.kill`); Serve then replaces the
+        replica when its health check fails."""
+        logger.warning("variant %s: killing the engine (a drill)", self.server.variant)
+        self.engine.kill()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the

@@ -45,6 +45,30 @@ def _single_owner(pairs, describe) -> None:
 # Variant application: args (restart on change) and LLMReplica user_config (in place)
 # ---------------------------------------------------------------------------------------------
 
+class SimArgs(Strict):
+    """``args.sim`` of a variant on the simulated engine (``engine: sim``; tests and scale
+    benchmarks only, never a shipped config: :mod:`serve_app.sim`).
+
+    Attributes:
+        profile: the cost model, a file in ``serve_app/sim/profiles/`` by name.
+        start_s: seconds the engine takes to start (None: the profile's ``engine_start_s``);
+            a long one stands for an engine that hangs at start.
+        fail_start: when set, the engine fails to start with this reason (drills).
+    """
+
+    profile: str = "cpu-smollm2"
+    start_s: float | None = Field(default=None, ge=0)
+    fail_start: str | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from serve_app.sim.profile import load_profile
+
+        load_profile(v)  # raises ValueError naming the shipped profiles
+        return v
+
+
 class VariantArgs(Strict):
     """``args`` of a variant application (``import_path: serve_app.replica:build_app``).
 
@@ -55,11 +79,24 @@ class VariantArgs(Strict):
         engine_args: vLLM engine arguments by their ``AsyncEngineArgs`` names (``dtype``,
             ``max_model_len``, ``max_num_seqs``, ``enforce_eager``, ``enable_lora``,
             ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ...).
+        engine: ``vllm`` (the default: a real vLLM engine) or ``sim``: vLLM's own front end
+            on a simulated engine core whose time follows a profile (tests and scale
+            benchmarks; ``meshctl validate`` flags it).
+        sim: the simulated engine's settings (only with ``engine: sim``).
     """
 
     model: str = DEFAULT_MODEL_NAME
     served_model_name: str = Field(pattern=NAME_PATTERN)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    engine: Literal["vllm", "sim"] = "vllm"
+    sim: SimArgs | None = None
+
+    @model_validator(mode="after")
+    def _sim_settings_need_sim(self) -> "VariantArgs":
+        if self.sim is not None and self.engine != "sim":
+            raise ValueError("args.sim is for the simulated engine: set engine: sim, "
+                             "or remove sim")
+        return self
 
     @field_validator("engine_args")
     @classmethod

