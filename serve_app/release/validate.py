@@ -14,8 +14,18 @@ Checks, each reported as ``<path.of.field>: <problem>``:
    config, and serves the route's name (``args.served_model_name``); every adapter a variant
    declares is in the adapter registry, trained for the variant's base model, with a rank
    that fits ``max_lora_rank``, on an engine with ``enable_lora``; every adapter version a
-   route's adapter split names is declared by a variant of the route.
+   route's adapter split names is declared by a variant of the route; every adapter a tenant
+   owns is declared by a variant of a route the tenant may call.
+5. What is on this host: each variant's model directory (``args.model``, with its
+   ``config.json``), and each declared adapter's files (the directory its ``uri`` names, no
+   pickled weights, the SHA-256 of its weights as registered: the checks a replica runs
+   before it loads one, :func:`~serve_app.common.adapters.verify_adapter`).
+6. Token budgets: a tenant's ``tokens_per_minute`` and ``tokens_per_day`` hold at least one
+   request of the default size (:data:`DEFAULT_RESERVATION`), else every request that sets
+   no small ``max_tokens`` is refused.
 
+vLLM's own checks of the engine args (names and values) are in
+:mod:`serve_app.release.engine_check` (slower: it imports vLLM); ``meshctl validate`` runs both.
 The router's and replica's ``reconfigure()`` run the same pydantic models at run time.
 """
 
@@ -25,8 +35,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+import difflib
+
 from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, fit_problem,
-                                       load_manifest, merged_adapter)
+                                       load_manifest, merged_adapter, verify_adapter)
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
 from serve_app.common.deployment_options import SURGE_PERCENT
 from serve_app.common.errors import format_validation_error
@@ -38,8 +50,19 @@ from serve_app.common.serve_configs import (
     deployment,
     mesh_parts,
 )
-from serve_app.common.paths import resolve_repo_path
+from serve_app.common.paths import resolve_model_path, resolve_repo_path
+from serve_app.ingress.token_budget import Reservation
 
+#: Tokens the smallest request of default size reserves: a chat of one empty message with no
+#: ``max_tokens`` (:class:`~serve_app.ingress.token_budget.Reservation`). A token budget
+#: below it refuses every such request with 400 ``reservation_exceeds_budget``.
+DEFAULT_RESERVATION = Reservation.of("chat", {"messages": [{"role": "user", "content": ""}]})
+
+
+def runs_vllm(args: VariantArgs) -> bool:
+    """Whether a variant runs a vLLM engine (not a simulated one): only then are its model
+    directory and engine args vLLM's business."""
+    return getattr(args, "engine", None) in (None, "vllm")
 
 
 def config_warnings(config: dict[str, Any]) -> list[str]:
@@ -74,7 +97,9 @@ def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
 
 
 def validate_config(config: dict[str, Any]) -> list[str]:
-    """All problems found in a Serve config dict; an empty list means it is valid."""
+    """All problems found in a Serve config dict (checks 1-6 of the module docstring); an
+    empty list means it is valid. Engine args are vLLM's to judge:
+    :func:`serve_app.release.engine_check.engine_problems`."""
     from ray.serve.schema import ServeDeploySchema
 
     try:
@@ -101,9 +126,14 @@ def validate_config(config: dict[str, Any]) -> list[str]:
 
     variant_args: dict[str, VariantArgs] = {}
     variant_adapters: dict[str, set[str]] = {}  # application -> declared "name@vN"
+    replicas_valid = True  # else tenants' adapters are not checked against variant_adapters
+    no_model: set[str] = set()  # variants whose model directory is not here
     for name, app in parts.variant_apps.items():
         at = f"applications[{parts.app_index[name]}]"
         args = _check(problems, VariantArgs, app.get("args") or {}, f"{at}.args")
+        if args and runs_vllm(args) and (missing := _model_problem(args.model)):
+            problems.append(f"{at}.args.model: {missing}")
+            no_model.add(name)
         if args:
             variant_args[name] = args
         dep = deployment(app, REPLICA_DEPLOYMENT)
@@ -112,6 +142,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
             replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
             if replica:
                 variant_adapters[name] = {a.key for a in replica.adapters}
+            else:
+                replicas_valid = False
             if replica and args:
                 problems += _adapter_problems(replica, args, uc_at)
         problems += _replica_router_problems(
@@ -121,6 +153,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                             "set `route_prefix: null` (clients go through the router)")
 
     if router_config:
+        problems += _tenant_problems(router_config, variant_adapters if replicas_valid else None,
+                                     f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config")
         for route, rc in router_config.routes.items():
             for i, v in enumerate(rc.variants):
                 at = (f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
@@ -147,7 +181,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
             for adapter, merged in rc.merged.items():
                 at = (f"{router_at}.deployments[{ROUTER_DEPLOYMENT}].user_config.routes."
                       f"{route}.merged.{adapter}")
-                problems += _merged_problems(adapter, merged, route, variant_args, at)
+                if merged not in no_model:  # its stamp cannot be read: reported above
+                    problems += _merged_problems(adapter, merged, route, variant_args, at)
             declared = set().union(*(variant_adapters.get(v.application, set())
                                      for v in rc.variants))
             for name, split in rc.adapters.items():
@@ -159,6 +194,55 @@ def validate_config(config: dict[str, Any]) -> list[str]:
                             f"served by any variant of route {route!r}; add {{name: {name}, "
                             f"version: {v.version}}} to a variant's LLMReplica "
                             "user_config.adapters")
+    return problems
+
+
+def _model_problem(model: str) -> str | None:
+    """Why a variant's ``args.model`` cannot be served from this host, or None."""
+    try:
+        resolve_model_path(model)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def _tenant_problems(router: RouterConfig, variant_adapters: dict[str, set[str]] | None,
+                     at: str) -> list[str]:
+    """Tenants own adapters that a variant of their routes declares, and token budgets
+    that hold one request of the default size."""
+    problems = []
+    for i, tenant in enumerate(router.tenants):
+        problems += _budget_problems(tenant, f"{at}.tenants[{i}]")
+        if variant_adapters is None:
+            continue
+        routes = [r for name, r in router.routes.items() if tenant.may_call(name)]
+        declared = sorted({adapter_name(key) for r in routes for v in r.variants
+                           for key in variant_adapters.get(v.application, ())})
+        for j, adapter in enumerate(tenant.adapters):
+            if adapter not in declared:
+                close = difflib.get_close_matches(adapter, declared, n=1, cutoff=0.6)
+                problems.append(
+                    f"{at}.tenants[{i}].adapters[{j}]: {adapter!r} is declared by no variant "
+                    f"of the routes tenant {tenant.id!r} may call (declared: "
+                    f"{', '.join(declared) or 'none'}); "
+                    + (f"did you mean {close[0]!r}? " if close else "")
+                    + "fix the name, or declare the adapter in a variant's LLMReplica "
+                      "user_config.adapters")
+    return problems
+
+
+def _budget_problems(tenant, at: str) -> list[str]:
+    problems = []
+    for budget in ("tokens_per_minute", "tokens_per_day"):
+        limit = getattr(tenant, budget)
+        if limit is not None and limit < DEFAULT_RESERVATION.total:
+            problems.append(f"{at}.{budget}: {limit} is below one request of the "
+                            f"default size ({DEFAULT_RESERVATION.total} tokens: a chat "
+                            f"without max_tokens reserves its prompt estimate, at least "
+                            f"{DEFAULT_RESERVATION.prompt}, plus "
+                            f"{DEFAULT_RESERVATION.completion}), so tenant {tenant.id!r} would "
+                            "get 400 reservation_exceeds_budget for every such request; set "
+                            f"at least {DEFAULT_RESERVATION.total}")
     return problems
 
 
@@ -209,6 +293,11 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
             problems.append(f"{at}.adapters[{i}]: {ref.key} is not in the adapter registry")
         elif problem := fit_problem(spec, base_model=args.model, max_lora_rank=max_rank):
             problems.append(f"{at}.adapters[{i}]: {spec.key} cannot be served: {problem}")
+        else:  # the files, as the replica checks them before a load
+            try:
+                verify_adapter(spec, base_model=args.model, max_lora_rank=max_rank)
+            except AdapterError as e:
+                problems.append(f"{at}.adapters[{i}]: {e}")
     return problems
 
 

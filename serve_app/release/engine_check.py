@@ -1,0 +1,150 @@
+"""vLLM's own verdict on a variant's engine args, before ``serve deploy`` (``meshctl validate``).
+
+The rules are vLLM's, not copies: the names an ``engine_args`` key may have are the options
+of vLLM's OpenAI server parser (``vllm serve``: every ``AsyncEngineArgs`` field and the
+frontend's), and the values are checked by building the engine's ``VllmConfig`` with
+:func:`serve_app.server.engine.engine_config`, the function a replica runs before it starts
+its engine. That reads the model's ``config.json`` and checks dtype, ``max_model_len``
+against the model, scheduler limits and LoRA settings; it starts nothing.
+
+Importing vLLM takes ~10 s (more on a busy host), once per process; each further variant
+takes well under a second, and variants with the same model and engine args are checked
+once. Where vLLM is not installed (a CI runner with only ``meshctl``), nothing is checked and
+:func:`engine_problems` says so in a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+#: Problems found per (model, engine args as JSON): one check per distinct engine.
+_CACHE: dict[tuple[str, str], list[str]] = {}
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@contextlib.contextmanager
+def _quiet_vllm():
+    """vLLM's INFO/WARNING lines (platform, architecture, ...) are not the user's business
+    while a config is checked: only errors pass."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def known_engine_args() -> set[str]:
+    """Every key vLLM's OpenAI server parser accepts (``--max-num-seqs`` -> ``max_num_seqs``):
+    the ``AsyncEngineArgs`` fields and the frontend's options."""
+    with _quiet_vllm():
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        return set(vars(make_arg_parser(FlexibleArgumentParser()).parse_args([])))
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _vllm_messages(error: BaseException, keys: set[str]) -> list[tuple[str | None, str]]:
+    """(engine arg or None, vLLM's message) per problem in ``error``. Pydantic errors of
+    fields the config sets are kept, one per field (vLLM's union types repeat one problem
+    once per member); errors of derived fields only when no set field has one."""
+    if not isinstance(error, ValidationError):
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return [(None, text)]
+    by_field: dict[str, str] = {}
+    for e in error.errors():
+        field = str(e["loc"][0]) if e["loc"] else ""
+        by_field.setdefault(field, e["msg"])
+    set_fields = {f: m for f, m in by_field.items() if f in keys}
+    if set_fields:
+        return list(set_fields.items())
+    return [(None, f"{f}: {m}" if f else m) for f, m in by_field.items()]
+
+
+def variant_engine_problems(args, at: str) -> list[str]:
+    """vLLM's problems with one variant's ``args`` (a valid
+    :class:`~serve_app.common.config.VariantArgs`), each ``<at>.engine_args.<key>: ...``.
+
+    Args:
+        args: the variant's validated args; its model directory must exist (checked first by
+            :func:`serve_app.release.validate.validate_config`).
+        at: the path of the variant's ``args`` in the config, for messages.
+    """
+    key = (args.model, json.dumps(args.engine_args, sort_keys=True, default=str))
+    if key not in _CACHE:
+        _CACHE[key] = _check(args)
+    return [f"{at}.engine_args{p}" for p in _CACHE[key]]
+
+
+def _check(args) -> list[str]:
+    """Problems as suffixes of ``<at>.engine_args``: ``.<key>: message`` or ``: message``."""
+    known = known_engine_args()
+    unknown = sorted(k for k in args.engine_args if k not in known)
+    if unknown:
+        return [f".{k}: vLLM has no engine argument {k!r}; {_suggest(k, known)}use the "
+                "names of vLLM's AsyncEngineArgs (`vllm serve --help` lists them as "
+                "--kebab-case options)" for k in unknown]
+    from serve_app.server.engine import engine_config
+
+    try:
+        with _quiet_vllm():
+            engine_config(args)
+    except Exception as e:  # noqa: BLE001 -- whatever vLLM raises is its verdict
+        problems = []
+        for field, message in _vllm_messages(e, set(args.engine_args)):
+            if field is not None:
+                problems.append(f".{field}: vLLM refuses {args.engine_args[field]!r}: "
+                                f"{message}")
+            else:
+                problems.append(f": vLLM refuses these engine args: {message}")
+        return problems
+    return []
+
+
+def engine_problems(config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """vLLM's problems with the engine args of every variant of a Serve config that
+    :func:`~serve_app.release.validate.validate_config` found valid, and warnings.
+
+    Returns:
+        (problems, warnings); the one warning, when vLLM is not installed here, says that
+        engine args were not checked.
+    """
+    from serve_app.common.config import VariantArgs
+    from serve_app.common.serve_configs import mesh_parts
+    from serve_app.release.validate import runs_vllm
+
+    parts = mesh_parts(config)
+    variants = []
+    for name, app in parts.variant_apps.items():
+        try:
+            args = VariantArgs.model_validate(app.get("args") or {})
+        except ValidationError:
+            continue  # validate_config reports it
+        if runs_vllm(args):
+            variants.append((f"applications[{parts.app_index[name]}].args", args))
+    if not variants:
+        return [], []
+    if not vllm_installed():
+        return [], ["engine args not checked: vLLM is not installed here (run meshctl "
+                    "validate where the mesh's environment is set up: ./scripts/setup.sh)"]
+    return [p for at, args in variants for p in variant_engine_problems(args, at)], []
