@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# Run the whole test suite (sets up first; integration tests start real Ray, Serve and vLLM).
-#   ./scripts/test.sh                 everything
-#   ./scripts/test.sh -m "not integration"   fast unit tests only
+# Run the test suite (sets up first). Integration tests start a real Ray cluster and real Serve,
+# deploy the shipped configs with the real `serve deploy`, and call them with the openai client.
+#
+#   ./scripts/test.sh            the default tier (CI): unit tests, every integration test on the
+#                                simulated engine, and the real-engine set (tests marked
+#                                real_engine: what only vLLM can prove, and the contract test
+#                                that keeps the simulated engine honest). Fails when the tests
+#                                take longer than MESH_TEST_BUDGET_S (default 1500 s = 25 min).
+#   ./scripts/test.sh --all      every integration test on real vLLM engines (no time budget);
+#                                run it after changing the engine, the lock or the replica
+#                                (docs/testing.md). Modules marked sim_only still run on the sim.
+#   ./scripts/test.sh ARGS...    pytest arguments, e.g. -m "not integration" (unit tests only)
+#                                or tests/test_canary.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$SECONDS
+if [ "${1:-}" = --all ]; then
+  shift
+  export MESH_TEST_ENGINE=vllm
+  export MESH_TEST_BUDGET_S=${MESH_TEST_BUDGET_S:-0}
+fi
 ./scripts/setup.sh
 ./scripts/install_prometheus.sh   # tests/test_observability.py runs a real Prometheus
+echo "[test] set-up took $((SECONDS - t0)) s; engine for integration tests: ${MESH_TEST_ENGINE:-sim}"
 exec .venv/bin/python -m pytest -v --durations=15 "$@"

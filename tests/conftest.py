@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,40 @@ import yaml
 from serve_app.release.deploy import deploy, replica_ids, serve_status
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_env import SERVE_ENV
-from serve_app.common.serve_configs import load_yaml
+from serve_app.common.serve_configs import REPLICA_IMPORT_PATH, load_yaml
 from serve_app.tools.servers import free_port
 
 CONFIGS = REPO_ROOT / "serve_configs"
 
+#: The engine integration tests run on: ``sim`` (the default tier) or ``vllm``
+#: (``./scripts/test.sh --all``). Modules marked ``real_engine`` always run on vLLM, and those
+#: marked ``sim_only`` (goals that hold only where time is exact) always on the sim.
+TEST_ENGINE = os.environ.get("MESH_TEST_ENGINE", "sim")
+
+#: ``args.sim`` of every variant the sim tier deploys: this host's fitted profile, and an
+#: engine that starts at once (a test that needs a slow start sets ``start_s``).
+TEST_SIM_ARGS = {"profile": "cpu-smollm2", "start_s": 0}
+
+
+def on_engine(cfg: dict[str, Any], engine: str, **sim: Any) -> dict[str, Any]:
+    """``cfg`` with every variant application on ``engine`` (``sim``: with
+    :data:`TEST_SIM_ARGS` updated by ``sim``; ``vllm``: as shipped)."""
+    cfg = copy.deepcopy(cfg)
+    if engine == "sim":
+        for app in cfg.get("applications", []):
+            if app.get("import_path") == REPLICA_IMPORT_PATH:
+                app["args"] = {**app["args"], "engine": "sim",
+                               "sim": {**TEST_SIM_ARGS, **app["args"].get("sim", {}), **sim}}
+    return cfg
+
 
 class Mesh:
-    """A running Ray cluster with Serve, and helpers to deploy configs onto it."""
+    """A running Ray cluster with Serve, and helpers to deploy configs onto it.
+
+    ``engine`` is the engine the current module's configs run on (:data:`TEST_ENGINE`,
+    or its ``real_engine`` / ``sim_only`` marker)."""
+
+    engine = TEST_ENGINE
 
     def __init__(self, dashboard: str, http_port: int, workdir: Path):
         self.dashboard = dashboard
@@ -37,9 +64,9 @@ class Mesh:
         self._n = 0
 
     def config(self, name: str) -> dict[str, Any]:
-        """A config from serve_configs/, with http_options pointed at this cluster's port
-        and a proxy on every node."""
-        cfg = copy.deepcopy(load_yaml(CONFIGS / name))
+        """A config from serve_configs/, with http_options pointed at this cluster's port,
+        a proxy on every node, and its variants on this module's engine (:attr:`engine`)."""
+        cfg = on_engine(load_yaml(CONFIGS / name), self.engine)
         cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1",
                                "port": self.http_port}
         # A proxy per node: the head's alone until test_multi_node adds a node. Serve reads
@@ -104,6 +131,18 @@ def mesh(tmp_path_factory) -> Mesh:
     ray.shutdown()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_engine(request) -> str:
+    """The engine this module's variants run on (sets :attr:`Mesh.engine`)."""
+    if request.node.get_closest_marker("real_engine"):
+        Mesh.engine = "vllm"
+    elif request.node.get_closest_marker("sim_only"):
+        Mesh.engine = "sim"
+    else:
+        Mesh.engine = TEST_ENGINE
+    return Mesh.engine
+
+
 @pytest.fixture(scope="module")
 def local_mesh(mesh: Mesh) -> Mesh:
     """serve_configs/local.yaml deployed with the serve CLI (one vLLM variant, route smollm)."""
@@ -126,3 +165,36 @@ def pytest_collection_modifyitems(items):
         name = item.module.__name__.rpartition(".")[2]
         return MODULE_ORDER.index(name) + 1 if name in MODULE_ORDER else 0  # unit tests first
     items.sort(key=rank)  # stable: the order within a module is kept
+
+
+# -- per-module durations, and the time budget of the default tier ------------------------------
+
+#: Seconds the tests may take (``MESH_TEST_BUDGET_S``; 0: no budget). The default tier must
+#: finish within 25 minutes, set-up included (``./scripts/test.sh``).
+TEST_BUDGET_S = float(os.environ.get("MESH_TEST_BUDGET_S", "1500"))
+_module_seconds: dict[str, float] = {}
+_session_start = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    total = time.monotonic() - _session_start
+    tr = terminalreporter
+    tr.section("time per test module (setup + call + teardown), s")
+    for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"{seconds:8.1f}  {module}")
+    tr.write_line(f"{total:8.1f}  total (engine for integration tests: {TEST_ENGINE}; "
+                  f"budget {TEST_BUDGET_S:.0f} s)")
+    if TEST_BUDGET_S and total > TEST_BUDGET_S:
+        tr.write_line(f"FAILED: the tests took {total:.0f} s, over the budget of "
+                      f"{TEST_BUDGET_S:.0f} s (MESH_TEST_BUDGET_S)", red=True, bold=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if TEST_BUDGET_S and time.monotonic() - _session_start > TEST_BUDGET_S and exitstatus == 0:
+        session.exitstatus = 1
+
