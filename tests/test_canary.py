@@ -52,8 +52,11 @@ def test_pinned_variants_answer_differently(canary):
     assert v2.headers["x-mesh-variant"] == "smollm-v2"
     # smollm-v2's user_config adds the system prompt "Always answer in French.".
     english, french = (r.json()["choices"][0]["message"]["content"] for r in (v1, v2))
-    assert "answer" in english and english != french
-    assert french.startswith("La ") and " est " in french, french
+    assert english != french
+    if canary.engine == "vllm":
+        assert "answer" in english
+        assert french.startswith("La ") and " est " in french, french
+    # on the sim, the system prompt is in the prompt's tokens, which key its answer
 
 
 def test_split_90_10_header_matches_body_and_sticks(canary):

@@ -1,12 +1,14 @@
 """What a simulated engine says: deterministic token ids keyed by who answers and what.
 
-An answer is ``<label>:`` followed by words, then the tokenizer's EOS. ``label`` names what
-answers: the adapter version for a LoRA request (``acme-support@v1``), the merged adapter for
-a merged model's own weights (so a merged variant answers exactly as the LoRA path does, as
-the real weights do), else the model (``smollm2-135m-instruct``). The words and the answer's
-length are drawn from a hash of the label and the prompt's token ids, which hold the chat
-template and the system prompt. So the same request to the same adapter, version or model
-always gets the same tokens, and tests can tell from the text which one answered.
+An answer is words, then the tokenizer's EOS; an adapter's answer starts with
+``<name@vN>:``. ``label`` names what answers: the adapter version for a LoRA request
+(``acme-support@v1``), the merged adapter for a merged model's own weights (so a merged
+variant answers exactly as the LoRA path does, as the real weights do), else the model
+(``smollm2-135m-instruct``; a model's label is not written, to keep short answers words).
+The words and the answer's length are drawn from a hash of the label and the prompt's token
+ids, which hold the chat template and the system prompt. So the same request to the same
+adapter, version or model always gets the same tokens, and tests can tell from the text which
+adapter version answered.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class AnswerBook:
 
     @lru_cache(maxsize=1024)
     def _label_ids(self, label: str) -> tuple[int, ...]:
+        if "@v" not in label:  # a model answers in words only
+            return ()
         return tuple(self.tokenizer.encode(f"{label}:", add_special_tokens=False))
 
     def answer(self, label: str, prompt_ids: list[int] | tuple[int, ...]) -> list[int]:
