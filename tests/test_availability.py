@@ -75,6 +75,39 @@ def test_a_redeploys_build_phase_keeps_the_old_replicas(monkeypatch):
     assert v.slots("v1") == 0
 
 
+def states(status: str, **replica_states: int):
+    return SimpleNamespace(status=status, deployments={
+        "LLMReplica": SimpleNamespace(replica_states=replica_states)})
+
+
+def test_a_replica_being_reconfigured_or_replaced_in_place_still_serves(monkeypatch):
+    """Issue 31: a user_config reconfigure (UPDATING) and a replacement starting after the old
+    replica stopped keep a single-variant route available, with its slots, through a deploy."""
+    infos = {"v1": ReplicaInfo((), max_num_seqs=8)}
+    apps = {"v1": states("RUNNING", RUNNING=1)}
+    v = view(monkeypatch, apps, infos)
+    asyncio.run(v.refresh())
+    for during in (states("DEPLOYING", UPDATING=1),  # the in-place reconfigure
+                   states("DEPLOYING", STOPPING=1, STARTING=1),  # replaced, no surge
+                   states("RUNNING", PENDING_MIGRATION=1)):  # on a draining node
+        apps["v1"] = during
+        asyncio.run(v.refresh())
+        assert v.is_available("v1") and v.slots("v1") == 8, during
+        assert v.prefer_available(["v1"]) == ["v1"]
+    apps["v1"] = states("RUNNING", STOPPING=1, STARTING=1)  # not a deploy: a crash restart
+    asyncio.run(v.refresh())
+    assert not v.is_available("v1") and v.slots("v1") == 0
+
+
+def test_a_new_variants_first_start_is_not_serving(monkeypatch):
+    infos = {"v1": ReplicaInfo((), max_num_seqs=8), "v2": ReplicaInfo((), max_num_seqs=8)}
+    v = view(monkeypatch, {"v1": states("RUNNING", RUNNING=1),
+                           "v2": states("DEPLOYING", STARTING=1)}, infos)
+    asyncio.run(v.refresh())
+    assert not v.is_available("v2") and v.slots("v2") == 0  # nothing served there yet
+    assert v.prefer_available(["v2", "v1"]) == ["v1", "v2"]
+
+
 def test_refresh_max_age_saves_status_calls(monkeypatch):
     v = view(monkeypatch, {"v1": app("RUNNING", 1)}, {"v1": ReplicaInfo((), 8)})
     asyncio.run(v.refresh(max_age_s=10))

@@ -3,7 +3,8 @@
 A ``DeploymentHandle`` to a deployment with no running replica does not fail: it queues the
 request until a replica appears (a minute for a vLLM engine). So the router asks the
 controller (``serve.status()``, every :data:`STATUS_EVERY` x ``period_s``) which variants
-have a RUNNING ``LLMReplica`` and tries those first; the others stay as last resorts. It
+have a *serving* ``LLMReplica`` (RUNNING, or reconfigured or replaced in place by a deploy:
+:data:`SERVING_STATES`, :meth:`VariantAvailability._running_replicas`) and tries those first; the others stay as last resorts. It
 also asks each running variant (``LLMReplica.serving_info``, every ``period_s``) which
 adapter versions it serves, so ``route:adapter`` requests go only to variants that have the
 adapter, and how many requests its engine runs at once, which sets the variant's admission
@@ -56,6 +57,10 @@ LOST_REPLICA_S = 30.0
 MISSED_POLLS_LOST = 3
 #: Seconds after its last request that a variant which scales to zero is still polled.
 IDLE_POLL_S = 10.0
+#: Serve replica states in which a replica has its engine and serves, or will again in a
+#: moment without a new engine: ``UPDATING`` is an in-place reconfigure (``user_config``),
+#: ``PENDING_MIGRATION`` a replica on a draining node that still serves until it is moved.
+SERVING_STATES = ("RUNNING", "UPDATING", "PENDING_MIGRATION")
 
 
 def serve_details() -> dict:
@@ -73,7 +78,7 @@ class VariantAvailability:
         self.handle_for = handle_for  # application name -> DeploymentHandle of its LLMReplica
         self.period_s = period_s
         self.on_refresh = on_refresh  # called after every refresh (the router sets slots)
-        self._running: dict[str, int] | None = None  # app -> RUNNING replicas; None: not polled
+        self._running: dict[str, int] | None = None  # app -> serving replicas; None: not polled
         self.adapters: dict[str, set[str]] = {}  # app -> adapter versions it serves, "name@vN"
         self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
         self._refreshed_at = float("-inf")
@@ -134,7 +139,7 @@ class VariantAvailability:
             running = {name: self._running_replicas(name, app)
                        for name, app in serve_status.applications.items()}
             if running != self._running:
-                logger.info("variant availability (running replicas): %s", running)
+                logger.info("variant availability (serving replicas): %s", running)
             self._running = running
             self._starting = {name: self._replicas(app, "STARTING")
                               for name, app in serve_status.applications.items()}
@@ -224,7 +229,15 @@ class VariantAvailability:
         return sum(states.values()) if state is None else states.get(state, 0)
 
     def _running_replicas(self, name: str, app) -> int:
-        """RUNNING ``LLMReplica`` replicas of an application in a ``serve.status()``."""
+        """``LLMReplica`` replicas of an application in a ``serve.status()`` that serve, or
+        are about to serve again, with the engine they had (:data:`SERVING_STATES`).
+
+        A replica Serve is reconfiguring in place (``UPDATING``: a ``user_config`` change)
+        keeps its engine and takes requests again in a moment; Serve's handle queues what is
+        sent meanwhile. During a deploy (the application ``DEPLOYING``) of a variant that has
+        served before, replicas starting to replace the old ones count too once no old one is
+        left: requests wait for them (within ``queue_timeout_s``) rather than being refused.
+        A variant's first start, or a cold start from zero, is not counted."""
         if app.status == "DELETING":
             return 0
         if REPLICA_DEPLOYMENT not in app.deployments:
@@ -232,7 +245,10 @@ class VariantAvailability:
             # failed (DEPLOY_FAILED), the status lists no deployments at all, yet the old
             # replicas keep serving: keep what we knew.
             return (self._running or {}).get(name, 0)
-        return self._replicas(app, "RUNNING")
+        serving = sum(self._replicas(app, state) for state in SERVING_STATES)
+        if not serving and app.status == "DEPLOYING" and name in self.info:
+            serving = self._replicas(app, "STARTING")  # replacements of a replaced replica
+        return serving
 
     # -- variants that scale to zero ----------------------------------------------------------
 
@@ -258,8 +274,9 @@ class VariantAvailability:
         return sorted(self._app_status)
 
     def running(self, application: str) -> int:
-        """RUNNING ``LLMReplica`` replicas of ``application`` in the last status (0: none or
-        not polled yet)."""
+        """Serving ``LLMReplica`` replicas of ``application`` in the last status
+        (:meth:`_running_replicas`: RUNNING, or reconfigured or replaced in place; 0: none
+        or not polled yet)."""
         return (self._running or {}).get(application, 0)
 
     def has_replica(self, application: str) -> bool:
@@ -279,7 +296,7 @@ class VariantAvailability:
         return application in self.waking or self.has_replica(application)
 
     def state(self, application: str) -> str:
-        """``warm`` (a RUNNING replica), ``starting`` or ``zero`` for a variant that scales
+        """``warm`` (a serving replica), ``starting`` or ``zero`` for a variant that scales
         to zero; ``warm`` or ``down`` for the others."""
         if self.running(application) > 0:
             return "warm"
@@ -295,7 +312,7 @@ class VariantAvailability:
                 for app, (state, since) in sorted(self._state.items())}
 
     def is_asleep(self, application: str) -> bool:
-        """A variant that scales to zero has no RUNNING replica (or is being evicted) and can
+        """A variant that scales to zero has no serving replica (or is being evicted) and can
         be woken: its application is deployed (RUNNING, or DEPLOYING an update) and not being
         deleted."""
         return (application in self.scales_to_zero
@@ -319,7 +336,7 @@ class VariantAvailability:
             await self.refresh(status=tick % STATUS_EVERY == 0)
 
     def slots(self, application: str) -> int | None:
-        """Admission slots of the application: ``max_num_seqs`` x RUNNING replicas; None
+        """Admission slots of the application: ``max_num_seqs`` x serving replicas; None
         while unknown (not polled yet, or its replicas have not answered yet)."""
         if self._running is None:
             return None
@@ -344,7 +361,7 @@ class VariantAvailability:
         self._lost_until[application] = time.monotonic() + LOST_REPLICA_S
 
     def is_available(self, application: str) -> bool:
-        """True when the application has a RUNNING replica (or nothing is known yet), has
+        """True when the application has a serving replica (or nothing is known yet), has
         not just lost one and is not being evicted."""
         if self._lost_until.get(application, 0.0) > time.monotonic() \
                 or application in self.evicting:
