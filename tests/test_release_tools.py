@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import yaml
 from serve_app.release.config_diff import (ADDED, IN_PLACE, REMOVED, RESTART, UNSET, Change,
                                    diff_configs, format_report, restarts)
 from serve_app.common.paths import REPO_ROOT
+from serve_app.release.change_lines import report_lines
 from serve_app.release.deploy import live_config
 from serve_app.common.serve_configs import load_yaml, mesh_parts
 from serve_app.release.swap import SwapError, parse_steps, plan_swap, write_plan
@@ -298,21 +300,103 @@ def test_cli_diff_and_validate_against(tmp_path):
             "replaces every replica)")
 
     def meshctl(*args):
-        return subprocess.run([sys.executable, "-m", "serve_app.cli", *args],
-                              capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "serve_app.cli", *args,
+                               "--skip-engine-check"], capture_output=True, text=True)
 
     res = meshctl("diff", old, str(path))
     assert res.returncode == 0 and f"  {line}\n" in res.stdout
     res = meshctl("diff", old, str(path), "--fail-on-restart")
-    assert res.returncode == 1 and "REFUSED: 1 change(s) restart replicas" in res.stderr
+    assert res.returncode == 1 and "REFUSED: the 1 RESTART change(s) above" in res.stderr
     res = meshctl("validate", str(path), "--against", old)
     assert res.returncode == 1
-    assert f"new.yaml: REFUSED: 1 change(s) restart replicas:\n  {line}\n" in res.stderr
-    assert (f"meshctl swap {old} --route smollm --new-app smollm-v1-next --model "
-            "smollm2-135m-instruct") in res.stderr
+    assert "new.yaml: REFUSED: the 1 RESTART change(s) above restart replicas.\n" in res.stderr
+    assert (res.stdout + res.stderr).count(line) == 1  # each restart line once
+    assert (f"meshctl swap {old} --route smollm --new-app smollm-v1-next --engine-arg "
+            "max_num_seqs=6") in res.stderr
     assert meshctl("validate", str(path), "--against", old, "--allow-restart").returncode == 0
     res = meshctl("validate", str(CONFIGS / "canary.yaml"), "--against", old)
     assert res.returncode == 0 and "  smollm-v2: ADDED" in res.stdout
+
+
+def test_the_swap_hint_carries_a_new_model_and_engine_args():
+    new = copy.deepcopy(LOCAL)
+    variant(new)["args"]["model"] = "smollm2-135m-acme"
+    variant(new)["args"]["engine_args"]["structured_outputs_config"] = {"backend": "xgrammar"}
+    del variant(new)["args"]["engine_args"]["enforce_eager"]
+    from serve_app.cli import _blue_green_hint
+
+    hint = _blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
+    assert ("meshctl swap CURRENT_CONFIG --route smollm --new-app smollm-v1-next --model "
+            "smollm2-135m-acme --engine-arg enforce_eager=null --engine-arg "
+            "'structured_outputs_config={backend: xgrammar}'") in hint
+    variant(new)["runtime_env"] = {}
+    hint = _blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
+    assert "meshctl swap" not in hint and "copy the variant application" in hint
+
+
+def test_cli_diff_validates_the_new_config_first(tmp_path):
+    new = copy.deepcopy(LOCAL)
+    route_variants(new)[0]["weight"] = -1
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(new, sort_keys=False))
+    res = subprocess.run([sys.executable, "-m", "serve_app.cli", "diff",
+                          str(CONFIGS / "local.yaml"), str(path), "--skip-engine-check"],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "IN PLACE" not in res.stdout
+    assert "new.yaml: INVALID\n" in res.stderr and ".weight: Input should be greater" in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the report as people read it: list items one by one, values whole
+# ---------------------------------------------------------------------------------------------
+
+def test_a_tenant_added_to_a_list_is_one_whole_line():
+    tenants = load_yaml(CONFIGS / "tenants.yaml")
+    new = copy.deepcopy(tenants)
+    ops = {"id": "ops2", "api_keys_sha256": ["a" * 64], "routes": ["smollm"],
+           "tokens_per_day": 500000}
+    mesh_parts(new).router_user_config["tenants"].append(ops)
+    [line] = report_lines(diff_configs(tenants, new))
+    assert line == ("mesh: deployments[MeshRouter].user_config.tenants[id=ops2] (unset) -> "
+                    + json.dumps(ops) + ": IN PLACE (lightweight update: reconfigure() on "
+                    "the running replicas)")
+
+
+def test_list_items_are_matched_by_their_names():
+    canary = load_yaml(CONFIGS / "canary.yaml")
+    new = copy.deepcopy(canary)
+    variants = route_variants(new)
+    variants[1]["weight"] = 50
+    tenant = mesh_parts(new).router_user_config["tenants"][0]
+    tenant["api_keys_sha256"] = [*tenant["api_keys_sha256"], "b" * 64]
+    lines = report_lines(diff_configs(canary, new))
+    prefix = "mesh: deployments[MeshRouter].user_config"
+    assert f"{prefix}.routes.smollm.variants[application=smollm-v2].weight 10 -> 50" in \
+        lines[0]
+    assert any(line.startswith(f"{prefix}.tenants[id={tenant['id']}].api_keys_sha256[+] "
+                               f"(unset) -> {'b' * 64}: IN PLACE") for line in lines), lines
+    variants.reverse()
+    lines = report_lines(diff_configs(canary, new))
+    assert any(".variants order [\"application=smollm-v1\", \"application=smollm-v2\"] -> "
+               "[\"application=smollm-v2\", \"application=smollm-v1\"]" in line
+               for line in lines), lines
+
+
+def test_adapters_by_name_and_version_and_nothing_cut_short():
+    tenants = load_yaml(CONFIGS / "tenants.yaml")
+    new = copy.deepcopy(tenants)
+    replica = variant_named(new, "smollm-v1")["deployments"][0]["user_config"]
+    replica["adapters"].append({"name": "acme-support", "version": 2})
+    replica["system_prompt"] = "x" * 200
+    lines = report_lines(diff_configs(tenants, new))
+    assert any("user_config.adapters[name=acme-support,version=2] (unset) -> "
+               '{"name": "acme-support", "version": 2}' in line for line in lines), lines
+    assert any("x" * 200 in line for line in lines)
+    assert report_lines({}) == ["no changes"]
+
+
+def variant_named(cfg, name):
+    return next(a for a in cfg["applications"] if a["name"] == name)
 
 
 def test_top_level_logging_config_is_each_applications_default():

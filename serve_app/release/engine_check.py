@@ -4,8 +4,9 @@ The rules are vLLM's, not copies: the names an ``engine_args`` key may have are 
 of vLLM's OpenAI server parser (``vllm serve``: every ``AsyncEngineArgs`` field and the
 frontend's), and the values are checked by building the engine's ``VllmConfig`` with
 :func:`serve_app.server.engine.engine_config`, the function a replica runs before it starts
-its engine. That reads the model's ``config.json`` and checks dtype, ``max_model_len``
-against the model, scheduler limits and LoRA settings; it starts nothing.
+its engine (a simulated engine too: it runs vLLM's front end on the same config). That
+reads the model's ``config.json`` and checks dtype, ``max_model_len`` against the model,
+scheduler limits and LoRA settings; it starts nothing.
 
 Importing vLLM takes ~10 s (more on a busy host), once per process; each further variant
 takes well under a second, and variants with the same model and engine args are checked
@@ -131,8 +132,6 @@ def engine_problems(config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """
     from serve_app.common.config import VariantArgs
     from serve_app.common.serve_configs import mesh_parts
-    from serve_app.release.validate import runs_vllm
-
     parts = mesh_parts(config)
     variants = []
     for name, app in parts.variant_apps.items():
@@ -140,8 +139,7 @@ def engine_problems(config: dict[str, Any]) -> tuple[list[str], list[str]]:
             args = VariantArgs.model_validate(app.get("args") or {})
         except ValidationError:
             continue  # validate_config reports it
-        if runs_vllm(args):
-            variants.append((f"applications[{parts.app_index[name]}].args", args))
+        variants.append((f"applications[{parts.app_index[name]}].args", args))
     if not variants:
         return [], []
     if not vllm_installed():

@@ -33,14 +33,35 @@ LORA_ENGINE_ARGS = ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank"
 def adapter_tokens(metrics_text: str) -> Counter:
     """``(route, adapter) -> prompt + completion tokens`` from Prometheus-format text (a Ray
     node's metrics export, ``http://<node>:8080/metrics``, or a Prometheus federation
-    dump); the base model's requests (``adapter=""``) are left out."""
+    dump); the base model's requests (``adapter=""``) are left out.
+
+    Raises:
+        ValueError: the text is not in Prometheus's text format.
+    """
     tokens: Counter = Counter()
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in TOKEN_SERIES and sample.labels.get("adapter"):
-                tokens[(sample.labels.get("route", ""), sample.labels["adapter"])] += \
-                    sample.value
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                if sample.name in TOKEN_SERIES and sample.labels.get("adapter"):
+                    tokens[(sample.labels.get("route", ""), sample.labels["adapter"])] += \
+                        sample.value
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"not Prometheus metrics in text format ({type(e).__name__}: "
+                         f"{e})") from None
     return tokens
+
+
+def not_mergeable(config: dict[str, Any], route: str, adapter: str) -> str | None:
+    """Why ``route:adapter`` gets no merged variant from :func:`plan_merges`, or None."""
+    routes = (mesh_parts(config).router_user_config or {}).get("routes", {})
+    rc = routes.get(route)
+    if rc is None:
+        return f"route {route!r} is not in this config"
+    if adapter in rc.get("merged", {}):
+        return f"it has a merged variant already ({rc['merged'][adapter]})"
+    if _lora_variant(mesh_parts(config), rc, adapter) is None:
+        return f"no variant of route {route!r} declares it in this config"
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,13 +114,10 @@ def plan_merges(config: dict[str, Any], tokens: Counter, top: int
     for (route, adapter), _ in tokens.most_common():
         if len(steps) == top:
             break
-        rc = routes.get(route)
-        if rc is None or adapter in rc.get("merged", {}):
+        if not_mergeable(new, route, adapter):
             continue
-        source = _lora_variant(parts, rc, adapter)
-        if source is None:
-            continue
-        app, version = source
+        rc = routes[route]
+        app, version = _lora_variant(parts, rc, adapter)
         name = f"{route}-{adapter}-merged"
         base = model_identity(app["args"]["model"])
         existing = _existing_merged_model(version)

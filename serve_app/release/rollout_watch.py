@@ -268,8 +268,9 @@ def watch(fetch: Fetch, *, split: str | None = None, expect_id: str | None = Non
         sleep(interval_s)
 
 
-def add_parser(sub) -> None:
-    """Add ``rollout status`` to meshctl's subcommands (``sub``: argparse's subparsers)."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add ``rollout status`` to meshctl's subcommands (``sub``: argparse's subparsers);
+    return its parser."""
     status = sub.add_parser("rollout", help="follow progressive rollouts").add_subparsers(
         dest="rollout_command", required=True).add_parser(
         "status", help="a rollout's state, or --watch it until its verdict",
@@ -277,6 +278,7 @@ def add_parser(sub) -> None:
                     "with --watch, follow it until it is promoted, rolled back or aborted.",
         epilog="exit codes: " + ", ".join(f"{c} {n}" for c, n in EXIT_CODES.items()))
     add_arguments(status)
+    return status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -303,6 +305,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus for the report's figures over time; '' to go without")
 
 
+def _config_error(e: Exception) -> str:
+    from pydantic import ValidationError
+
+    from serve_app.common.errors import format_validation_error
+
+    if isinstance(e, ValidationError):
+        return ("the router's user_config is invalid: "
+                + "; ".join(format_validation_error(e).splitlines())
+                + " (meshctl validate says more)")
+    if isinstance(e, OSError):
+        return f"cannot read it: {e.strerror or e}"
+    return str(e)
+
+
 def status_command(args: argparse.Namespace) -> int:
     """``meshctl rollout status``: see the module docstring for the exit codes."""
     if (args.timeout is not None and args.timeout <= 0) or args.interval <= 0:
@@ -310,7 +326,12 @@ def status_command(args: argparse.Namespace) -> int:
         return USAGE
     split, expect_id = args.split, None
     if args.config:
-        declared = declared_rollouts(load_yaml(args.config))
+        try:
+            declared = declared_rollouts(load_yaml(args.config))
+        except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+            print(f"meshctl rollout status: --config {args.config}: "
+                  + " ".join(_config_error(e).split()), file=sys.stderr)
+            return USAGE
         if split is None and len(declared) == 1:
             split = next(iter(declared))
         if split not in declared:

@@ -1,9 +1,10 @@
-"""Blue/green base-model swap of one route, as a series of Serve configs (``meshctl swap``).
+"""Blue/green release of a route's new base model or engine args, as a series of Serve
+configs (``meshctl swap``).
 
-A new base model (or new engine args) changes a variant application's ``args``, and Serve
+A new base model or new engine args change a variant application's ``args``, and Serve
 replaces every replica of an application whose ``args`` change (see
-:mod:`serve_app.release.config_diff`). So the new base goes into a *new* variant application, and
-the route's traffic moves to it by weight:
+:mod:`serve_app.release.config_diff`). So the new ``args`` go into a *new* variant
+application, and the route's traffic moves to it by weight:
 
 1. ``add``: the new variant application is added to the config and to the route with
    weight 0. Serve starts its replicas; nothing else changes.
@@ -14,9 +15,11 @@ the route's traffic moves to it by weight:
    (``graceful_shutdown_timeout_s``), then stops them.
 
 The new variant copies the old variant's application (``args``, engine args,
-``runtime_env``, deployments and their ``user_config``) with another ``args.model``. Every
-config of the plan must pass :func:`serve_app.release.validate.validate_config` before any is applied;
-adapters declared on the old variant that were trained for the old base fail there.
+``runtime_env``, deployments and their ``user_config``) with another ``args.model`` and/or
+some engine args changed. Every config of the plan must pass
+:func:`serve_app.release.validate.validate_config` before any is applied: a model directory
+that is not there fails, and so do adapters declared on the old variant that were trained
+for the old base.
 
 The last config of the plan is the new desired state, to commit in place of the old file.
 """
@@ -40,7 +43,12 @@ from serve_app.release.validate import validate_config
 
 
 class SwapError(ValueError):
-    """The swap cannot be planned: bad arguments, or a generated config is invalid."""
+    """The swap cannot be planned: bad arguments (a route, application or step that does not
+    fit the config)."""
+
+
+class InvalidPlan(SwapError):
+    """A generated config of the plan is invalid (the message lists every problem)."""
 
 
 @dataclass
@@ -83,15 +91,19 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
-def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str,
-              steps: Sequence[int] = (100,), from_app: str | None = None) -> list[SwapStep]:
-    """The Serve configs that move ``route`` onto a new variant ``new_app`` serving ``model``.
+def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str | None = None,
+              engine_args: dict[str, Any] | None = None, steps: Sequence[int] = (100,),
+              from_app: str | None = None) -> list[SwapStep]:
+    """The Serve configs that move ``route`` onto a new variant ``new_app`` serving ``model``
+    with ``engine_args``.
 
     Args:
         config: the Serve config deployed now (not modified).
         route: the route to swap (a key of the router's ``user_config.routes``).
         new_app: name of the new variant application; must not exist in ``config``.
-        model: the new variant's ``args.model``.
+        model: the new variant's ``args.model``; None keeps the copied variant's.
+        engine_args: engine args to set on the new variant (``None`` as a value removes
+            one); the others are the copied variant's.
         steps: weight percentages of the new variant, increasing, ending at 100
             (see :func:`parse_steps`).
         from_app: the variant application to copy; default the route's only variant with a
@@ -102,8 +114,9 @@ def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str,
 
     Raises:
         SwapError: the route or an application is missing or ambiguous, the route is under a
-            progressive rollout, or a generated config fails validation (the message lists
-            every problem of every step).
+            progressive rollout, or nothing would change.
+        InvalidPlan: a generated config fails validation (the message lists every problem
+            of every step).
     """
     parts = mesh_parts(config)
     routes = (parts.router_user_config or {}).get("routes") or {}
@@ -131,7 +144,24 @@ def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str,
 
     app = copy.deepcopy(parts.variant_apps[source])
     app["name"] = new_app
-    app["args"] = {**(app.get("args") or {}), "model": model}
+    args = dict(app.get("args") or {})
+    old_args = copy.deepcopy(args)
+    if model is not None:
+        args["model"] = model
+    if engine_args:
+        engine = dict(args.get("engine_args") or {})
+        for key, value in engine_args.items():
+            if value is None:
+                engine.pop(key, None)
+            else:
+                engine[key] = value
+        args["engine_args"] = engine
+    if args == old_args:
+        raise SwapError(f"the new variant would run {source!r}'s args unchanged; give a new "
+                        "--model or --engine-arg KEY=VALUE (a change of replicas, autoscaling "
+                        "or user_config needs no swap: Serve applies it in place)")
+    app["args"] = args
+    model = args.get("model", model)
     replica = deployment(app, REPLICA_DEPLOYMENT)
     if replica is None:
         replica = {"name": REPLICA_DEPLOYMENT}
@@ -161,7 +191,7 @@ def plan_swap(config: dict[str, Any], *, route: str, new_app: str, model: str,
                if (problems := validate_config(s.config))]
     if invalid:
         (first, problems), rest = invalid[0], invalid[1:]
-        raise SwapError(
+        raise InvalidPlan(
             f"the swap of route {route!r} to {new_app!r} (model {model!r}) gives invalid "
             f"configs; nothing was applied. {first}:\n  " + "\n  ".join(problems)
             + ("\nalso invalid: " + ", ".join(f"{f} ({len(p)} problems)" for f, p in rest)

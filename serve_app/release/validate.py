@@ -50,19 +50,13 @@ from serve_app.common.serve_configs import (
     deployment,
     mesh_parts,
 )
-from serve_app.common.paths import resolve_model_path, resolve_repo_path
+from serve_app.common.paths import models_dir, resolve_model_path, resolve_repo_path
 from serve_app.ingress.token_budget import Reservation
 
 #: Tokens the smallest request of default size reserves: a chat of one empty message with no
 #: ``max_tokens`` (:class:`~serve_app.ingress.token_budget.Reservation`). A token budget
 #: below it refuses every such request with 400 ``reservation_exceeds_budget``.
 DEFAULT_RESERVATION = Reservation.of("chat", {"messages": [{"role": "user", "content": ""}]})
-
-
-def runs_vllm(args: VariantArgs) -> bool:
-    """Whether a variant runs a vLLM engine (not a simulated one): only then are its model
-    directory and engine args vLLM's business."""
-    return getattr(args, "engine", None) in (None, "vllm")
 
 
 def config_warnings(config: dict[str, Any]) -> list[str]:
@@ -131,7 +125,7 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     for name, app in parts.variant_apps.items():
         at = f"applications[{parts.app_index[name]}]"
         args = _check(problems, VariantArgs, app.get("args") or {}, f"{at}.args")
-        if args and runs_vllm(args) and (missing := _model_problem(args.model)):
+        if args and (missing := _model_problem(args.model)):
             problems.append(f"{at}.args.model: {missing}")
             no_model.add(name)
         if args:
@@ -202,7 +196,8 @@ def _model_problem(model: str) -> str | None:
     try:
         resolve_model_path(model)
     except FileNotFoundError as e:
-        return str(e)
+        here = sorted(p.parent.name for p in models_dir().glob("*/config.json"))
+        return f"{e} Models in {models_dir()}: {', '.join(here) or 'none'}."
     return None
 
 
