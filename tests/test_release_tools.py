@@ -234,7 +234,6 @@ def test_restart_fields(mutate, field):
 @pytest.mark.parametrize("option,value", [
     ("user_config", {"system_prompt": "Be brief."}),
     ("num_replicas", 2),
-    ("autoscaling_config", {"min_replicas": 1, "max_replicas": 2}),
     ("max_ongoing_requests", 8),
     ("graceful_shutdown_timeout_s", 60),
     ("graceful_shutdown_wait_loop_s", 1),
@@ -247,6 +246,65 @@ def test_lightweight_deployment_options_are_in_place(option, value):
     [changes] = diff_configs(LOCAL, new).values()
     assert changes and {c.kind for c in changes} == {IN_PLACE}
     assert all(c.field.startswith(f"deployments[LLMReplica].{option}") for c in changes)
+
+
+def test_autoscaling_config_in_place_but_its_policy_or_adding_one_restarts():
+    """Serve 2.60 hashes the list of deployments' autoscaling policies into the code version:
+    adding a whole autoscaling_config (a None policy joins the list) or changing its policy
+    restarts the application; its other fields are in place."""
+    scaled = copy.deepcopy(LOCAL)
+    replica_dep(scaled)["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2}
+    assert {c.kind for c in diff_configs(LOCAL, scaled)["smollm-v1"]} == {RESTART}
+    more = copy.deepcopy(scaled)
+    replica_dep(more)["autoscaling_config"]["max_replicas"] = 3
+    [change] = diff_configs(scaled, more)["smollm-v1"]
+    assert (change.field, change.kind) == (
+        "deployments[LLMReplica].autoscaling_config.max_replicas", IN_PLACE)
+    policy = copy.deepcopy(scaled)
+    replica_dep(policy)["autoscaling_config"]["policy"] = {
+        "policy_function": "serve_app.control.resident_policy:resident_policy"}
+    [change] = diff_configs(scaled, policy)["smollm-v1"]
+    assert (change.field, change.kind) == (
+        "deployments[LLMReplica].autoscaling_config.policy", RESTART)
+
+
+def test_request_router_config_restarts_the_application():
+    """Issue 26: `meshctl diff live affinity.yaml` said IN PLACE; Serve replaced the replica."""
+    change = one_change(lambda c: replica_dep(c).update(request_router_config={
+        "request_router_class": "serve_app.ingress.replica_router:AffinityRouter"}))
+    assert (change.field, change.kind) == ("deployments[LLMReplica].request_router_config",
+                                           RESTART)
+
+
+def test_restart_verdicts_match_serves_code_version_over_every_shipped_config_pair():
+    """For every ordered pair of shipped configs and every application in both, the diff says
+    RESTART at the application level exactly when Serve's own get_app_code_version changes
+    (deployment-level restarts, e.g. ray_actor_options, are Serve's DeploymentVersion's and
+    come on top)."""
+    from serve_app.release.config_diff import code_version
+    from serve_app.common.serve_configs import applications
+
+    configs = {p.name: load_yaml(p) for p in sorted(CONFIGS.glob("*.yaml"))}
+    app_level = ("import_path", "args", "runtime_env", "autoscaling_policy", "code version")
+    compared = 0
+    for a_name, a in configs.items():
+        for b_name, b in configs.items():
+            old_apps = {x["name"]: x for x in applications(a)}
+            report = diff_configs(a, b)
+            for app in applications(b):
+                if app["name"] not in old_apps:
+                    continue
+                serve_restarts = code_version(old_apps[app["name"]]) != code_version(app)
+                ours = any(c.kind == RESTART and (c.field.split(".")[0] in app_level
+                                                  or ".request_router_config" in c.field
+                                                  or ".autoscaling_config" in c.field
+                                                  or ".deployment_actors" in c.field)
+                           for c in report.get(app["name"], []))
+                assert ours == serve_restarts, (a_name, b_name, app["name"],
+                                                format_report({app["name"]:
+                                                               report.get(app["name"], [])}))
+                compared += 1
+    assert compared > 50
 
 
 def test_route_prefix_and_weights_in_place():

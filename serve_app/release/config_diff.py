@@ -4,9 +4,15 @@ place and which restart replicas.
 Ray Serve applies a new config application by application (``serve deploy`` is declarative).
 A change is classified as:
 
-- ``restart``: Serve replaces replicas. Any change of an application's ``import_path``,
-  ``args`` or ``runtime_env`` redeploys the whole application, and every replica of every
-  deployment in it is replaced. A change of a deployment's ``ray_actor_options``,
+- ``restart``: Serve replaces replicas. Any change of an application's *code version*
+  redeploys the whole application, and every replica of every deployment in it is replaced.
+  Ray Serve 2.60 hashes into it (``ray/serve/_private/deploy_utils.py``,
+  ``get_app_code_version``): the application's ``import_path``, ``runtime_env``, ``args`` and
+  ``autoscaling_policy``, and each deployment's ``request_router_config``, its
+  ``autoscaling_config.policy`` (adding or removing a whole ``autoscaling_config`` changes it
+  too) and its ``deployment_actors``. :func:`diff_configs` checks its verdict against that
+  function itself, so it cannot say "in place" where Serve restarts. A change of a
+  deployment's ``ray_actor_options``,
   ``placement_group_*``, ``max_replicas_per_node``, ``gang_scheduling_config``,
   ``deployment_actors`` or ``version`` replaces that deployment's replicas. For a vLLM variant,
   a replaced replica means a new engine and no capacity until it is up: release new ``args``
@@ -17,9 +23,9 @@ A change is classified as:
   (https://docs.ray.io/en/latest/serve/advanced-guides/inplace-updates.html), list
   ``num_replicas``, ``autoscaling_config``, ``user_config``, ``max_ongoing_requests``,
   ``graceful_shutdown_timeout_s``, ``graceful_shutdown_wait_loop_s``,
-  ``health_check_period_s`` and ``health_check_timeout_s``. The installed Ray 2.60's
-  ``DeploymentConfig`` marks these options as non-heavyweight too: ``max_queued_requests``,
-  ``backpressure_config``, ``request_router_config``, ``logging_config``,
+  ``health_check_period_s`` and ``health_check_timeout_s`` (``autoscaling_config`` but its
+  ``policy``). The installed Ray 2.60's ``DeploymentConfig`` marks these options as
+  non-heavyweight too: ``max_queued_requests``, ``backpressure_config``, ``logging_config``,
   ``max_constructor_retry_count``, ``rolling_update_percentage`` and ``max_surge_percent``.
   An application's ``route_prefix`` is in place as well (Ray 2.60 ``DeploymentVersion``
   reconfigures running replicas for it), and so is its ``logging_config``.
@@ -46,23 +52,42 @@ from serve_app.common.serve_configs import applications
 
 RESTART, IN_PLACE, ADDED, REMOVED = "restart", "in_place", "added", "removed"
 
+_CODE_VERSION = "Serve hashes it into the application's code version: every replica of the " \
+    "application is replaced"
 _APP_RESTART_REASON = {
     "import_path": "a new import_path replaces every replica of the application",
     "args": "application args change replaces every replica",
     "runtime_env": "a runtime_env change replaces every replica of the application",
+    "autoscaling_policy": f"the application's autoscaling_policy: {_CODE_VERSION}",
 }
 _APP_IN_PLACE = {"route_prefix", "logging_config"}
+#: Deployment options in the application's code version (Ray 2.60 ``get_app_code_version``).
+CODE_VERSION_DEPLOYMENT_OPTIONS = frozenset({"request_router_config", "deployment_actors"})
 
 #: Deployment options Serve applies to running replicas (see the module docstring).
 LIGHTWEIGHT_DEPLOYMENT_OPTIONS = frozenset({
-    # Ray Serve docs, "Lightweight Config Updates":
+    # Ray Serve docs, "Lightweight Config Updates" (autoscaling_config but its policy):
     "num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests",
     "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "health_check_period_s",
     "health_check_timeout_s",
     # also not heavyweight in Ray 2.60's DeploymentConfig:
-    "max_queued_requests", "backpressure_config", "request_router_config", "logging_config",
+    "max_queued_requests", "backpressure_config", "logging_config",
     "max_constructor_retry_count", "rolling_update_percentage", "max_surge_percent",
 })
+
+
+def code_version(app: dict[str, Any]) -> str:
+    """Serve's own code version of an application entry of a Serve config
+    (``get_app_code_version`` of Ray 2.60 on its ``ServeApplicationSchema``): when it changes,
+    Serve replaces every replica of the application.
+
+    Raises:
+        ValueError: the entry is not a valid Serve application (pydantic's message).
+    """
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    return get_app_code_version(ServeApplicationSchema.parse_obj(app))
 
 
 
@@ -173,15 +198,44 @@ def _app_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[Ch
             if key == "name":
                 continue
             field = f"deployments[{dep}].{key}"
+            old_value, new_value = a.get(key, UNSET), b.get(key, UNSET)
+            if key == "autoscaling_config":
+                changes += _autoscaling_changes(name, field, old_value, new_value)
+                continue
             if key == "user_config":
                 kind, reason = IN_PLACE, "lightweight update: reconfigure() on the running replicas"
+            elif key in CODE_VERSION_DEPLOYMENT_OPTIONS:
+                kind, reason = RESTART, f"{key}: {_CODE_VERSION}"
             elif key in LIGHTWEIGHT_DEPLOYMENT_OPTIONS:
                 kind, reason = IN_PLACE, "lightweight update, replicas keep running"
             else:
                 kind, reason = RESTART, f"a {key} change replaces the deployment's replicas"
-            changes += _leaf_changes(name, field, a.get(key, UNSET), b.get(key, UNSET),
-                                     kind, reason)
+            changes += _leaf_changes(name, field, old_value, new_value, kind, reason)
+    if not any(c.kind == RESTART for c in changes) and _code_version_changed(old, new):
+        # Serve's own function is the judge: a code-version input not named above
+        changes.append(Change(name, "code version", RESTART, UNSET, UNSET, _CODE_VERSION))
     return changes
+
+
+def _autoscaling_changes(app: str, field: str, old: Any, new: Any) -> list[Change]:
+    """An ``autoscaling_config`` change: its ``policy``, or the whole config added or removed
+    (the list of policies Serve hashes changes), restarts; its other fields are in place."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        policy = _leaf_changes(app, f"{field}.policy", old.get("policy", UNSET),
+                               new.get("policy", UNSET), RESTART, f"policy: {_CODE_VERSION}")
+        rest = _leaf_changes(app, field, {k: v for k, v in old.items() if k != "policy"},
+                             {k: v for k, v in new.items() if k != "policy"}, IN_PLACE,
+                             "lightweight update, replicas keep running")
+        return policy + rest
+    return _leaf_changes(app, field, old, new, RESTART,
+                         f"an autoscaling_config added or removed: {_CODE_VERSION}")
+
+
+def _code_version_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    try:
+        return code_version(old) != code_version(new)
+    except ValueError:  # not a valid Serve application: validation reports it
+        return False
 
 
 def _leaf_changes(app: str, field: str, old: Any, new: Any, kind: str,
