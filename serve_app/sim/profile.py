@@ -10,8 +10,9 @@ decisions depend on (a continuous-batching engine stepping its running sequences
   the profile's table by batch size (linear between rows, and past the last two rows);
 * a step that admits new sequences also prefills their *uncached* prompt tokens at
   ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing);
-* every distinct LoRA adapter in the batch adds ``step_s_per_adapter`` s (the
-  Punica/S-LoRA gather cost, which grows with the adapters a batch mixes);
+* a batch with any LoRA adapter adds ``lora_step_s`` s, and every distinct adapter in it
+  ``step_s_per_adapter`` s more (the Punica/S-LoRA gather cost, which grows with the
+  adapters a batch mixes);
 * loading an adapter into the engine takes ``adapter_load_s`` s, unloading
   ``adapter_unload_s`` s; starting the engine ``engine_start_s`` s;
 * the prefix cache holds ``kv_blocks`` blocks of ``block_size`` tokens (LRU).
@@ -50,6 +51,7 @@ class SimProfile(Strict):
         prefill_tokens_per_s: uncached prompt tokens prefilled per second.
         decode_step_s: seconds per decode step by running sequences, ``{batch: s}``; at
             least one row, batch sizes ≥ 1.
+        lora_step_s: seconds a step with any LoRA adapter in its batch takes more.
         step_s_per_adapter: seconds each distinct LoRA adapter in a batch adds to its step.
         adapter_load_s / adapter_unload_s: seconds to load / unload one adapter.
         engine_start_s: seconds from a replica's start to an engine that serves.
@@ -64,6 +66,7 @@ class SimProfile(Strict):
     source: str
     prefill_tokens_per_s: float = Field(gt=0)
     decode_step_s: dict[int, float]
+    lora_step_s: float = Field(default=0.0, ge=0)
     step_s_per_adapter: float = Field(default=0.0, ge=0)
     adapter_load_s: float = Field(default=0.0, ge=0)
     adapter_unload_s: float = Field(default=0.0, ge=0)
@@ -95,7 +98,7 @@ class SimProfile(Strict):
         """Seconds of one engine step: decode ``batch`` sequences, prefill
         ``prefill_tokens`` uncached prompt tokens, with ``adapters`` distinct adapters."""
         return (self.decode_s(batch) + prefill_tokens / self.prefill_tokens_per_s
-                + adapters * self.step_s_per_adapter)
+                + (self.lora_step_s if adapters else 0.0) + adapters * self.step_s_per_adapter)
 
 
 def profile_path(name: str) -> Path:

@@ -1,0 +1,163 @@
+"""Fit a simulated engine's profile from a real engine, and check the fit.
+
+The same workload rows run on an engine through vLLM's OpenAI layer
+(:meth:`~serve_app.server.engine.EngineHandle.run`, streaming, times taken as the client sees
+them), first on real vLLM, then on the simulated engine with the fitted profile:
+
+* ``decode c=N`` (N = 1, 8, 32): requests of :data:`DECODE_TOKENS` tokens (``ignore_eos``)
+  at concurrency N: tokens/s, TTFT p50 and time per output token (TPOT) p50;
+* ``prefill``: prompts of about :data:`PREFILL_WORDS` tokens, one token each: TTFT p50;
+* ``adapters k`` (k = 1, 2, 4, 8): concurrency 8, request i on adapter i mod k: tokens/s;
+* ``adapter load``: seconds to load each of 8 adapters.
+
+:func:`fit` turns the real rows into a :class:`~serve_app.sim.profile.SimProfile`:
+the decode table from TPOT at each concurrency, the prefill rate from the prefill row's TTFT
+less one decode step, the per-adapter step cost from the slope of TPOT over k, the load time
+and start time as measured, and the KV blocks the real engine allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+#: Tokens generated per request of a decode row.
+DECODE_TOKENS = 64
+#: Words in a prefill row's prompt (about as many tokens).
+PREFILL_WORDS = 1000
+#: Concurrencies of the decode rows.
+CONCURRENCIES = (1, 8, 32)
+#: Distinct adapters in the adapter rows.
+ADAPTER_COUNTS = (1, 2, 4, 8)
+#: Largest error a fitted profile may show on a row (tokens/s and TTFT p50), as a share.
+FIT_TOLERANCE = 0.20
+
+
+@dataclass
+class Row:
+    """One workload row's figures (s, tokens/s); ``None`` where the row has no such figure."""
+
+    name: str
+    tokens_per_s: float | None = None
+    ttft_p50_s: float | None = None
+    tpot_p50_s: float | None = None
+
+
+async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int]:
+    """TTFT (s), the time of the last token (s) and the tokens of one streamed request."""
+    t0 = time.monotonic()
+    first = last = None
+    tokens = 0
+    answer = await engine.run("completion", {**body, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    async for line in answer:
+        for event in line.split("\n\n"):
+            data = event.strip().removeprefix("data: ")
+            if not data.startswith("{"):
+                continue
+            chunk = json.loads(data)
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                last = time.monotonic()
+                first = first or last
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if first is None:
+        raise RuntimeError(f"no token in the answer to {body}")
+    return first - t0, last - t0, tokens
+
+
+def _prompt(i: int, words: int = 12) -> str:
+    """A prompt unique to ``i`` (no prefix shared with another), of about ``words`` tokens."""
+    vocab = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+             "november oscar papa quebec romeo sierra tango uniform victor whiskey").split()
+    return f"Request {i}: " + " ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words))
+
+
+async def run_row(engine, name: str, n: int, concurrency: int, *, max_tokens: int,
+                  words: int = 12, adapters: list[str] | None = None, route: str) -> Row:
+    """``n`` streamed completions at ``concurrency``; request i on ``adapters[i % k]``."""
+    sem = asyncio.Semaphore(concurrency)
+    results: list[tuple[float, float, int]] = []
+
+    async def one(i: int) -> None:
+        model = f"{adapters[i % len(adapters)]}" if adapters else route
+        async with sem:
+            results.append(await _stream(engine, {
+                "model": model, "prompt": _prompt(i + 1000 * len(name), words),
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}))
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.monotonic() - t0
+    tokens = sum(r[2] for r in results)
+    tpots = [(last - first) / (k - 1) for first, last, k in results if k > 1]
+    return Row(name, tokens_per_s=tokens / elapsed,
+               ttft_p50_s=statistics.median(r[0] for r in results),
+               tpot_p50_s=statistics.median(tpots) if tpots else None)
+
+
+async def measure(engine, route: str, adapter_names: list[str], *, quick: bool = False
+                  ) -> list[Row]:
+    """Every row on ``engine`` (an ``EngineHandle``); ``adapter_names``: 8 adapters the
+    engine has loaded (their ``lora_name``). ``quick`` halves the requests."""
+    scale = 1 if quick else 2
+    rows = []
+    await run_row(engine, "warm-up", 2, 2, max_tokens=4, route=route)
+    for c in CONCURRENCIES:
+        rows.append(await run_row(engine, f"decode c={c}", max(4, c) * scale, c,
+                                  max_tokens=DECODE_TOKENS, route=route))
+    rows.append(await run_row(engine, "prefill", 3 * scale, 1, max_tokens=1,
+                              words=PREFILL_WORDS, route=route))
+    for k in ADAPTER_COUNTS:
+        rows.append(await run_row(engine, f"adapters k={k}", 8 * scale, 8, max_tokens=32,
+                                  adapters=adapter_names[:k], route=route))
+    return rows
+
+
+def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: float,
+        start_s: float, kv_blocks: int, block_size: int, prompt_tokens: int) -> dict[str, Any]:
+    """A profile (as a dict for :class:`~serve_app.sim.profile.SimProfile`) from real rows.
+
+    Args:
+        load_s: median adapter load time, s. start_s: engine start time, s.
+        kv_blocks, block_size: the real engine's KV cache.
+        prompt_tokens: tokens in a prefill row's prompt.
+    """
+    by = {r.name: r for r in rows}
+    decode = {c: round(by[f"decode c={c}"].tpot_p50_s, 5) for c in CONCURRENCIES}
+    one_step = decode[1]
+    prefill_s = max(by["prefill"].ttft_p50_s - one_step, 1e-3)
+    # TPOT at concurrency 8 by distinct adapters: the slope is each adapter's step cost
+    ks = list(ADAPTER_COUNTS)
+    tpots = [by[f"adapters k={k}"].tpot_p50_s for k in ks]
+    mean_k, mean_t = statistics.fmean(ks), statistics.fmean(tpots)
+    slope = (sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, tpots))
+             / sum((k - mean_k) ** 2 for k in ks))
+    base_with_lora = mean_t - slope * mean_k  # TPOT at 8 running, 0 adapters, on a LoRA engine
+    return {"name": name, "description": description, "source": source,
+            "prefill_tokens_per_s": round(prompt_tokens / prefill_s, 1),
+            "decode_step_s": decode,
+            "step_s_per_adapter": round(max(slope, 0.0), 5),
+            "lora_step_s": round(max(base_with_lora - decode[8], 0.0), 5),
+            "adapter_load_s": round(load_s, 4), "adapter_unload_s": 0.0,
+            "engine_start_s": round(start_s, 1), "kv_blocks": kv_blocks,
+            "block_size": block_size}
+
+
+def errors(real: list[Row], sim: list[Row]) -> list[dict[str, Any]]:
+    """Per row: the real and simulated tokens/s and TTFT p50, and each one's error
+    (sim / real - 1)."""
+    out = []
+    for r, s in zip(real, sim):
+        row: dict[str, Any] = {"row": r.name}
+        for metric in ("tokens_per_s", "ttft_p50_s"):
+            a, b = getattr(r, metric), getattr(s, metric)
+            if a:
+                row[metric] = {"real": round(a, 4), "sim": round(b, 4),
+                               "error": round(b / a - 1, 3)}
+        out.append(row)
+    return out
