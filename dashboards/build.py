@@ -12,7 +12,6 @@ under load and requires each one to return data, so the dashboard cannot rot sil
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from grafanalib.core import (Annotations, Dashboard, GridPos, RowPanel, Target, 
                              Templating, TimeSeries)
 
 from serve_app.release.rollout_report import gated_error_rate, refusal_rate
+from serve_app.tools.script_args import run, script_parser
 
 OUT = Path(__file__).resolve().parent / "model-mesh.json"
 DS = "${DS_PROMETHEUS}"
@@ -217,7 +217,7 @@ def render() -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = script_parser(__doc__)
     p.add_argument("--check", action="store_true",
                    help="exit 1 when the committed JSON differs from what this builds")
     text = render()
@@ -231,4 +231,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -44,7 +44,6 @@ tenant with limits (acme) against one without (ops), the same load run alternate
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -63,6 +62,7 @@ from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
 from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
+from serve_app.tools.script_args import ScriptError, run, script_parser  # noqa: E402
 from serve_app.tools.servers import ServerDidNotStart, free_port, wait_until_ready  # noqa: E402
 
 #: Demo keys of serve_configs/tenants.yaml: the adapter each tenant owns ("" = base model).
@@ -269,13 +269,21 @@ def bench_limits(a) -> None:
                                             "limits": rows}, indent=2))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mesh-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--config", default="serve_configs/local.yaml")
-    parser.add_argument("--variant", help="variant application to mirror (default: first)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--requests", type=int, default=32)
+def build_parser(description: str | None = __doc__, prog: str | None = None):
+    """bench.py's options (also those of bench_sessions.py and bench_adapters.py)."""
+    parser = script_parser(description, prog=prog)
+    parser.add_argument("--mesh-url", default="http://127.0.0.1:8000/v1",
+                        help="the running mesh's OpenAI base URL")
+    parser.add_argument("--config", default="serve_configs/local.yaml",
+                        help="the Serve config the mesh runs (its variant's model and engine "
+                        "args start vLLM's own server)")
+    parser.add_argument("--variant", help="variant application to mirror (default: the "
+                        "config's first)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                        help="requests in flight, one row each (--adapters: the first, 8 "
+                        "when not given)")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="requests per round (--adapters: 48 when not given)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="direct and mesh alternate this many times per row; the row "
                         "shows each figure's median and the spread of the tokens/s ratio")
@@ -283,7 +291,8 @@ def main() -> None:
                         help="niceness of vLLM's own server: 15, as Ray runs the mesh's "
                         "processes (RAY_worker_niceness), so both share the CPU alike with "
                         "the client; 0 to compare with vLLM as it runs by default")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="max_tokens of each request (ignore_eos: each generates them all)")
     parser.add_argument("--api-key", default="sk-mesh-ops-demo",
                         help="key for the base workload (ignored by a mesh in open mode)")
     parser.add_argument("--mix", nargs="?", const=DEMO_MIX, metavar="ADAPTER=KEY,...",
@@ -317,7 +326,13 @@ def main() -> None:
                         "its own Ray and mesh)")
     parser.add_argument("--max-resident", type=int, default=4,
                         help="--adapters: max_adapters_per_replica")
-    a = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None, parser=None) -> None:
+    a = (parser or build_parser()).parse_args(argv)
+    if not Path(a.config).is_file():
+        raise ScriptError(f"--config {a.config}: no such file")
     if a.adapters:
         import bench_adapters
         if a.requests == 32:  # the default of the other modes: give this one more
@@ -337,8 +352,8 @@ def main() -> None:
         httpx.get(a.mesh_url + "/models", timeout=5,
                   headers={"authorization": f"Bearer {a.api_key}"}).raise_for_status()
     except httpx.HTTPError as e:
-        sys.exit(f"[bench] the mesh is not answering at {a.mesh_url} ({e}); "
-                 "start it with ./scripts/demo.sh")
+        raise ScriptError(f"the mesh is not answering at {a.mesh_url} ({e}); start it with "
+                          "./scripts/demo.sh, or pass its address with --mesh-url") from None
     if a.limits:
         return bench_limits(a)
 
@@ -412,4 +427,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

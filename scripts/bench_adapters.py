@@ -139,3 +139,15 @@ def report(a, rows: dict[str, dict]) -> None:
     print(f"merged/base-only tokens/s "
           f"{rows['merged']['tokens_per_s'] / rows['merged base-only']['tokens_per_s']:.2f}x")
     print(f"errors: {sum(r['errors'] for r in rows.values())}")
+
+
+if __name__ == "__main__":  # the same as bench.py --adapters ...
+    import bench
+    from serve_app.tools.script_args import run
+
+    argv = sys.argv[1:]
+    if "--adapters" not in argv and not any(a.startswith("--adapters=") for a in argv):
+        argv = ["--adapters", "16", *argv]  # bench.py --adapters's run, 16 when not given
+    run(lambda: bench.main(argv, bench.build_parser(
+        __doc__ + "\nOptions are bench.py's; --adapters is 16 when not given.",
+        prog="bench_adapters.py")))

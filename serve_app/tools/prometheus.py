@@ -7,11 +7,14 @@ file (``<ray temp dir>/prom_metrics_service_discovery.json``, which lists every 
 export port) filled in. It listens on 127.0.0.1 only.
 
     python -m serve_app.tools.prometheus [--port 9090] [--data-dir /tmp/mesh-prometheus]
+
+runs it in the foreground until Ctrl-C, SIGTERM or SIGHUP, which stop Prometheus too. While
+it runs, ``<data dir>/prometheus.pid`` holds Prometheus's pid, so ``scripts/stop.sh`` can
+stop one started in the background (``./scripts/observability.sh &``).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -122,17 +125,58 @@ def query_range(url: str, promql: str, start: float, end: float, step_s: float
     return body["data"]["result"]
 
 
+#: The pid file of the Prometheus that :func:`main` runs, in its data directory.
+PID_FILE = "prometheus.pid"
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM to Prometheus (it flushes its data), SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description="Run Prometheus against the mesh's Ray cluster.")
-    p.add_argument("--port", type=int, default=9090)
-    p.add_argument("--data-dir", type=Path, default=Path("/tmp/mesh-prometheus"))
-    p.add_argument("--sd-file", type=Path, default=RAY_SD_FILE)
-    a = p.parse_args()
-    try:
-        proc, url = start(a.port, data_dir=a.data_dir, sd_file=a.sd_file)
-    except PrometheusError as e:
-        sys.exit(f"[prometheus] {e}")
-    print(f"[prometheus] pid {proc.pid}; stop it with: kill {proc.pid}")
+    import signal
+
+    from serve_app.tools.script_args import ScriptError, run, script_parser
+
+    def serve() -> int:
+        p = script_parser(__doc__, prog="observability.sh")
+        p.add_argument("--port", type=int, default=9090, help="Prometheus's port on 127.0.0.1")
+        p.add_argument("--data-dir", type=Path, default=Path("/tmp/mesh-prometheus"),
+                       help="its config, log, pid file and data")
+        p.add_argument("--sd-file", type=Path, default=RAY_SD_FILE,
+                       help="Ray's service-discovery file of the metrics export ports")
+        a = p.parse_args()
+        try:
+            proc, url = start(a.port, data_dir=a.data_dir, sd_file=a.sd_file)
+        except PrometheusError as e:
+            raise ScriptError(str(e)) from None
+        pid_file = a.data_dir / PID_FILE
+        pid_file.write_text(f"{proc.pid}\n")
+
+        def leave(signum, _frame) -> None:
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, leave)
+        print(f"[prometheus] pid {proc.pid}, {url}; Ctrl-C or SIGTERM to this script stops it",
+              flush=True)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            stop(proc)
+            pid_file.unlink(missing_ok=True)
+            print("[prometheus] stopped", flush=True)
+
+    run(serve)
 
 
 if __name__ == "__main__":
