@@ -68,10 +68,11 @@ def _suggest(key: str, known: set[str]) -> str:
 def _vllm_messages(error: BaseException, keys: set[str]) -> list[tuple[str | None, str]]:
     """(engine arg or None, vLLM's message) per problem in ``error``. Pydantic errors of
     fields the config sets are kept, one per field (vLLM's union types repeat one problem
-    once per member); errors of derived fields only when no set field has one."""
+    once per member); errors of derived fields only when no set field has one. A problem of
+    the whole config that names one engine arg the config sets is that arg's."""
     if not isinstance(error, ValidationError):
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return [(None, text)]
+        return [(_named(text, keys), text)]
     by_field: dict[str, str] = {}
     for e in error.errors():
         field = str(e["loc"][0]) if e["loc"] else ""
@@ -79,7 +80,15 @@ def _vllm_messages(error: BaseException, keys: set[str]) -> list[tuple[str | Non
     set_fields = {f: m for f, m in by_field.items() if f in keys}
     if set_fields:
         return list(set_fields.items())
-    return [(None, f"{f}: {m}" if f else m) for f, m in by_field.items()]
+    return [(None, f"{f}: {m}") if f else (_named(m, keys), m) for f, m in by_field.items()]
+
+
+def _named(message: str, keys: set[str]) -> str | None:
+    """The one engine arg of ``keys`` that ``message`` names, or None."""
+    import re
+
+    named = [k for k in keys if re.search(rf"\b{re.escape(k)}\b", message)]
+    return named[0] if len(named) == 1 else None
 
 
 def variant_engine_problems(args, at: str) -> list[str]:
