@@ -74,8 +74,20 @@ class _Parser(argparse.ArgumentParser):
     status for bad arguments (``rollout status`` exits 1 on them, as its table says)."""
 
     usage_exit = USAGE_EXIT
+    #: subcommand path (``("rollout", "status")``) -> its parser, for the top-level parser's
+    #: "unrecognized arguments", which argparse reports from the top
+    subcommands: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    argv: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 -- argparse's
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            for path, sub in self.subcommands.items():
+                if tuple(self.argv[:len(path)]) == path:
+                    sub.error(message)
         self.exit(self.usage_exit, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
@@ -475,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus", default="http://127.0.0.1:9090",
                    help="Prometheus for the figures over time; '' to go without "
                         "(default %(default)s)")
-    rollout_watch.add_parser(sub).usage_exit = rollout_watch.USAGE
+    status = rollout_watch.add_parser(sub)
+    status.usage_exit = rollout_watch.USAGE
+    parser.subcommands = {("rollout", "status"): status}
     p = sub.add_parser("kuberay", help="KubeRay RayService manifest of a Serve config")
     p.add_argument("config")
     p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")

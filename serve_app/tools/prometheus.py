@@ -76,7 +76,11 @@ def start(port: int = 9090, *, data_dir: Path | None = None, sd_file: Path = RAY
         wait_until_ready(proc, f"{url}/-/ready", what="prometheus",
                          log_path=str(data_dir / "prometheus.log"), timeout_s=60, every_s=0.5)
     except ServerDidNotStart as e:
+        stop(proc)
         raise PrometheusError(str(e)) from None
+    except BaseException:  # interrupted while it starts: it must not outlive the caller
+        stop(proc)
+        raise
     log(f"[prometheus] ready at {url} (config {config}, scraping the targets in {sd_file})")
     return proc, url
 
@@ -153,28 +157,30 @@ def main() -> None:
         p.add_argument("--sd-file", type=Path, default=RAY_SD_FILE,
                        help="Ray's service-discovery file of the metrics export ports")
         a = p.parse_args()
-        try:
-            proc, url = start(a.port, data_dir=a.data_dir, sd_file=a.sd_file)
-        except PrometheusError as e:
-            raise ScriptError(str(e)) from None
         pid_file = a.data_dir / PID_FILE
-        pid_file.write_text(f"{proc.pid}\n")
 
         def leave(signum, _frame) -> None:
             raise SystemExit(128 + signum)
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # before Prometheus starts
             signal.signal(sig, leave)
-        print(f"[prometheus] pid {proc.pid}, {url}; Ctrl-C or SIGTERM to this script stops it",
-              flush=True)
+        proc = None
         try:
+            try:
+                proc, url = start(a.port, data_dir=a.data_dir, sd_file=a.sd_file)
+            except PrometheusError as e:
+                raise ScriptError(str(e)) from None
+            pid_file.write_text(f"{proc.pid}\n")
+            print(f"[prometheus] pid {proc.pid}, {url}; Ctrl-C or SIGTERM to this script "
+                  "stops it", flush=True)
             return proc.wait()
         except KeyboardInterrupt:
             return 130
         finally:
-            stop(proc)
-            pid_file.unlink(missing_ok=True)
-            print("[prometheus] stopped", flush=True)
+            if proc is not None:
+                stop(proc)
+                pid_file.unlink(missing_ok=True)
+                print("[prometheus] stopped", flush=True)
 
     run(serve)
 
