@@ -153,11 +153,13 @@ def local_mesh(mesh: Mesh) -> Mesh:
 #: Integration modules in the order that restarts the fewest engines: each deploys its own
 #: config onto the shared cluster, and a variant whose `args` stay the same keeps its replica.
 MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made with its config
-                "test_serving", "test_tenants", "test_tenant_token_budgets", "test_overload",
+                "test_tenants", "test_tenant_token_budgets", "test_overload",
                 "test_base_swap",  # after every module on local.yaml's smollm-v1: it changes it
                 "test_canary", "test_scale_to_zero",  # after canary: the same two variants
                 "test_rollouts", "test_traffic_safety", "test_shadow_traffic",
-                "test_observability", "test_multi_node"]  # last: it kills a node
+                "test_observability",
+                "test_real_engine",  # real vLLM engines: after every module on the sim
+                "test_multi_node"]  # last: it kills a node
 
 
 def pytest_collection_modifyitems(items):
