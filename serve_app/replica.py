@@ -47,6 +47,8 @@ class LLMReplica:
 
     async def __init__(self, args: dict[str, Any]):
         checked = VariantArgs.model_validate(args)
+        # a simulated engine's drill: every reconfigure takes this long (Serve: UPDATING)
+        self._reconfigure_s = checked.sim.reconfigure_s if checked.sim else 0.0
         variant = serve.get_replica_context().app_name
         logger.info("variant %s: starting vLLM engine for model %s", variant, checked.model)
         self._reaper = start_reaper()  # stops the engine's processes should this one die first
@@ -75,6 +77,8 @@ class LLMReplica:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""
+        if self._reconfigure_s:
+            await asyncio.sleep(self._reconfigure_s)
         await self.server.reconfigure(user_config)
 
     async def check_health(self) -> None:

@@ -54,11 +54,15 @@ class SimArgs(Strict):
         start_s: seconds the engine takes to start (None: the profile's ``engine_start_s``);
             a long one stands for an engine that hangs at start.
         fail_start: when set, the engine fails to start with this reason (drills).
+        reconfigure_s: seconds every ``reconfigure()`` of the replica takes before it applies
+            the new ``user_config`` (Serve shows the replica UPDATING meanwhile): in-place
+            change drills with a slow reconfigure.
     """
 
     profile: str = "cpu-smollm2"
     start_s: float | None = Field(default=None, ge=0)
     fail_start: str | None = None
+    reconfigure_s: float = Field(default=0.0, ge=0, le=60)
 
     @field_validator("profile")
     @classmethod
