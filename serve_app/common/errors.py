@@ -1,14 +1,21 @@
-"""OpenAI-style errors: one exception type and one body format for every failure, and how a
-refused config or field is reported.
+"""OpenAI-style errors: one exception type and one body format for every failure, the
+catalog of every ``error.code`` the mesh sends (:data:`ERROR_CODES`), and how a refused
+config or field is reported.
 
 Body format (OpenAI API reference, "Error codes"):
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+An error without a code of its own gets its status phrase (``bad_request``, ...).
+
+``docs/errors.md`` is generated from :data:`ERROR_CODES` (``python -m
+serve_app.tools.error_reference``); ``tests/test_docs.py`` fails when a code the code can
+send is missing from the catalog, or when the committed page is stale.
 """
 
 from __future__ import annotations
 
 from serve_app.common.logs import get_logger
 
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -93,3 +100,180 @@ def reject_user_config(last_good: object | None, message: str) -> None:
     if last_good is None:
         raise ValueError(message)
     logger.error("%s\nkeeping the last good user_config", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalog of error codes
+# ---------------------------------------------------------------------------------------------
+
+#: ``ErrorCode.retry``: a retry of the same request can succeed later (the response has
+#: ``Retry-After``, s); it cannot (change the request or the config first); or the code never
+#: reaches a client (the router acts on it: fails over, or tries another variant).
+RETRY_AFTER, NO_RETRY, NOT_SENT = "yes, after Retry-After", "no", "not sent"
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    """One ``error.code``: what a client gets, why, and what it should do.
+
+    Attributes:
+        status: the HTTP status it comes with.
+        cause: what caused it.
+        action: what the client (or the operator, when it is the config's fault) should do.
+        retry: :data:`RETRY_AFTER`, :data:`NO_RETRY`, :data:`NOT_SENT`, or a sentence.
+        source: where it is decided (a module of ``serve_app``, or vLLM).
+    """
+
+    status: int
+    cause: str
+    action: str
+    retry: str
+    source: str
+
+
+ERROR_CODES: dict[str, ErrorCode] = {
+    # -- 400: the request's own fault ----------------------------------------------------------
+    "bad_request": ErrorCode(
+        400, "vLLM's own verdict on the request (a missing or invalid field, a prompt longer "
+        "than max_model_len, max_tokens < 1 or too large, a template that cannot render), or "
+        "a request without a `model`; `param` names the field when known",
+        "fix the field the message names", NO_RETRY, "vLLM; ingress/planner.py"),
+    "invalid_json": ErrorCode(
+        400, "the body is not JSON, not a JSON object, or nested too deeply (a few hundred "
+        "levels)", "send one JSON object", NO_RETRY, "ingress/request_body.py, "
+        "common/failures.py"),
+    "invalid_schema": ErrorCode(
+        400, "the structured-output backend cannot apply the request's JSON schema or grammar "
+        "(it does not compile, or no token can satisfy it); `param` is `response_format`",
+        "simplify the schema (e.g. the `prefixItems` form for tuples)", NO_RETRY,
+        "common/failures.py"),
+    "priority_not_allowed": ErrorCode(
+        400, "the request sets `priority`: the mesh sets it from the tenant's config",
+        "remove `priority` from the request", NO_RETRY, "ingress/planner.py"),
+    "unknown_variant": ErrorCode(
+        400, "an admin's `x-mesh-variant` header names a variant the route does not have",
+        "pin one of the variants the message lists", NO_RETRY, "ingress/planner.py"),
+    "reservation_exceeds_budget": ErrorCode(
+        400, "the request reserves more tokens (prompt estimate + max_tokens, 512 when unset) "
+        "than the tenant's whole token budget", "set a smaller `max_tokens`; the operator "
+        "may raise the tenant's tokens_per_minute / tokens_per_day", NO_RETRY,
+        "ingress/limits.py"),
+    "unprocessable_entity": ErrorCode(
+        422, "vLLM's verdict: the request is well formed but cannot be processed",
+        "fix the request as the message says", NO_RETRY, "vLLM"),
+    # -- 401 / 403: who is calling ------------------------------------------------------------
+    "invalid_api_key": ErrorCode(
+        401, "tenants are configured and the `Authorization: Bearer <key>` header is missing "
+        "or its key is unknown", "send a tenant's API key", NO_RETRY, "ingress/tenancy.py"),
+    "model_not_allowed": ErrorCode(
+        403, "the tenant may not call this route (its `routes`)", "call a route the tenant "
+        "may call; the operator may add the route to the tenant", NO_RETRY,
+        "ingress/planner.py"),
+    "adapter_not_allowed": ErrorCode(
+        403, "the adapter belongs to another tenant (or to none)", "call your own adapters "
+        "(`route:adapter`); the operator assigns adapters to tenants", NO_RETRY,
+        "ingress/planner.py"),
+    "pinning_not_allowed": ErrorCode(
+        403, "a non-admin caller sent the `x-mesh-variant` header", "remove the header "
+        "(pinning a variant is for admin tenants)", NO_RETRY, "ingress/planner.py"),
+    "admin_only": ErrorCode(
+        403, "a non-admin caller asked for an `/admin/*` endpoint", "use an admin tenant's "
+        "key", NO_RETRY, "router.py"),
+    # -- 404 / 413 / 415 ----------------------------------------------------------------------
+    "model_not_found": ErrorCode(
+        404, "the `model` names no route, or an adapter no variant of the route serves",
+        "call a model `GET /v1/models` lists", NO_RETRY, "ingress/planner.py"),
+    "adapter_not_found": ErrorCode(
+        404, "the replica the router chose does not declare the adapter (the router's view "
+        "was older than a deploy that removed it)", "call a model `GET /v1/models` lists",
+        "maybe: after a deploy, once the router's view of the variants catches up",
+        "server/lora.py"),
+    "not_found": ErrorCode(
+        404, "vLLM's verdict: something the request names does not exist",
+        "fix the request as the message says", NO_RETRY, "vLLM"),
+    "request_too_large": ErrorCode(
+        413, "the body is over 4 MiB", "send a smaller body", NO_RETRY,
+        "ingress/request_body.py"),
+    "unsupported_media_type": ErrorCode(
+        415, "`Content-Type` is not `application/json`", "send `Content-Type: "
+        "application/json`", NO_RETRY, "ingress/request_body.py"),
+    # -- 429: the tenant's own limits ---------------------------------------------------------
+    "concurrency_limit_exceeded": ErrorCode(
+        429, "the tenant has `max_concurrent_requests` in flight, across every router",
+        "wait for one of your requests to end", RETRY_AFTER, "ingress/limits.py"),
+    "rate_limit_exceeded": ErrorCode(
+        429, "the tenant is over its `requests_per_minute`, across every router",
+        "send more slowly", RETRY_AFTER, "ingress/limits.py"),
+    "tokens_exhausted": ErrorCode(
+        429, "the tenant's token budget (tokens_per_minute / tokens_per_day) has less left "
+        "than the request reserves; the `x-ratelimit-*-tokens` headers say how much",
+        "wait, or set a smaller `max_tokens`", RETRY_AFTER, "ingress/limits.py"),
+    # -- 500: a bug -------------------------------------------------------------------------
+    "internal_error": ErrorCode(
+        500, "an unexpected error inside a live replica, for this request only (it is not "
+        "retried on another variant)", "report it with the `x-request-id`; the same request "
+        "is likely to fail the same way", NO_RETRY, "common/failures.py, ingress/dispatch.py"),
+    "internal_server_error": ErrorCode(
+        500, "an unexpected error in the router, or vLLM ended a stream with an internal "
+        "error (an in-band SSE event)", "report it with the `x-request-id`", NO_RETRY,
+        "router.py, common/failures.py"),
+    "not_implemented": ErrorCode(
+        501, "vLLM's verdict: a feature this server does not have", "do not use that "
+        "feature with this mesh", NO_RETRY, "vLLM"),
+    # -- 503: the mesh cannot serve it now --------------------------------------------------
+    "no_healthy_variant": ErrorCode(
+        503, "no variant of the route could take the request: each candidate had a variant "
+        "failure (replica dead or unavailable, engine dead, backpressure, a timeout before "
+        "the first byte) or was not running; an admin's pinned variant failed",
+        "retry after `Retry-After`", RETRY_AFTER, "ingress/dispatch.py"),
+    "overloaded": ErrorCode(
+        503, "the variant is at capacity and its admission queue cannot start the request "
+        "within the route's `queue_timeout_s` (decided at arrival)", "retry after "
+        "`Retry-After`, or send less at once", RETRY_AFTER, "ingress/admission.py"),
+    "queue_timeout": ErrorCode(
+        503, "the request waited in the admission queue past its deadline", "retry after "
+        "`Retry-After`", RETRY_AFTER, "ingress/admission.py"),
+    "shed": ErrorCode(
+        503, "the request was queued, and requests of better priority (or a lighter "
+        "tenant) took its place before it could start in time", "retry after `Retry-After`",
+        RETRY_AFTER, "ingress/admission.py"),
+    "cold_start_timeout": ErrorCode(
+        503, "the variant was at zero replicas and did not start within the route's "
+        "`cold_start_timeout_s` (it goes on starting)", "retry after `Retry-After`",
+        RETRY_AFTER, "ingress/cold_start.py"),
+    "cold_start_failed": ErrorCode(
+        503, "the variant was at zero replicas and could not be started", "retry after "
+        "`Retry-After`; the operator reads the variant's replica log", RETRY_AFTER,
+        "ingress/cold_start.py"),
+    "resident_budget_full": ErrorCode(
+        503, "the variant is at zero replicas, the mesh's resident budget (`max_variants`) "
+        "is full, and no resident variant is idle enough to evict", "retry after "
+        "`Retry-After`", RETRY_AFTER, "ingress/resident_budget.py"),
+    "limits_unavailable": ErrorCode(
+        503, "the tenant has limits, `limits_fail_mode: closed`, and the cluster-wide "
+        "counts did not answer", "retry after `Retry-After`", RETRY_AFTER,
+        "ingress/limits.py"),
+    "controller_unavailable": ErrorCode(
+        503, "an `/admin/rollouts` or `/admin/shadows` read: the rollout controller did not "
+        "answer", "retry after `Retry-After`", RETRY_AFTER, "router.py"),
+    "service_unavailable": ErrorCode(
+        503, "the router has no config yet (no routes deployed), or a variant failed in "
+        "the middle of a stream (an in-band SSE event: the status was 200)",
+        "retry after `Retry-After` (a stream: send the request again)", RETRY_AFTER,
+        "router.py, ingress/relay.py"),
+    # -- variant failures the router acts on; a client gets no_healthy_variant ---------------
+    "engine_dead": ErrorCode(
+        503, "the variant's vLLM engine is dead; Serve replaces the replica",
+        "nothing: the router fails over", NOT_SENT, "common/failures.py"),
+    "retryable_error": ErrorCode(
+        503, "vLLM could not finish the request and says a retry may work",
+        "nothing: the router fails over", NOT_SENT, "common/failures.py"),
+    "adapter_load_failed": ErrorCode(
+        503, "the replica could not load the adapter into its engine (vLLM's reason is in "
+        "`/admin/adapters` and the replica log)", "nothing: the router fails over; the "
+        "operator reads the replica log", NOT_SENT, "server/lora.py"),
+    "injected_fault": ErrorCode(
+        503, "the variant's `user_config.fault_injection` failed the request (a test or "
+        "drill setting)", "nothing: the router fails over; remove `fault_injection` outside "
+        "drills", NOT_SENT, "server/serving.py"),
+}

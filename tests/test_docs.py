@@ -1,0 +1,157 @@
+"""The manual stays true to the code: the error-code reference (``docs/errors.md``) lists every
+code the code can send and is what the catalog generates; every metric the docs name exists,
+under the name Prometheus shows; every relative link of README.md and docs/*.md resolves,
+anchors included. No cluster."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from serve_app.common.errors import ERROR_CODES
+from serve_app.common.paths import REPO_ROOT
+from serve_app.tools.error_reference import DOC, codes_in_code, render
+
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT))
+
+
+# -- error codes --------------------------------------------------------------------------------
+
+def test_every_code_the_code_sends_is_in_the_reference():
+    missing = {code: where for code, where in codes_in_code().items() if code not in ERROR_CODES}
+    assert not missing, ("codes the code can send, missing from serve_app/common/errors.py "
+                         f"ERROR_CODES (then run python -m serve_app.tools.error_reference): "
+                         f"{missing}")
+
+
+def test_every_code_in_the_reference_is_sent():
+    """A code no longer in the code leaves the reference (vLLM's own phrases excepted)."""
+    sent = codes_in_code()
+    stale = [c for c, e in ERROR_CODES.items() if c not in sent and "vLLM" not in e.source]
+    assert not stale
+
+
+def test_the_committed_reference_is_current():
+    assert DOC.read_text() == render(), ("docs/errors.md is stale: run "
+                                         "python -m serve_app.tools.error_reference")
+
+
+def test_the_readme_links_the_reference():
+    assert "](docs/errors.md)" in (REPO_ROOT / "README.md").read_text()
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+def mesh_metrics() -> dict[str, str]:
+    """Metric name -> Counter / Gauge / Histogram, as the package defines them."""
+    kinds = {}
+    for path in (REPO_ROOT / "serve_app").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("Counter", "Gauge", "Histogram") and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).startswith("mesh_")):
+                kinds[node.args[0].value] = node.func.id
+    return kinds
+
+
+def prometheus_names() -> set[str]:
+    """Every series name the mesh's metrics have in Prometheus (Ray adds ``ray_``; a counter's
+    samples end in ``_total``, a histogram's in ``_bucket``/``_sum``/``_count``)."""
+    names = set()
+    for name, kind in mesh_metrics().items():
+        if kind == "Counter":
+            names.add(f"ray_{name}_total")
+        elif kind == "Histogram":
+            names |= {f"ray_{name}{s}" for s in ("", "_bucket", "_sum", "_count")}
+        else:
+            names.add(f"ray_{name}")
+    return names
+
+
+def vllm_metrics() -> set[str]:
+    """vLLM's metric names (``vllm:...``), read from its metrics source."""
+    import vllm
+
+    root = Path(vllm.__file__).parent / "v1" / "metrics"
+    return {m for path in root.glob("*.py") for m in re.findall(r'"(vllm:[a-z0-9_]+)"',
+                                                                path.read_text())}
+
+
+METRIC = re.compile(r"(?<![\w/.-])(ray_mesh_|ray_vllm_|mesh_|vllm:)([a-z0-9_]*)(\*?)")
+
+
+def named_metrics(text: str) -> list[str]:
+    """Metric names in a page's code spans (``...``)."""
+    spans = re.findall(r"`([^`\n]+)`", text)
+    return [m.group(1) + m.group(2) + m.group(3) for s in spans for m in METRIC.finditer(s)]
+
+
+def metric_problem(name: str, mesh: set[str], bare: set[str], vllm: set[str]) -> str | None:
+    if name.endswith("*"):
+        prefix = name[:-1]
+        ok = any(n.startswith(prefix) for n in mesh) or (
+            prefix.startswith("ray_vllm_") and any(
+                f"ray_{v.replace(':', '_')}".startswith(prefix) for v in vllm))
+        return None if ok or prefix in ("ray_mesh_", "ray_vllm_") else "no metric has it"
+    if name.startswith("ray_mesh_"):
+        return None if name in mesh else "not a metric of the mesh as Prometheus names it"
+    if name.startswith("mesh_"):
+        if name in bare or name.removesuffix("_total") in bare:
+            return "write it as Prometheus shows it (ray_..., _total for a counter)"
+        return None  # not a metric (mesh_parts, mesh_model_stamp.json, ...)
+    if name.startswith("ray_vllm_"):
+        base = "vllm:" + re.sub(r"_(total|bucket|sum|count)$", "", name[len("ray_vllm_"):])
+        return None if base in vllm or f"{base}_total" in vllm else "not one of vLLM's metrics"
+    return None if name in vllm else "not one of vLLM's metrics"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_metric_a_page_names_exists_under_one_name(page):
+    mesh, bare, vllm = prometheus_names(), set(mesh_metrics()), vllm_metrics()
+    wrong = {n: p for n in named_metrics(page.read_text())
+             if (p := metric_problem(n, mesh, bare, vllm))}
+    assert not wrong, wrong
+
+
+# -- links ---------------------------------------------------------------------------------------
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown page."""
+    out = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        title = line.lstrip("#").strip().lower()
+        title = re.sub(r"[^\w\- ]", "", title.replace("`", ""))
+        out.add(title.replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_relative_link_resolves(page):
+    broken = []
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no {dest.relative_to(REPO_ROOT) if dest.is_relative_to(REPO_ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {rel(dest)}")
+    assert not broken, broken
