@@ -253,7 +253,7 @@ class RouteConfig(Strict):
         cold_start_timeout_s: longest a request waits for a variant that scaled to zero
             (``autoscaling_config.min_replicas: 0``) to start, s, when no other variant of
             the route runs; 503 ``cold_start_timeout`` with ``Retry-After`` past it. The
-            default covers an engine start on a 2-core host (~60-90 s) with margin.
+            default covers a replica start on a 2-core host (~75 s) with margin.
     """
 
     variants: list[VariantWeight] = Field(min_length=1)

@@ -3,8 +3,8 @@
 ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` is Ray Serve's own bundle for high-throughput serving:
 user code and the handle router on each replica's main event loop (no thread hop per
 message), gRPC between the proxy and the replicas and between replicas, buffered request
-logs, a frozen garbage collector after start-up. Measured here it cut the router's CPU per
-streamed token by about a third (README, "Benchmark"). Its direct-ingress part (each
+logs, a frozen garbage collector after start-up. It cuts the router's CPU per
+streamed token by about a third (docs/benchmarks.md). Its direct-ingress part (each
 ingress replica listening on its own port) stays off: clients keep one address, the proxy.
 Its log buffer (1000 records, flushed only when full or on an error) is set back to 1, so
 the access log and warnings reach the replicas' log files as they happen.

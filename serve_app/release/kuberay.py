@@ -218,7 +218,7 @@ def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str
             "listens on the pod).\n"
             "# KubeRay applies serveConfigV2 edits in place; a rayClusterConfig edit builds a "
             "new cluster,\n"
-            "# then switches traffic to it (README, \"Kubernetes with KubeRay\").\n")
+            "# then switches traffic to it (docs/past-one-machine.md, \"Kubernetes with KubeRay\").\n")
     body = copy.deepcopy(manifest)
     body["spec"]["serveConfigV2"] = _Literal(body["spec"]["serveConfigV2"])
     return head + yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=4096)
