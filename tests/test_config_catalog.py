@@ -69,3 +69,15 @@ def test_the_cli_refuses_with_the_message(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stderr
     for path, want in zip(paths, wants):
         assert f"{path}: INVALID\n  {want}\n" in res.stderr, res.stderr
+
+
+def test_a_simulated_engine_is_flagged():
+    """Valid (tests and benchmarks run it), but never what a shipped config serves."""
+    from serve_app.release.validate import config_warnings
+
+    cfg = copy.deepcopy(load_yaml(REPO_ROOT / "serve_configs" / "local.yaml"))
+    cfg["applications"][1]["args"]["engine"] = "sim"
+    assert validate_config(cfg) == []
+    [warning] = config_warnings(cfg)
+    assert warning.startswith("applications[1].args.engine: variant 'smollm-v1' runs the "
+                              "simulated engine")

@@ -65,6 +65,11 @@ def config_warnings(config: dict[str, Any]) -> list[str]:
     warnings = []
     parts = mesh_parts(config)
     for name, app in parts.variant_apps.items():
+        if (app.get("args") or {}).get("engine") == "sim":
+            warnings.append(
+                f"applications[{parts.app_index[name]}].args.engine: variant {name!r} runs the "
+                "simulated engine: its answers are made up and its time follows a profile "
+                "(tests and scale benchmarks only); remove `engine: sim` to serve real answers")
         dep = deployment(app, REPLICA_DEPLOYMENT) or {}
         surge = dep.get("max_surge_percent", SURGE_PERCENT)
         if not surge:
