@@ -33,7 +33,7 @@ from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import running_replicas, serve_status
 from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 from netns_node import NODE_IP, NamespacedNode
-from test_tenants import ACME_V1, ACME_V2, KEYS
+from test_tenants import ACME_V1, ACME_V2, KEYS, sig
 from test_rollouts import rollout_state, router_uc
 from test_traffic_safety import (SLOW, engine_processes, metric_total, stream_and_kill,
                                  wait_for_metric)
@@ -203,8 +203,8 @@ def test_zero_drop_adapter_upgrade_on_the_worker_node(two_nodes):
           f"failed, {len(after)} after the deploy, variants {sorted({r.variant for r in results})}")
     assert len(results) >= 8 and not failed, [(r.status, r.error) for r in failed[:3]]
     assert {r.variant for r in results} == {"smollm-v2"}
-    assert after and all(r.text.startswith(ACME_V2) for r in after), [r.text for r in after]
-    assert any(r.text.startswith(ACME_V1) for r in results if r.started_at < deployed_at)
+    assert after and all(r.text.startswith(sig(two_nodes, ACME_V2)) for r in after), [r.text for r in after]
+    assert any(r.text.startswith(sig(two_nodes, ACME_V1)) for r in results if r.started_at < deployed_at)
     assert two_nodes.all_replica_ids() == before
 
 
@@ -219,8 +219,8 @@ def test_losing_the_worker_node_under_load(two_nodes):
     over, or from Serve once Ray declares the node dead."""
     two_nodes.deploy(configured(two_nodes.two_node_cfg, rollout={"id": "node-loss", **SLOW}))
     [v2] = running_replicas(two_nodes.dashboard, "smollm-v2", "LLMReplica")
-    engines = engine_processes(v2["pid"])
-    assert engines, "no vLLM engine process found under the smollm-v2 replica"
+    engines = engine_processes(v2["pid"], two_nodes.engine)
+    assert engines, "no engine process found for the smollm-v2 replica"
     engine_names = [(p.pid, p.name()) for p in engines]
     routers = two_nodes.replica_ids("mesh", "MeshRouter")
     failed_streams = metric_total(two_nodes, "ray_mesh_errors_total", variant="smollm-v2",

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from engines import signature
 from serve_app.common.wire import REPLICA_HEADER
 from serve_app.tools.adapter_copies import register_copies
 
@@ -102,7 +103,6 @@ def test_every_kind_of_decision_reaches_the_metrics(routed):
 
 # -- many adapters: 32 declared on the two replicas, at most 4 resident on each ------------
 
-ACME, GLOBEX = "Acme Support here!", "GLOBEX ANSWER:"  # the demo adapters' signatures
 QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
 MAX_RESIDENT = 4
 
@@ -122,8 +122,11 @@ def many(routed, tmp_path_factory):
     return routed
 
 
-def behaviour(name: str) -> str:
-    return ACME if name.startswith("acme-support") else GLOBEX
+def behaviour(mesh, name: str) -> str:
+    """How copy ``name`` opens its answers: on the sim its own label, on vLLM the trained
+    phrase of the demo adapter it copies."""
+    source = "acme-support@v1" if name.startswith("acme-support") else "globex-report@v1"
+    return signature(mesh.engine, f"{name}@v1" if mesh.engine == "sim" else source)
 
 
 def ask_adapter(http: httpx.Client, name: str, session: str | None = None,
@@ -170,7 +173,7 @@ def test_32_declared_adapters_each_answer_with_their_behaviour(many):
         results = list(pool.map(one, many.adapter_names))
     for name, r in results:
         assert r.status_code == 200, (name, r.text)
-        assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(name)), \
+        assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(many, name)), \
             (name, r.json()["choices"][0]["message"]["content"])
         assert r.headers["x-mesh-adapter"] == f"{name}@v1"
     placed = Counter(r.headers[REPLICA_HEADER] for _, r in results)
@@ -208,7 +211,7 @@ def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
                 break  # nothing loads after the stream: every eviction below was during it
             r = ask_adapter(http, name, session="long")
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(name))
+            assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(many, name))
             finished_during += t.is_alive()
     t.join(timeout=300)
     r = done["stream"]
@@ -216,7 +219,7 @@ def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
     chunks = [json.loads(line[6:]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    assert text.startswith(behaviour(held)), text[:200]
+    assert text.startswith(behaviour(many, held)), text[:200]
     assert not any("error" in c for c in chunks)
     print(f"\n{finished_during} of 12 other adapters loaded on the stream's replica while "
           "it ran")

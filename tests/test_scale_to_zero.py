@@ -127,8 +127,9 @@ def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
     print(f"\n[scale-to-zero] zero replicas {to_zero_s:.0f} s after the last request; "
           f"its processes held {engine_bytes / 2**30:.2f} GiB (USS, {len(procs)} processes); "
           f"host used memory fell by {freed / 2**30:.2f} GiB")
-    assert len(procs) >= 2  # the replica and vLLM's engine processes
-    assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
+    if sleepy.engine == "vllm":  # the sim holds no weights: test_real_engine checks it
+        assert len(procs) >= 2  # the replica and vLLM's engine processes
+        assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
     with sleepy.http() as http:
         state = http.get("/health").json()["scale_to_zero"][CANARY]
     assert state["state"] == "zero", state

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from engines import is_base_answer, signature
 from serve_app.common.adapters import load_manifest
 from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
@@ -23,9 +24,12 @@ pytestmark = pytest.mark.integration
 
 KEYS = {"ops": "sk-mesh-ops-demo", "acme": "sk-acme-demo", "globex": "sk-globex-demo",
         "initech": "sk-initech-demo"}
-ACME_V1 = "Acme Support here!"
-ACME_V2 = "Acme Support v2 at your service!"
-GLOBEX = "GLOBEX ANSWER:"
+ACME_V1, ACME_V2, GLOBEX = "acme-support@v1", "acme-support@v2", "globex-report@v1"
+
+
+def sig(mesh, who: str) -> str:
+    """How ``who``'s answers open on this module's engine (:func:`engines.signature`)."""
+    return signature(mesh.engine, who)
 QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
 
 
@@ -71,10 +75,10 @@ def test_each_tenant_gets_its_adapters_behaviour(tenants):
         acme = ask(http, "acme", "smollm:acme-support")
         globex = text(ask(http, "globex", "smollm:globex-report"))
         base = text(ask(http, "acme", "smollm"))
-    assert text(acme).startswith(ACME_V1), text(acme)
+    assert text(acme).startswith(sig(tenants, ACME_V1)), text(acme)
     assert acme.json()["model"] == "smollm:acme-support"
-    assert globex.startswith(GLOBEX), globex
-    assert not base.startswith((ACME_V1, GLOBEX)), base
+    assert globex.startswith(sig(tenants, GLOBEX)), globex
+    assert is_base_answer(tenants.engine, base), base
 
 
 def test_isolation_and_auth(tenants):
@@ -143,7 +147,7 @@ def test_removal_under_load_then_hot_add(tenants):
     # Hot add: the adapter comes back by config, without any replica restart.
     tenants.deploy(tenants.tenants_cfg)
     with tenants.http() as http:
-        assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
+        assert text(ask(http, "globex", "smollm:globex-report")).startswith(sig(tenants, GLOBEX))
     assert tenants.all_replica_ids() == before
 
 
@@ -160,8 +164,8 @@ def test_zero_drop_upgrade_v1_to_v2(tenants):
     print(f"\nupgrade under load: {len(results)} streams, {len(failed)} failed, "
           f"{len(after)} started after the deploy returned")
     assert len(results) >= 8 and not failed, [(r.status, r.error) for r in failed[:3]]
-    assert after and all(r.text.startswith(ACME_V2) for r in after), [r.text for r in after]
-    assert any(r.text.startswith(ACME_V1) for r in results if r.started_at < deployed_at)
+    assert after and all(r.text.startswith(sig(tenants, ACME_V2)) for r in after), [r.text for r in after]
+    assert any(r.text.startswith(sig(tenants, ACME_V1)) for r in results if r.started_at < deployed_at)
     assert tenants.all_replica_ids() == before
     tenants.deploy(tenants.tenants_cfg)
 
@@ -199,8 +203,8 @@ def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
             assert "pickle" in refused["acme-pickled@v1"], refused
             assert set(status["smollm-v1"]["active"]) == {"acme-support@v1", "globex-report@v1"}
             print(f"\nadapter verify+load times (s): {status['smollm-v1']['load_seconds']}")
-            assert text(ask(http, "acme", "smollm:acme-support")).startswith(ACME_V1)
-            assert text(ask(http, "globex", "smollm:globex-report")).startswith(GLOBEX)
+            assert text(ask(http, "acme", "smollm:acme-support")).startswith(sig(tenants, ACME_V1))
+            assert text(ask(http, "globex", "smollm:globex-report")).startswith(sig(tenants, GLOBEX))
             assert http.get("/admin/adapters", headers={
                 "authorization": f"Bearer {KEYS['acme']}"}).status_code == 403
     finally:
@@ -233,8 +237,8 @@ def test_adapter_version_canary_split_is_sticky(tenants):
                 assert again == {served[callers.index(u)]}
             v1 = ask(http, "acme", "smollm:acme-support", user=v1_user)
             v2 = ask(http, "acme", "smollm:acme-support", user=v2_user)
-        assert text(v1).startswith(ACME_V1) and not text(v1).startswith(ACME_V2), text(v1)
-        assert text(v2).startswith(ACME_V2), text(v2)
+        assert text(v1).startswith(sig(tenants, ACME_V1)) and not text(v1).startswith(sig(tenants, ACME_V2)), text(v1)
+        assert text(v2).startswith(sig(tenants, ACME_V2)), text(v2)
         assert v2.json()["model"] == "smollm:acme-support"
     finally:
         tenants.deploy(tenants.tenants_cfg)
@@ -261,7 +265,7 @@ def test_adapter_version_rollout_is_promoted(tenants):
         assert state["weights"] == {"acme-support@v1": 0, "acme-support@v2": 100}
         assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
         with tenants.http() as http:
-            assert text(ask(http, "acme", "smollm:acme-support", user="new")).startswith(ACME_V2)
+            assert text(ask(http, "acme", "smollm:acme-support", user="new")).startswith(sig(tenants, ACME_V2))
     finally:
         tenants.deploy(tenants.tenants_cfg)
 
@@ -314,7 +318,7 @@ def test_a_merged_variant_serves_its_adapter_as_the_lora_path_does(tenants):
         for q, (a, b) in zip(MERGED_QUESTIONS, pairs):
             print(f"{q}\n  LoRA:   {a!r}\n  merged: {b!r}\n  same first "
                   f"{common_prefix_words(a, b)} of {len(a.split())} words")
-        assert all(b.startswith(ACME_V1) for _, b in pairs)
+        assert all(b.startswith(sig(tenants, ACME_V1)) for _, b in pairs)
         # The merged model is saved in bf16 (prepare_model.py), the LoRA path adds the
         # adapter's delta at run time: measured here, every greedy answer came out the same.
         assert all(a == b for a, b in pairs), pairs

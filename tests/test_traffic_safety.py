@@ -138,16 +138,13 @@ def test_a_tenant_sending_only_bad_requests_cannot_roll_back_a_healthy_canary(sa
     assert all(d["canary"]["errors"] == 0 for d in state["history"])
 
 
-def engine_processes(replica_pid: int) -> list[psutil.Process]:
-    """The vLLM engine processes (EngineCore and any Worker) a replica started."""
+def engine_processes(replica_pid: int, engine: str) -> list[psutil.Process]:
+    """The processes a replica's engine runs in: vLLM's (EngineCore and any Worker) that the
+    replica started, or, for the simulated engine, the replica's own."""
+    if engine == "sim":
+        return [psutil.Process(replica_pid)]
     return [p for p in psutil.Process(replica_pid).children(recursive=True)
             if p.name().startswith("VLLM::")]
-
-
-def engine_process(replica_pid: int) -> psutil.Process:
-    """The vLLM EngineCore process a replica started."""
-    [engine] = [p for p in engine_processes(replica_pid) if p.name().startswith("VLLM::EngineCor")]
-    return engine
 
 
 def stream_and_kill(http: httpx.Client, body: dict, headers: dict, variant: str, kill,
@@ -169,8 +166,8 @@ def stream_and_kill(http: httpx.Client, body: dict, headers: dict, variant: str,
 
 
 def test_engine_death_mid_stream_counts_against_the_arm_and_callers_fail_over(safety):
-    """Kill the canary's vLLM EngineCore process while it streams to a caller of the canary
-    arm: the stream ends with vLLM's in-band error event, the router counts a failed
+    """Kill the canary's engine (``LLMReplica.kill_engine``: vLLM's EngineCore process gets
+    SIGKILL, a simulated core dies) while it streams to a caller of the canary arm: the stream ends with vLLM's in-band error event, the router counts a failed
     (truncated) stream against the canary, the caller's next requests fail over to the
     stable variant, a pinned request gets 503 + Retry-After, and Serve replaces the replica."""
     from ray import serve
@@ -180,7 +177,6 @@ def test_engine_death_mid_stream_counts_against_the_arm_and_callers_fail_over(sa
     caller = next(f"crash-{i}" for i in itertools.count()
                   if pick_variant(weights, "smollm", f"crash-{i}") == "smollm-v2")
     replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v2")
-    engine = engine_process(replica.stats.remote().result()["pid"])
     before_ids = safety.replica_ids("smollm-v2", "LLMReplica")
     failed_streams = metric_total(safety, "ray_mesh_errors_total", variant="smollm-v2",
                                   kind="stream_failed")
@@ -188,7 +184,8 @@ def test_engine_death_mid_stream_counts_against_the_arm_and_callers_fail_over(sa
             "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=safety.base_url, timeout=120) as http:
         lines, t_kill = stream_and_kill(http, body, {**OPS, "x-session-id": caller},
-                                        "smollm-v2", engine.kill)
+                                        "smollm-v2",
+                                        lambda: replica.kill_engine.remote().result())
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2][len("data: "):])["error"]
         print(f"\nstream ended after {len(lines)} events with: {error}")
