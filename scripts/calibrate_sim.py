@@ -14,12 +14,10 @@ and errors under ``fit:``, and exits 1 when a row's tokens/s or TTFT p50 is off 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import platform
 import statistics
-import sys
 import time
 
 import yaml
@@ -29,6 +27,8 @@ from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml, mesh_parts
 from serve_app.sim import calibration
 from serve_app.sim.profile import PROFILES_DIR, load_profile
+from serve_app.tools.script_args import run as run_script
+from serve_app.tools.script_args import script_parser
 
 #: Engine args on top of the shipped variant's, so that every row's batch fits one step.
 CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 8}
@@ -91,8 +91,7 @@ def show(rows) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--name", default="cpu-smollm2", help="the profile's name (its file)")
     parser.add_argument("--quick", action="store_true", help="half the requests per row")
     args = parser.parse_args(argv)
@@ -125,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -14,6 +14,10 @@
 #                                or tests/test_canary.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 t0=$SECONDS
 if [ "${1:-}" = --all ]; then
   shift

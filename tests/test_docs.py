@@ -16,19 +16,6 @@ from serve_app.common.paths import REPO_ROOT
 from serve_app.tools.error_reference import DOC, codes_in_code, render
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
-#: Pages with known faults, being rewritten elsewhere: strict, so the mark must go once the
-#: page is fixed. docs/testing.md names `mesh_adapters_resident`, `mesh_adapter_events`,
-#: `mesh_resident_evictions_total` (write ray_mesh_adapters_resident,
-#: ray_mesh_adapter_events_total, ray_mesh_resident_evictions_total) and links
-#: ../tests/test_serving.py (now tests/test_real_engine.py).
-KNOWN_FAULTS = {"docs/testing.md": "docs/testing.md: metric names and a link to fix (above)"}
-
-
-def pages() -> list:
-    """PAGES as pytest params, a page of KNOWN_FAULTS marked xfail (strict)."""
-    return [pytest.param(p, id=rel(p), marks=pytest.mark.xfail(
-        strict=True, reason=KNOWN_FAULTS[rel(p)]) if rel(p) in KNOWN_FAULTS else ())
-            for p in PAGES]
 
 
 def rel(path: Path) -> str:
@@ -126,7 +113,7 @@ def metric_problem(name: str, mesh: set[str], bare: set[str], vllm: set[str]) ->
     return None if name in vllm else "not one of vLLM's metrics"
 
 
-@pytest.mark.parametrize("page", pages())
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_metric_a_page_names_exists_under_one_name(page):
     mesh, bare, vllm = prometheus_names(), set(mesh_metrics()), vllm_metrics()
     wrong = {n: p for n in named_metrics(page.read_text())
@@ -154,7 +141,7 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", pages())
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_relative_link_resolves(page):
     broken = []
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
