@@ -1,15 +1,47 @@
-"""Unit tests of stream coalescing (pure asyncio): the first chunk goes at once, then at most
-one message per interval with everything that arrived; the text and the tail are unchanged."""
+"""Unit tests of stream coalescing on an event loop with a virtual clock (time advances only
+when every task waits, by exactly what they wait for), so each message's time is exact: the
+first chunk goes at once, then at most one message per interval with everything that
+arrived; the text and the tail are unchanged."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
 
 import pytest
 
 from serve_app.common.wire import Tail, Usage
 from serve_app.server.coalesce import coalesce
+
+
+class _VirtualClockSelector(selectors.DefaultSelector):
+    """A selector that never blocks: with nothing ready, it moves the clock to the loop's
+    next timer instead of sleeping."""
+
+    now = 0.0
+
+    def select(self, timeout=None):
+        events = super().select(0)
+        if not events and timeout:
+            self.now += timeout
+        return events
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        self._clock = _VirtualClockSelector()
+        super().__init__(self._clock)
+
+    def time(self) -> float:
+        return self._clock.now
+
+
+def run(coro):
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
 
 
 async def tokens(n: int, every_s: float, fail: bool = False):
@@ -22,25 +54,28 @@ async def tokens(n: int, every_s: float, fail: bool = False):
 
 
 async def collect(items, interval_s):
-    t0, out = time.monotonic(), []
+    loop = asyncio.get_running_loop()
+    t0, out = loop.time(), []
     async for item in coalesce(items, interval_s):
-        out.append((time.monotonic() - t0, item))
+        out.append((round(loop.time() - t0, 6), item))
     return out
 
 
 def test_first_chunk_at_once_then_batches_per_interval():
-    out = asyncio.run(collect(tokens(20, 0.01), 0.05))
-    text = [x for _, x in out if isinstance(x, str)]
-    assert "".join(text) == "".join(f"data: {i}\n\n" for i in range(20))
-    assert text[0] == "data: 0\n\n" and out[0][0] < 0.04  # not held back
-    assert text[1] == "data: 1\n\n" and out[1][0] < 0.04  # nor the first token after it
-    assert 3 <= len(text) <= 8  # ~0.2 s of tokens in 50 ms batches, not 20 messages
-    assert out[-1][1] == Tail(Usage(3, 20))
+    out = run(collect(tokens(20, 0.01), 0.047))
+    text = [(t, x) for t, x in out if isinstance(x, str)]
+    assert "".join(x for _, x in text) == "".join(f"data: {i}\n\n" for i in range(20))
+    # tokens at 10, 20, ... 200 ms: the first two as they come; then a message 47 ms after
+    # the last one, with every token that came meanwhile (a token waits at most 47 ms)
+    assert text[:2] == [(0.01, "data: 0\n\n"), (0.02, "data: 1\n\n")]
+    assert [t for t, _ in text[2:]] == [0.067, 0.114, 0.161, 0.208]
+    assert [len(x.split("\n\n")) - 1 for _, x in text[2:]] == [4, 5, 5, 4]
+    assert out[-1] == (0.208, Tail(Usage(3, 20)))
 
 
-def test_zero_interval_passes_every_item():
-    out = asyncio.run(collect(tokens(5, 0.001), 0))
-    assert [x for _, x in out][:5] == [f"data: {i}\n\n" for i in range(5)]
+def test_zero_interval_passes_every_item_when_it_comes():
+    out = run(collect(tokens(5, 0.001), 0))
+    assert out[:5] == [(0.001 * (i + 1), f"data: {i}\n\n") for i in range(5)]
 
 
 def test_an_error_comes_after_the_text_before_it():
@@ -50,7 +85,7 @@ def test_an_error_comes_after_the_text_before_it():
             async for item in coalesce(tokens(3, 0.001, fail=True), 0.05):
                 seen.append(item)
         return seen
-    assert "".join(asyncio.run(main())) == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert "".join(run(main())) == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
 
 
 def test_closing_early_stops_reading():
@@ -69,5 +104,5 @@ def test_closing_early_stops_reading():
         n = len(read)
         await asyncio.sleep(0.05)
         return n, len(read)
-    before, after = asyncio.run(main())
+    before, after = run(main())
     assert after == before  # the reader was cancelled with the stream

@@ -5,13 +5,13 @@ a fixed cost per message. So, as Ray Serve LLM does with ``stream_batching_inter
 stream sends its first two messages at once (vLLM's first chunk carries only the role; the
 first token follows) and then at most one message per interval: everything that arrived in
 the meantime, joined. A chunk waits at most one interval; no text is changed,
-only how it is cut into messages.
+only how it is cut into messages. Time is the event loop's (``loop.time()``: monotonic), so a
+test can run it on a loop with a virtual clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -44,12 +44,13 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
             queue.put_nowait(e)
         queue.put_nowait(_END)
 
-    reader = asyncio.get_running_loop().create_task(pump())
+    loop = asyncio.get_running_loop()
+    reader = loop.create_task(pump())
     sent_at, sent = float("-inf"), 0
     try:
         while True:
             batch = [await queue.get()]
-            wait = sent_at + interval_s - time.monotonic()
+            wait = sent_at + interval_s - loop.time()
             if wait > 0 and sent >= UNBATCHED and isinstance(batch[0], str):
                 await asyncio.sleep(wait)
             while not queue.empty():
@@ -57,7 +58,7 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
             text = [x for x in batch if isinstance(x, str)]
             if text:
                 yield "".join(text)
-                sent_at, sent = time.monotonic(), sent + 1
+                sent_at, sent = loop.time(), sent + 1
             for x in batch:
                 if x is _END:
                     return
