@@ -87,9 +87,16 @@ class Mesh:
         return path
 
     def deploy(self, cfg: dict[str, Any], **kw) -> Path:
-        """Write ``cfg`` to a file and apply it with the ``serve deploy`` CLI; wait for RUNNING."""
+        """Write ``cfg`` to a file and apply it with the ``serve deploy`` CLI; wait for RUNNING.
+        Prints every deployment whose replicas the deploy replaced (``[restart]``): each is
+        an engine start, the suite's main cost."""
+        before = self.all_replica_ids()
         path = self.write(cfg)
         deploy(path, self.dashboard, **kw)
+        after = self.all_replica_ids()
+        for name, ids in after.items():
+            if before.get(name) and ids and not ids & before[name]:
+                print(f"[restart] {name}: every replica replaced by {path.name}")
         return path
 
     def client(self, **kw) -> openai.OpenAI:
