@@ -132,6 +132,49 @@ def test_concurrent_refreshes_share_one_status_call(monkeypatch):
     assert len(calls) == 1 and v.slots("v1") == 8
 
 
+def test_a_herd_of_refreshes_behind_a_poll_shares_one_status_call(monkeypatch):
+    """Issue 28: 200 requests asking for a status refresh while a poll-only refresh was under
+    way recursed through asyncio.shield until a RecursionError (a 500 to 3 clients)."""
+    calls = []
+
+    def status():
+        calls.append(1)
+        return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
+    monkeypatch.setattr(availability.serve, "status", status)
+    v = VariantAvailability(lambda name: FakeHandle(ReplicaInfo((), 8)))
+
+    async def main():
+        await v.refresh()  # a first view, with status
+        poll = asyncio.ensure_future(v.refresh(status=False))  # the poll: no status
+        await asyncio.sleep(0)
+        await asyncio.gather(poll, *(v.refresh() for _ in range(2000)))
+    asyncio.run(main())
+    assert len(calls) == 2 and v.slots("v1") == 8  # the first view, then one for the herd
+
+
+def test_a_caller_waiting_behind_many_polls_does_not_recurse(monkeypatch):
+    calls = []
+
+    def status():
+        calls.append(1)
+        return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
+    monkeypatch.setattr(availability.serve, "status", status)
+    v = VariantAvailability(lambda name: FakeHandle(ReplicaInfo((), 8)))
+
+    async def main():
+        await v.refresh()
+
+        async def polls():  # poll-only refreshes back to back, 1,500 (> the recursion limit)
+            for _ in range(1500):
+                await v.refresh(status=False)
+        p = asyncio.ensure_future(polls())
+        await asyncio.sleep(0)
+        await v.refresh()  # wants a status: waits them out in a loop, then asks once
+        await p
+    asyncio.run(main())
+    assert len(calls) == 2
+
+
 def test_a_variant_that_lost_a_replica_is_tried_last_for_a_while(monkeypatch):
     infos = {"v1": ReplicaInfo((), max_num_seqs=8), "v2": ReplicaInfo((), max_num_seqs=8)}
     v = view(monkeypatch, {"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}, infos)

@@ -113,12 +113,11 @@ class VariantAvailability:
                 costs the router ~50 ms of CPU, so the poll asks for it every
                 :data:`STATUS_EVERY` periods).
         """
-        if self._refreshing is not None:  # one is under way: its view is new enough,
-            with_status = self._refreshing_status  # unless it skips the status we need
-            await asyncio.shield(self._refreshing)
-            if with_status or not status:
+        while self._refreshing is not None:  # one is under way: its view is new enough,
+            with_status = self._refreshing_status  # unless it skips the status we need:
+            await asyncio.shield(self._refreshing)  # then wait for the next one (a loop: a
+            if with_status or not status:  # herd of callers must not recurse, issue 28)
                 return
-            return await self.refresh(max_age_s, status=status)
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
         self._refreshing_status = status or self._running is None
