@@ -163,7 +163,7 @@ def local_mesh(mesh: Mesh) -> Mesh:
 #: Integration modules in the order that restarts the fewest engines: each deploys its own
 #: config onto the shared cluster, and a variant whose `args` stay the same keeps its replica.
 MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made with its config
-                "test_tenants", "test_tenant_token_budgets", "test_overload",
+                "test_tenants", "test_tenant_token_budgets", "test_fairness", "test_overload",
                 "test_in_place",
                 "test_base_swap",  # after every module on local.yaml's smollm-v1: it changes it
                 "test_canary", "test_scale_to_zero",  # after canary: the same two variants

@@ -1,7 +1,7 @@
-"""Tokens as the unit of tenancy on the real stack (serve_configs/tenants.yaml): token-fair
-admission against FIFO in one run; then, with two router replicas, a budget that holds
-across both routers under concurrent streams, a stream the client abandons settling to what
-it really streamed, and a window that refills on time. Budgets are given to globex and acme
+"""Tokens as the unit of tenancy (serve_configs/tenants.yaml): with two router replicas, a
+budget that holds across both routers under concurrent streams, a stream the client abandons
+settling to what it really streamed, and a window that refills on time (token-fair admission:
+test_fairness.py). Budgets are given to globex and acme
 here; what they reserve is computed as the router does (:mod:`serve_app.ingress.token_budget`)."""
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import httpx
 import pytest
 
 from serve_app.ingress.token_budget import Reservation
-from serve_app.observability.stats import percentile
-from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 
 pytestmark = pytest.mark.integration
 
@@ -81,91 +79,6 @@ def small(http: httpx.Client, tenant: str) -> tuple[int, int]:
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     return int(r.headers["x-ratelimit-remaining-tokens"]), usage["total_tokens"]
-
-
-def fairness(cfg: dict, mode: str) -> dict:
-    cfg = copy.deepcopy(cfg)
-    route = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
-    route["admission"] = {**route.get("admission", {}), "fairness": mode}
-    return cfg
-
-
-def contention(mesh, light_requests: int) -> dict:
-    """globex keeps 16 64-token streams going (the engine takes 8 at once, the router 10:
-    the rest queue) while acme sends 8-token streams one at a time. Returns acme's waits
-    (its TTFT, or the time to its 503 when it was refused for waiting too long), how many
-    of its requests were served and refused, and each tenant's completion tokens over the
-    requests that ended meanwhile."""
-    url = f"{mesh.base_url}/v1"
-    heavy = LoadSpec(base_url=url, model="smollm", api_key=KEYS["globex"], concurrency=16,
-                     max_tokens=64, duration_s=1800, timeout_s=300)
-    light = LoadSpec(base_url=url, model="smollm", api_key=KEYS["acme"], concurrency=1,
-                     max_tokens=8, duration_s=1800, timeout_s=300, prompt="Say hi.")
-    with background_load(heavy) as heavy_results:
-        wait_for_results(heavy_results, 10)  # the heavy tenant has filled the engine and queue
-        t0 = time.monotonic()
-        with background_load(light) as light_results:
-            wait_for_results(light_results, light_requests)
-        t1 = time.monotonic()
-    # Only the router's own refusals (503 + Retry-After: waited too long) are expected.
-    for r in heavy_results + light_results:
-        assert r.ok or r.status == 503, (r.status, r.error)
-    ended = [r for r in heavy_results if r.ok and t0 <= r.started_at + r.latency_s <= t1]
-    light_ok = [r for r in light_results if r.ok]
-    waits = [r.ttft_s if r.ok else r.latency_s for r in light_results]
-    light_tokens = sum(r.completion_tokens for r in light_ok)
-    return {"light_wait_p95_s": percentile(waits, 95), "light_served": len(light_ok),
-            "light_refused": len(light_results) - len(light_ok),
-            "heavy_refused": sum(not r.ok for r in heavy_results),
-            "light_share": light_tokens / max(1, light_tokens + sum(r.completion_tokens
-                                                                   for r in ended)),
-            "light_requests_per_min": 60 * len(light_ok) / (t1 - t0)}
-
-
-def test_token_fair_admission_serves_a_light_tenant_behind_a_heavy_ones_queue(budgets):
-    """At one priority, a heavy tenant's queued streams do not hold a light tenant's short
-    requests behind them, even when the light tenant was the busy one earlier: with
-    ``fairness: tokens`` the light request takes the engine slot the heavy tenant leaves
-    (``newcomer_slots``) and is always served; with ``fifo`` (same run, deployed in place) it waits
-    behind the heavy tenant's queue, or is refused for waiting too long."""
-    cfg = budgets.tenants_cfg
-    budgets.deploy(fairness(cfg, "tokens"))
-    # acme was served a lot before (as in the tenants tests) and the heavy tenant was away:
-    # that past must not put acme behind it once both are back.
-    before = LoadSpec(base_url=f"{budgets.base_url}/v1", model="smollm", api_key=KEYS["acme"],
-                      concurrency=4, requests=24, max_tokens=32, prompt="Say hi.")
-    with background_load(before) as before_results:
-        wait_for_results(before_results, 24)
-    idle = LoadSpec(base_url=f"{budgets.base_url}/v1", model="smollm", api_key=KEYS["acme"],
-                    concurrency=1, requests=5, max_tokens=8, prompt="Say hi.")
-    with background_load(idle) as idle_results:
-        wait_for_results(idle_results, 5)
-    idle_p95 = percentile([r.ttft_s for r in idle_results], 95)
-    fair = contention(budgets, 6)
-    budgets.deploy(fairness(cfg, "fifo"))
-    fifo = contention(budgets, 4)
-    budgets.deploy(cfg)
-    for label, f in (("token-fair", fair), ("FIFO", fifo)):
-        print(f"\n{label}: light tenant wait p95 {f['light_wait_p95_s']:.2f} s (idle TTFT p95 "
-              f"{idle_p95:.2f} s), {f['light_served']} served, {f['light_refused']} refused "
-              f"(503), {f['light_requests_per_min']:.1f} served/min, "
-              f"{f['light_share']:.1%} of the completion tokens; heavy refused "
-              f"{f['heavy_refused']}")
-    # Before newcomer_slots: 11.8 s against 24.9 s, 12.4 against 25.2, 17.0 against 22.4:
-    # the light request waited for engine completions (vLLM does not preempt).
-    print(f"token-fair/FIFO light wait p95 "
-          f"{fair['light_wait_p95_s'] / fifo['light_wait_p95_s']:.2f}x, token-fair/idle "
-          f"{fair['light_wait_p95_s'] / idle_p95:.1f}x")
-    assert fair["light_refused"] == 0, fair
-    # newcomer_slots (default 1): the heavy tenant leaves one engine slot, so the light
-    # request starts at once; FIFO (no newcomer slot) waits for a heavy stream to end.
-    # Measured: wait p95 1.19 s against FIFO's 14.8 s (idle 0.18 s: the issue's 2x-idle goal
-    # is not met, a light request's first step runs beside 7 decoding streams on 2 cores),
-    # 30.4 % of the tokens against 1.0 %, 47.2 against 4.6 requests per minute.
-    assert fair["light_wait_p95_s"] <= 0.25 * fifo["light_wait_p95_s"], (fair, fifo)
-    assert fair["light_share"] >= 0.2 and fair["light_share"] > 5 * fifo["light_share"], (
-        fair, fifo)
-    assert fair["light_requests_per_min"] > 2 * fifo["light_requests_per_min"], (fair, fifo)
 
 
 def test_a_window_refills_on_time(budgets):

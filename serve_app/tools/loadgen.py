@@ -31,6 +31,7 @@ class RequestResult:
     ok: bool
     status: int
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
     variant: str | None = None
@@ -83,6 +84,7 @@ async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | Non
                 pieces.append(chunk.choices[0].delta.content)
             if chunk.usage:
                 res.completion_tokens = chunk.usage.completion_tokens
+                res.prompt_tokens = chunk.usage.prompt_tokens
         res.ok = res.status == 200 and res.completion_tokens == spec.max_tokens
         if not res.ok:
             res.error = f"incomplete: {res.completion_tokens}/{spec.max_tokens} tokens"
