@@ -31,9 +31,11 @@ CONFIGS = REPO_ROOT / "serve_configs"
 #: marked ``sim_only`` (goals that hold only where time is exact) always on the sim.
 TEST_ENGINE = os.environ.get("MESH_TEST_ENGINE", "sim")
 
-#: ``args.sim`` of every variant the sim tier deploys: this host's fitted profile, and an
-#: engine that starts at once (a test that needs a slow start sets ``start_s``).
-TEST_SIM_ARGS = {"profile": "cpu-smollm2", "start_s": 0}
+#: ``args.sim`` of every variant the sim tier deploys: this host's fitted profile, an engine
+#: that starts at once (a test that needs a slow start sets ``start_s``), and a reconfigure
+#: that takes 0.5 s, so that every in-place change of the suite passes through a window in
+#: which Serve shows the replica UPDATING (issue 31), and no module needs other args.
+TEST_SIM_ARGS = {"profile": "cpu-smollm2", "start_s": 0, "reconfigure_s": 0.5}
 
 
 def on_engine(cfg: dict[str, Any], engine: str, **sim: Any) -> dict[str, Any]:
@@ -96,7 +98,8 @@ class Mesh:
         after = self.all_replica_ids()
         for name, ids in after.items():
             if before.get(name) and ids and not ids & before[name]:
-                print(f"[restart] {name}: every replica replaced by {path.name}")
+                RESTARTS.append(f"{name}: every replica replaced by {path.name} "
+                                f"({os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]})")
         return path
 
     def client(self, **kw) -> openai.OpenAI:
@@ -162,13 +165,16 @@ def local_mesh(mesh: Mesh) -> Mesh:
 
 #: Integration modules in the order that restarts the fewest engines: each deploys its own
 #: config onto the shared cluster, and a variant whose `args` stay the same keeps its replica.
+#: Integration modules in the order that restarts the fewest engines: each deploys its own
+#: config onto the shared cluster, and a variant whose code version (args, runtime_env,
+#: request_router_config, autoscaling policy) stays the same keeps its replica. Each deploy
+#: that replaced replicas is listed at the end of the run.
 MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made with its config
                 "test_tenants", "test_tenant_token_budgets", "test_fairness", "test_overload",
-                "test_in_place",
-                "test_base_swap",  # after every module on local.yaml's smollm-v1: it changes it
-                "test_canary", "test_scale_to_zero",  # after canary: the same two variants
-                "test_rollouts", "test_traffic_safety", "test_shadow_traffic",
-                "test_observability",
+                "test_in_place", "test_canary", "test_rollouts", "test_traffic_safety",
+                "test_shadow_traffic", "test_observability",
+                "test_scale_to_zero",  # changes smollm-v2's autoscaling (a restart)
+                "test_base_swap",  # changes smollm-v1's args and swaps its base model
                 "test_real_engine",  # real vLLM engines: after every module on the sim
                 "test_multi_node"]  # last: it kills a node
 
@@ -186,6 +192,8 @@ def pytest_collection_modifyitems(items):
 #: finish within 25 minutes, set-up included (``./scripts/test.sh``).
 TEST_BUDGET_S = float(os.environ.get("MESH_TEST_BUDGET_S", "1500"))
 _module_seconds: dict[str, float] = {}
+#: Deployments whose replicas a test's deploy replaced (an engine start each).
+RESTARTS: list[str] = []
 _session_start = time.monotonic()
 
 
@@ -202,6 +210,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"{seconds:8.1f}  {module}")
     tr.write_line(f"{total:8.1f}  total (engine for integration tests: {TEST_ENGINE}; "
                   f"budget {TEST_BUDGET_S:.0f} s)")
+    if RESTARTS:
+        tr.section(f"deploys that replaced replicas: {len(RESTARTS)}")
+        for line in RESTARTS:
+            tr.write_line(line)
     if TEST_BUDGET_S and total > TEST_BUDGET_S:
         tr.write_line(f"FAILED: the tests took {total:.0f} s, over the budget of "
                       f"{TEST_BUDGET_S:.0f} s (MESH_TEST_BUDGET_S)", red=True, bold=True)

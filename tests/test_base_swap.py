@@ -199,7 +199,8 @@ def test_base_swap_with_meshctl_drops_nothing(released):
         t_swap = time.monotonic()
         swap = meshctl("swap", str(config), "--route", "smollm", "--new-app", "smollm-acme",
                        "--model", "smollm2-135m-acme", "--steps", "50,100", "--pause-s", "5",
-                       "-a", mesh.dashboard)
+                       # the engine args are the running variant's, checked when it started
+                       "--skip-engine-check", "-a", mesh.dashboard)
         t_done = time.monotonic()
         wait_for_results(results, AFTER_REQUESTS, started_after=t_done)
         wait_for_results(results, 20)

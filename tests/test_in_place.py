@@ -4,9 +4,9 @@ while four client loops run (adapter stream, adapter non-stream, base stream, ba
 non-stream), refuses nothing: 0 non-200 answers and 0 in-band errors.
 
 ``tenants.yaml``'s route ``smollm`` has the single variant ``smollm-v1``, whose every
-``reconfigure()`` takes :data:`RECONFIGURE_S` on the simulated engine (``args.sim.
-reconfigure_s``: Serve shows the replica UPDATING that long, the window issue 31 found a
-503 in); a second route ``smollm-b`` (smollm-v1 and smollm-v2) takes the weight changes.
+``reconfigure()`` takes 0.5 s on the simulated engine (``args.sim.reconfigure_s`` of the
+sim tier, ``conftest.TEST_SIM_ARGS``: Serve shows the replica UPDATING that long, the window
+issue 31 found a 503 in); a second route ``smollm-b`` (smollm-v1 and smollm-v2) takes the weight changes.
 :func:`soak` is shared with the short run on the real engine (``test_real_engine.py``).
 """
 
@@ -25,8 +25,6 @@ pytestmark = pytest.mark.integration
 
 ACME = {"authorization": "Bearer sk-acme-demo"}
 OPS = {"authorization": "Bearer sk-mesh-ops-demo"}
-#: Seconds each reconfigure of smollm-v1 takes on the simulated engine (0.2-2 s asked for).
-RECONFIGURE_S = 1.5
 QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
 
 
@@ -44,10 +42,7 @@ def replica(cfg, name: str = "smollm-v1") -> dict:
 
 def in_place_config(mesh) -> dict:
     cfg = mesh.config("tenants.yaml")
-    v1 = variant(cfg)
-    if mesh.engine == "sim":
-        v1["args"]["sim"]["reconfigure_s"] = RECONFIGURE_S
-    v2 = copy.deepcopy(v1)
+    v2 = copy.deepcopy(variant(cfg))
     v2["name"] = "smollm-v2"
     v2["deployments"][0]["user_config"] = {}
     cfg["applications"].append(v2)

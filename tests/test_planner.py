@@ -39,9 +39,13 @@ TENANTS = {t.id: t for t in CONFIG.tenants}
 
 
 class FakeAvailability:
-    def __init__(self, adapters: dict[str, set[str]], down: set[str] = frozenset()) -> None:
+    """``down``: asleep; ``stale``: asleep, but the view says warm until it is refreshed."""
+
+    def __init__(self, adapters: dict[str, set[str]], down: set[str] = frozenset(),
+                 stale: set[str] = frozenset()) -> None:
         self.adapters = adapters
-        self.down = down
+        self.down = set(down)
+        self.stale = set(stale)
         self.refreshes = 0
 
     def serves(self, application, adapter):
@@ -55,17 +59,22 @@ class FakeAvailability:
 
     async def refresh(self, max_age_s=0.0):
         self.refreshes += 1
+        self.down |= self.stale
+        self.stale = set()
 
     def is_asleep(self, application):
         return application in self.down
 
+    def may_be_asleep(self, application):
+        return application in self.stale
 
-def planner(adapters=None, down=frozenset()):
+
+def planner(adapters=None, down=frozenset(), stale=frozenset()):
     splits = splits_of(CONFIG)
     return RequestPlanner(CONFIG, splits, lambda key: splits[key].weighted,
                           FakeAvailability(adapters if adapters is not None else {
                               "v1": {"acme@v1", "acme@v2", "globex@v1"},
-                              "v2": {"acme@v1"}}, down))
+                              "v2": {"acme@v1"}}, down, stale))
 
 
 def plan(body, tenant_id="ops", p=None, **kw):
@@ -103,6 +112,20 @@ def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
 def test_unavailable_variants_go_last():
     p = plan({"model": "smollm"}, p=planner(down={"v1"}), session_id="x")
     assert p.candidates[-1] == "v1"
+
+
+def test_a_split_choice_that_may_have_gone_to_zero_is_checked_before_the_order():
+    """The view says the canary is warm, but it idled and may be at zero (the last status
+    poll is up to 5 s old): the planner refreshes first, then serves the caller elsewhere and
+    wakes the canary, instead of sending it to a handle that waits for a cold start."""
+    user = next(f"u{i}" for i in range(1000)
+                if pick_variant([("v1", 90), ("v2", 10)], "smollm", f"u{i}") == "v2")
+    p = planner(stale={"v2"})
+    planned = plan({"model": "smollm"}, p=p, session_id=user)
+    assert planned.candidates == ("v1", "v2") and planned.wake == "v2"
+    assert p.availability.refreshes == 1
+    assert plan({"model": "smollm"}, p=p, session_id=user).wake == "v2"  # no second refresh
+    assert p.availability.refreshes == 1
 
 
 def test_model_names():

@@ -105,8 +105,6 @@ def sleepy(mesh):
     yield mesh
     proc.terminate()
     proc.wait(timeout=30)
-    # Leave the canary running as canary.yaml has it (the next modules expect it).
-    mesh.deploy_shipped("canary.yaml")
 
 
 def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
@@ -130,9 +128,9 @@ def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
     if sleepy.engine == "vllm":  # the sim holds no weights: test_real_engine checks it
         assert len(procs) >= 2  # the replica and vLLM's engine processes
         assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
-    with sleepy.http() as http:
-        state = http.get("/health").json()["scale_to_zero"][CANARY]
-    assert state["state"] == "zero", state
+    with sleepy.http() as http:  # the router reads Serve's status every few seconds
+        wait_until(lambda: http.get("/health").json()["scale_to_zero"][CANARY]["state"]
+                   == "zero", 15, "the router sees the canary at zero")
 
 
 def test_requests_during_one_cold_start_all_answer_and_start_one_replica(sleepy):
@@ -216,7 +214,7 @@ BUDGET_ROUTES = {"smollm": "smollm-v1", "smollm-fr": "smollm-fr-v1"}
 
 @pytest.fixture(scope="module")
 def budget(sleepy):
-    """resident_budget.yaml deployed in place (sleepy's teardown restores canary.yaml)."""
+    """resident_budget.yaml deployed in place."""
     cfg = sleepy.config("resident_budget.yaml")
     for app in cfg["applications"][1:]:  # the YAML alias: both variants' one dict
         app["deployments"][0]["autoscaling_config"].update(metrics_interval_s=1,

@@ -76,10 +76,8 @@ class Dispatcher:
         """
         if plan.wake:  # the split's choice sleeps: wake it for later requests, not this one
             self.cold_starts.wake(plan.wake)
-        if all(self.availability.slots(c) == 0 for c in plan.candidates) or \
-                self.availability.may_be_asleep(plan.candidates[0]):
-            # One may have just started, or (idle, scales to zero) just stopped: a call to
-            # a variant at zero would wait at its handle instead of waiting for a cold start.
+        if all(self.availability.slots(c) == 0 for c in plan.candidates):
+            # One may have just started (the planner refreshed for one that may have stopped).
             await self.availability.refresh(max_age_s=0.5)
         woke = False
         for i, variant in enumerate(plan.candidates):

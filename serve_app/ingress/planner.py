@@ -61,6 +61,8 @@ class Availability(Protocol):
 
     def is_asleep(self, application: str) -> bool: ...
 
+    def may_be_asleep(self, application: str) -> bool: ...
+
     async def refresh(self, max_age_s: float = 0.0) -> None: ...
 
 
@@ -251,6 +253,11 @@ class RequestPlanner:
         else:
             first = pick_variant(weighted, self.splits[route].salt, identity)
             order = failover_order(weighted, first)
+            if self.availability.may_be_asleep(order[0]):
+                # Idle and scaling to zero: it may have gone to zero since the last status
+                # poll, and a call to its handle would wait for a cold start rather than be
+                # served by the variant that runs.
+                await self.availability.refresh(max_age_s=0.5)
             candidates = self.availability.prefer_available(order)
             if candidates[0] != order[0] and self.availability.is_asleep(order[0]):
                 wake = order[0]  # the split's choice sleeps: wake it, serve this one elsewhere

@@ -104,7 +104,7 @@ def wait_until_running(dashboard: str, expected: list[str], before: dict[str, fl
             state = ", ".join(f"{n}={s}" for n, s in pending.items()) or "taking the new config"
             log(f"  waiting: {state}" + (f"; removing {', '.join(leftover)}" if leftover else ""))
             last_log = time.monotonic()
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 def _deployed_times(dashboard: str) -> dict[str, float]:
