@@ -129,6 +129,10 @@ def mesh(tmp_path_factory) -> Mesh:
     # need no token (production clusters keep Ray's token auth; see README).
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.update(SERVE_ENV)  # the cluster runs with the mesh's Serve settings
+    # The mesh's processes at the test clients' niceness: Ray's default (15) would let a
+    # flood's own client, in this process, take the cores from the proxy and router it
+    # measures (in production nothing at nice 0 competes with the mesh on its nodes).
+    os.environ["RAY_worker_niceness"] = "0"
     dash_port, http_port, metrics_port = free_port(), free_port(), free_port()
     # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
     # Metrics exported every second (Ray's minimum; 10 s by default), so tests that read

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.admission import PRIOR_SERVICE_S, Rejected, VariantAdmission
+from serve_app.ingress.admission import (ADMIT_MARGIN, PRIOR_SERVICE_S, Rejected,
+                                         VariantAdmission)
 
 
 class Clock:
@@ -94,15 +95,16 @@ def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
         q.set_capacity(2)
         assert q.service_s == PRIOR_SERVICE_S == 2.0
         held = [await q.acquire(0, True) for _ in range(2)]
-        # Each queued request adds service_s / slots = 1 s of wait: 8 fit in ADMIT_MARGIN
-        # (0.8) x 10 s.
-        queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(8)]
+        # Each queued request adds service_s / slots = 1 s of wait: 9 fit in ADMIT_MARGIN
+        # (0.9) x 10 s.
+        fit = round(ADMIT_MARGIN * 10)
+        queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(fit)]
         await asyncio.sleep(0)
-        assert q.queued == 8
+        assert q.queued == fit == 9
         with pytest.raises(Rejected) as e:
             await q.acquire(0, True)
         assert e.value.reason == "overloaded" and 1 <= e.value.retry_after_s <= 10
-        assert "would wait about 9 s" in e.value.message
+        assert "would wait about 10 s" in e.value.message
         for t in queued:
             t.cancel()
         for s in held:
@@ -147,7 +149,7 @@ def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
         q.set_capacity(1)
         q.service_s = 1.0
         held = await q.acquire(0, True)
-        # Waits 1, 2, 3 s: within ADMIT_MARGIN (0.8) x 3.75 s; the deadline is 3.75 s.
+        # Waits 1, 2, 3 s: within ADMIT_MARGIN (0.9) x 3.75 s; the deadline is 3.75 s.
         lows = [asyncio.create_task(q.acquire(5, False)) for _ in range(3)]
         await asyncio.sleep(0)
         assert q.queued == 3
