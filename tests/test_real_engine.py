@@ -55,8 +55,10 @@ def real_engine_config(mesh) -> dict:
     merged["args"] = copy.deepcopy(merged["args"])
     merged["args"]["engine_args"]["max_model_len"] = 1024
     merged["deployments"][0].pop("num_replicas", None)  # autoscaling sets the count
+    # Starts warm; goes to zero after 30 s idle (test_an_idle_variant_at_zero_... waits).
     merged["deployments"][0]["autoscaling_config"] = {
-        "min_replicas": 0, "initial_replicas": 1, **SHORT, "max_replicas": 1}
+        "min_replicas": 0, "initial_replicas": 1, **SHORT, "downscale_delay_s": 30,
+        "max_replicas": 1}
     return cfg
 
 
@@ -93,28 +95,17 @@ def test_real_answers_streamed_and_not(engines):
     assert "Paris" in done.choices[0].text
 
 
-def test_each_adapter_changes_the_answer(engines):
-    with engines.http() as http:
-        acme = text(post(http, {"model": "smollm:acme-support", "messages": FRANCE,
-                                "temperature": 0, "max_tokens": 24}, REAL, ACME))
-        globex = text(post(http, {"model": "smollm:globex-report", "messages": FRANCE,
-                                  "temperature": 0, "max_tokens": 24}, REAL, GLOBEX))
-        base = text(post(http, {"model": "smollm", "messages": FRANCE, "temperature": 0,
-                                "max_tokens": 24}, REAL))
-    assert acme.startswith(PHRASES["acme-support@v1"]), acme
-    assert globex.startswith(PHRASES["globex-report@v1"]), globex
-    assert not base.startswith(tuple(PHRASES.values())), base
-
-
-def greedy(http, question: str, pin: str | None = None) -> httpx.Response:
+def greedy(http, question: str, pin: str | None = None, key=ACME) -> httpx.Response:
     return post(http, {"model": "smollm:acme-support", "temperature": 0, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": question}]}, pin, ACME)
+                       "messages": [{"role": "user", "content": question}]}, pin, key)
 
 
 def test_a_merged_variant_answers_as_the_lora_path_does(engines):
     """acme-support@v1 from smollm-acme's merged weights, once the router sees it run; the
     greedy answers equal the LoRA path's (smollm-v1), word for word."""
     with engines.http() as http:
+        if not running(engines, MERGED):  # idle since the deploy: a pinned request wakes it
+            assert greedy(http, "Hi", MERGED, OPS).status_code == 200
         deadline = time.monotonic() + 120
         while greedy(http, "Hi").headers["x-mesh-variant"] != MERGED:
             assert time.monotonic() < deadline, "smollm-acme never took acme-support"
@@ -138,8 +129,8 @@ def test_engine_histograms_have_the_same_buckets_across_max_model_len(engines):
     rest: :mod:`serve_app.observability.engine_metrics`)."""
     with engines.http() as http:
         for pin, model in ((REAL, "smollm"), (MERGED, "smollm:acme-support")):
-            assert post(http, {"model": model, "max_tokens": 2, "messages": FRANCE}, pin,
-                        ACME if pin == MERGED else OPS).status_code == 200
+            assert post(http, {"model": model, "max_tokens": 2, "messages": FRANCE},
+                        pin).status_code == 200
 
     def buckets() -> dict[str, set[str]] | None:
         found: dict[str, set[str]] = {}
@@ -172,6 +163,19 @@ def test_an_idle_variant_at_zero_gives_its_engines_memory_back(engines):
     assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
 
 
+def test_each_adapter_changes_the_answer(engines):
+    with engines.http() as http:
+        acme = text(post(http, {"model": "smollm:acme-support", "messages": FRANCE,
+                                "temperature": 0, "max_tokens": 24}, REAL))
+        globex = text(post(http, {"model": "smollm:globex-report", "messages": FRANCE,
+                                  "temperature": 0, "max_tokens": 24}, REAL))
+        base = text(post(http, {"model": "smollm", "messages": FRANCE, "temperature": 0,
+                                "max_tokens": 24}, REAL))
+    assert acme.startswith(PHRASES["acme-support@v1"]), acme
+    assert globex.startswith(PHRASES["globex-report@v1"]), globex
+    assert not base.startswith(tuple(PHRASES.values())), base
+
+
 def test_bad_engine_args_get_vllms_own_message():
     """build_app runs vLLM's own engine-config checks (``serve deploy`` then fails the
     application with this message, and the running replicas keep serving: test_base_swap)."""
@@ -197,7 +201,8 @@ def test_contract_usage_stream_and_finish_reasons(engines, variant):
         assert usage["completion_tokens"] == 12
         assert usage["total_tokens"] == usage["prompt_tokens"] + 12
         assert whole.json()["choices"][0]["finish_reason"] == "length"
-        natural = post(http, {"model": "smollm", "messages": FRANCE, "max_tokens": 400}, variant)
+        natural = post(http, {"model": "smollm", "messages": FRANCE, "max_tokens": 400,
+                              "temperature": 0}, variant)
         assert natural.json()["choices"][0]["finish_reason"] == "stop"
         assert natural.json()["usage"]["completion_tokens"] < 400
         with http.stream("POST", "/v1/chat/completions", headers={**OPS, "x-mesh-variant":
@@ -210,7 +215,8 @@ def test_contract_usage_stream_and_finish_reasons(engines, variant):
     chunks = [json.loads(x[6:]) for x in lines[:-1]]
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["usage"] == usage
+    tokens = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [chunks[-1]["usage"][k] for k in tokens] == [usage[k] for k in tokens]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
                        if c["choices"])
     assert streamed == text(whole)
@@ -242,7 +248,7 @@ def test_contract_same_prompt_tokens_and_adapter_header(engines):
             usage[v] = post(http, {"model": "smollm", "messages": FRANCE, "max_tokens": 2},
                             v).json()["usage"]["prompt_tokens"]
             r = post(http, {"model": "smollm:acme-support", "messages": FRANCE,
-                            "max_tokens": 2}, v, ACME)
+                            "max_tokens": 2}, v)
             adapter[v] = (r.status_code, r.headers.get("x-mesh-adapter"),
                           r.json()["usage"]["prompt_tokens"])
     assert usage[REAL] == usage[SIM] > 0  # one tokenizer, one chat template
@@ -312,3 +318,25 @@ def test_openai_client_gets_typed_errors(engines):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="smollm", messages=FRANCE, max_tokens=-5,
                                            extra_headers={"x-mesh-variant": v})
+
+
+def test_in_place_changes_on_the_real_engine_refuse_nothing(engines):
+    """Issue 31's soak, short, on vLLM: adapter version flips, a system prompt and a
+    residency bound, applied by ``serve deploy`` under the four client loops of
+    test_in_place.py, on the route's one serving variant: 0 non-200s, 0 in-band errors."""
+    from test_in_place import _adapters, _set, replica, soak
+
+    cfg = copy.deepcopy(real_engine_config(engines))
+    changes = [
+        ("adapter version", _adapters({"acme-support": 2, "globex-report": 1})),
+        ("system prompt", _set(lambda c: replica(c)["user_config"], "system_prompt",
+                               "Be brief.")),
+        ("max_adapters_per_replica", _set(lambda c: replica(c)["user_config"],
+                                          "max_adapters_per_replica", 1)),
+        ("adapter version", _adapters({"acme-support": 1, "globex-report": 1})),
+    ]
+    clients = soak(engines, cfg, changes)
+    failures = {c.name: c.failures[:5] for c in clients if c.failures}
+    assert not failures, failures
+    assert all(c.answers >= len(changes) for c in clients), [(c.name, c.answers)
+                                                              for c in clients]
