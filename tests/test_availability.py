@@ -52,7 +52,7 @@ def test_slots_adapters_and_unknowns(monkeypatch):
     assert v.slots("v1") is None  # nothing polled yet: unknown, not zero
     assert v.is_available("v1")
     asyncio.run(v.refresh())
-    assert v.refreshes == [1]
+    assert v.refreshes == [1, 1]  # after the status, and after the replicas' answers
     assert (v.slots("v1"), v.slots("v2"), v.slots("v3"), v.slots("absent")) == (16, 4, 0, 0)
     assert v.serves("v1", "acme") and v.serves("v1", "acme@v1") and not v.serves("v2", "acme")
     assert v.prefer_available(["v3", "v1", "v2"]) == ["v1", "v2", "v3"]
@@ -108,13 +108,43 @@ def test_a_new_variants_first_start_is_not_serving(monkeypatch):
     assert v.prefer_available(["v2", "v1"]) == ["v1", "v2"]
 
 
+def test_admission_sees_a_new_replica_before_it_answers_the_poll(monkeypatch):
+    """A variant that just started: the status says it runs while its serving_info answer
+    is still on its way. The router's admission hears of it at once (capacity unknown, so a
+    request goes to Serve's handle), not after the answer: a request in between got 503
+    no_healthy_variant in 60 ms on a single-variant route."""
+    apps = {"v1": app("RUNNING", 0)}
+    answer = asyncio.Event()
+
+    class Slow(FakeHandle):
+        async def _remote(self):
+            await answer.wait()
+            return self.info
+    seen = []
+    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(applications=apps))
+    v = VariantAvailability(lambda name: Slow(ReplicaInfo((), 8)),
+                            on_refresh=lambda: seen.append(v.slots("v1")))
+
+    async def main():
+        await v.refresh()
+        apps["v1"] = app("RUNNING", 1)
+        poll = asyncio.ensure_future(v.refresh())
+        while not v.running("v1"):  # the status is read in a thread
+            await asyncio.sleep(0.01)
+        assert seen[-1] is None and v.is_available("v1")  # running; slots not known yet
+        answer.set()
+        await poll
+    asyncio.run(main())
+    assert seen[-1] == 8
+
+
 def test_refresh_max_age_saves_status_calls(monkeypatch):
     v = view(monkeypatch, {"v1": app("RUNNING", 1)}, {"v1": ReplicaInfo((), 8)})
     asyncio.run(v.refresh(max_age_s=10))
     asyncio.run(v.refresh(max_age_s=10))
-    assert v.refreshes == [1]
+    assert v.refreshes == [1, 1]  # one refresh: after the status, after the answers
     asyncio.run(v.refresh())
-    assert v.refreshes == [1, 1]
+    assert v.refreshes == [1] * 4
 
 
 def test_concurrent_refreshes_share_one_status_call(monkeypatch):

@@ -2,11 +2,11 @@
 
 The default tier's real-engine set: one mesh, ``serve_configs/merged.yaml`` (tenants;
 ``smollm-v1`` on real vLLM with the demo adapters; ``smollm-acme``, the embedded model with
-acme-support@v1 merged in, also real, here with ``max_model_len`` 1024 and scale to zero) plus
+acme-support@v1 merged in, also real, here with ``max_model_len`` 1024) plus
 ``smollm-sim``: ``smollm-v1``'s own args and adapters on the simulated engine, at weight 0
 (the admin pins it). Real answers; adapters changing the answer; a merged variant answering
-as the LoRA path does; engine histograms alike across ``max_model_len``; memory given back at
-zero; vLLM's message for bad engine args. The **contract** runs the same assertions on
+as the LoRA path does; engine histograms alike across ``max_model_len``; memory given back when
+a variant stops; vLLM's message for bad engine args. The **contract** runs the same assertions on
 ``smollm-v1`` and ``smollm-sim``: the same request gets the same usage, stream format,
 finish reasons, ``n``, ``stop``, logprobs shape, adapter header, engine metric families, a
 disconnect aborting the engine request, and the same status for every case of the
@@ -26,7 +26,7 @@ import pytest
 
 from engines import PHRASES
 from request_catalog import CASES
-from test_scale_to_zero import SHORT, replicas, running, wait_until
+from test_scale_to_zero import replicas, running, wait_until
 from test_traffic_safety import metric_total, wait_for_metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_engine]
@@ -46,6 +46,10 @@ def real_engine_config(mesh) -> dict:
 
     cfg = mesh.config("merged.yaml")  # real engines (this module is marked real_engine)
     apps = {a["name"]: a for a in cfg["applications"]}
+    # acme is an admin here, so that its adapter's requests can be pinned to either engine
+    # (an adapter has one owner; only admins pin)
+    tenants = cfg["applications"][0]["deployments"][0]["user_config"]["tenants"]
+    next(t for t in tenants if t["id"] == "acme")["admin"] = True
     sim = on_engine({"applications": [copy.deepcopy(apps[REAL])]}, "sim")["applications"][0]
     sim["name"] = SIM
     cfg["applications"].append(sim)
@@ -54,17 +58,13 @@ def real_engine_config(mesh) -> dict:
     merged = apps[MERGED]
     merged["args"] = copy.deepcopy(merged["args"])
     merged["args"]["engine_args"]["max_model_len"] = 1024
-    merged["deployments"][0].pop("num_replicas", None)  # autoscaling sets the count
-    # Starts warm; goes to zero after 30 s idle (test_an_idle_variant_at_zero_... waits).
-    merged["deployments"][0]["autoscaling_config"] = {
-        "min_replicas": 0, "initial_replicas": 1, **SHORT, "downscale_delay_s": 30,
-        "max_replicas": 1}
     return cfg
 
 
 @pytest.fixture(scope="module")
 def engines(mesh):
-    mesh.deploy(real_engine_config(mesh))
+    mesh.real_cfg = real_engine_config(mesh)
+    mesh.deploy(mesh.real_cfg)
     return mesh
 
 
@@ -104,16 +104,12 @@ def test_a_merged_variant_answers_as_the_lora_path_does(engines):
     """acme-support@v1 from smollm-acme's merged weights, once the router sees it run; the
     greedy answers equal the LoRA path's (smollm-v1), word for word."""
     with engines.http() as http:
-        if not running(engines, MERGED):  # idle since the deploy: a pinned request wakes it
-            assert greedy(http, "Hi", MERGED, OPS).status_code == 200
         deadline = time.monotonic() + 120
         while greedy(http, "Hi").headers["x-mesh-variant"] != MERGED:
             assert time.monotonic() < deadline, "smollm-acme never took acme-support"
             time.sleep(1)
         merged = [greedy(http, q) for q in QUESTIONS]
-        lora = [post(http, {"model": "smollm:acme-support", "temperature": 0,
-                            "max_tokens": 32, "messages": [{"role": "user", "content": q}]},
-                     REAL) for q in QUESTIONS]
+        lora = [greedy(http, q, REAL) for q in QUESTIONS]
         assert post(http, {"model": "smollm:acme-support", "messages": FRANCE},
                     headers=GLOBEX).status_code == 403
     for m, lo in zip(merged, lora):
@@ -128,9 +124,10 @@ def test_engine_histograms_have_the_same_buckets_across_max_model_len(engines):
     histograms with one bucket list (Ray keeps the first list it sees per name and drops the
     rest: :mod:`serve_app.observability.engine_metrics`)."""
     with engines.http() as http:
-        for pin, model in ((REAL, "smollm"), (MERGED, "smollm:acme-support")):
-            assert post(http, {"model": model, "max_tokens": 2, "messages": FRANCE},
-                        pin).status_code == 200
+        assert post(http, {"model": "smollm", "max_tokens": 2, "messages": FRANCE},
+                    REAL).status_code == 200
+        merged = greedy(http, "Hi")  # acme-support goes to the merged variant (warm here)
+        assert merged.status_code == 200 and merged.headers["x-mesh-variant"] == MERGED
 
     def buckets() -> dict[str, set[str]] | None:
         found: dict[str, set[str]] = {}
@@ -147,13 +144,20 @@ def test_engine_histograms_have_the_same_buckets_across_max_model_len(engines):
     assert found[REAL] == found[MERGED] and len(found[REAL]) > 12
 
 
-def test_an_idle_variant_at_zero_gives_its_engines_memory_back(engines):
-    wait_until(lambda: running(engines, MERGED), 120, "smollm-acme runs")
+def test_a_retired_variant_gives_its_engines_memory_back(engines):
+    """smollm-acme retired by ``serve deploy`` (its application and the route's ``merged``
+    entry removed; Serve stops the replica as it stops the last one of a variant that scales
+    to zero, whose autoscaled path test_scale_to_zero covers): its replica and vLLM's engine
+    processes exit, and the host's used memory falls by at least 80 % of what they held."""
     procs = [p for r in running(engines, MERGED) for p in
              (psutil.Process(r["pid"]), *psutil.Process(r["pid"]).children(recursive=True))]
     engine_bytes = sum(p.memory_full_info().uss for p in procs)
     used_before = psutil.virtual_memory().used
-    wait_until(lambda: not replicas(engines, MERGED), 120, "the idle smollm-acme has no replica")
+    cfg = engines.real_cfg
+    cfg["applications"] = [a for a in cfg["applications"] if a["name"] != MERGED]
+    cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"].pop("merged")
+    engines.deploy(cfg)
+    wait_until(lambda: not replicas(engines, MERGED), 120, "smollm-acme has no replica")
     wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                for p in procs), 30, "its processes exit")
     freed = used_before - psutil.virtual_memory().used
@@ -166,9 +170,9 @@ def test_an_idle_variant_at_zero_gives_its_engines_memory_back(engines):
 def test_each_adapter_changes_the_answer(engines):
     with engines.http() as http:
         acme = text(post(http, {"model": "smollm:acme-support", "messages": FRANCE,
-                                "temperature": 0, "max_tokens": 24}, REAL))
+                                "temperature": 0, "max_tokens": 24}, REAL, ACME))
         globex = text(post(http, {"model": "smollm:globex-report", "messages": FRANCE,
-                                  "temperature": 0, "max_tokens": 24}, REAL))
+                                  "temperature": 0, "max_tokens": 24}, headers=GLOBEX))
         base = text(post(http, {"model": "smollm", "messages": FRANCE, "temperature": 0,
                                 "max_tokens": 24}, REAL))
     assert acme.startswith(PHRASES["acme-support@v1"]), acme
@@ -193,7 +197,8 @@ def test_bad_engine_args_get_vllms_own_message():
 
 @pytest.mark.parametrize("variant", BOTH)
 def test_contract_usage_stream_and_finish_reasons(engines, variant):
-    body = {"model": "smollm", "messages": FRANCE, "max_tokens": 12, "ignore_eos": True}
+    body = {"model": "smollm", "messages": FRANCE, "max_tokens": 12, "ignore_eos": True,
+            "temperature": 0}
     with engines.http() as http:
         whole = post(http, body, variant)
         assert whole.status_code == 200 and whole.headers["x-mesh-variant"] == variant
@@ -248,7 +253,7 @@ def test_contract_same_prompt_tokens_and_adapter_header(engines):
             usage[v] = post(http, {"model": "smollm", "messages": FRANCE, "max_tokens": 2},
                             v).json()["usage"]["prompt_tokens"]
             r = post(http, {"model": "smollm:acme-support", "messages": FRANCE,
-                            "max_tokens": 2}, v)
+                            "max_tokens": 2}, v, ACME)
             adapter[v] = (r.status_code, r.headers.get("x-mesh-adapter"),
                           r.json()["usage"]["prompt_tokens"])
     assert usage[REAL] == usage[SIM] > 0  # one tokenizer, one chat template
@@ -326,7 +331,7 @@ def test_in_place_changes_on_the_real_engine_refuse_nothing(engines):
     test_in_place.py, on the route's one serving variant: 0 non-200s, 0 in-band errors."""
     from test_in_place import _adapters, _set, replica, soak
 
-    cfg = copy.deepcopy(real_engine_config(engines))
+    cfg = copy.deepcopy(engines.real_cfg)
     changes = [
         ("adapter version", _adapters({"acme-support": 2, "globex-report": 1})),
         ("system prompt", _set(lambda c: replica(c)["user_config"], "system_prompt",

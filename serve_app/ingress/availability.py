@@ -147,6 +147,8 @@ class VariantAvailability:
             self._app_status = {name: getattr(app.status, "value", str(app.status))
                                 for name, app in serve_status.applications.items()}
             await self._read_autoscaling()
+            if self.on_refresh is not None:  # admission sees new replica counts at once, not
+                self.on_refresh()  # only after the replicas' serving_info answers below
         self._update_states()
         # Not a sleeper that is idle or being evicted: a call that reaches its handle just
         # after its replica stopped would wake it.
