@@ -91,6 +91,19 @@ def observed(mesh):
     # max_model_len (the last test changes it) would restart its engine for nothing.
 
 
+def settled(read, pause_s: float = 2.5, timeout_s: float = 60):
+    """``read()`` once two reads ``pause_s`` apart agree (the test cluster exports metrics
+    every second)."""
+    deadline = time.monotonic() + timeout_s
+    before = read()
+    while True:
+        time.sleep(pause_s)
+        if (now := read()) == before:
+            return now
+        assert time.monotonic() < deadline, "the metrics did not settle"
+        before = now
+
+
 def wait_for(what: str, check, timeout_s: float = 120, every_s: float = 2):
     deadline = time.monotonic() + timeout_s
     while not (result := check()):
@@ -181,8 +194,7 @@ def test_client_made_names_never_become_label_values(observed):
         return {line.split('adapter="')[1].split('"')[0] for line in text.splitlines()
                 if line.startswith("ray_mesh_requests_total{") and 'adapter="' in line}
 
-    time.sleep(12)  # the series of the requests so far have been exported
-    before = adapter_labels()
+    before = settled(adapter_labels)  # the series of the requests so far are exported
     with observed.http() as http:
         for i in range(20):
             r = http.post("/v1/chat/completions", json={
@@ -193,7 +205,6 @@ def test_client_made_names_never_become_label_values(observed):
                 "model": f"made-up-{i}", "messages": [{"role": "user", "content": "hi"}]},
                 headers={"authorization": f"Bearer {ACME}"})
             assert r.status_code == 404
-    time.sleep(12)  # Ray exports metrics every few seconds
     labels = wait_for("the unknown label", lambda: (a := adapter_labels()) and
                       "unknown" in a and a, timeout_s=60)
     print(f"\nadapter label values before: {sorted(before)}, after: {sorted(labels)}")

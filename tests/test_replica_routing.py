@@ -149,15 +149,16 @@ def adapter_events(mesh) -> Counter:
 
 
 def settled_events(mesh) -> Counter:
-    """:func:`adapter_events` once two reads 12 s apart agree (Ray exports every ~5-10 s)."""
+    """:func:`adapter_events` once two reads 2.5 s apart agree (the test cluster exports
+    metrics every second)."""
     before = adapter_events(mesh)
-    for _ in range(10):
-        time.sleep(12)
+    for _ in range(40):
+        time.sleep(2.5)
         now = adapter_events(mesh)
         if now == before:
             return now
         before = now
-    raise AssertionError("the adapter metrics did not settle in 120 s")
+    raise AssertionError("the adapter metrics did not settle in 100 s")
 
 
 def resident_now(events: Counter, key: str) -> float:

@@ -58,6 +58,7 @@ def test_request_catalog_gets_4xx_or_answers_and_never_a_variant_failure(safety)
     safety.deploy(with_rollout(safety.base_cfg, {"id": "catalog", **SLOW}))
     assert len(CASES) >= 40
     before_failovers = metric_total(safety, "ray_mesh_failovers_total")
+    before_requests = metric_total(safety, "ray_mesh_requests_total")
     statuses = {}
     with safety.http() as http:
         for i, case in enumerate(CASES):
@@ -86,7 +87,8 @@ def test_request_catalog_gets_4xx_or_answers_and_never_a_variant_failure(safety)
     print(f"rollout figures after the catalog: canary {step['canary']}, stable {step['stable']}")
     assert step["canary"]["errors"] == 0 and step["stable"]["errors"] == 0
     assert step["canary"]["requests"] > 0 and step["stable"]["requests"] > 0
-    time.sleep(12)  # Ray exports metrics every few seconds
+    # once the catalog's requests are exported, so is any failover they made (one export)
+    wait_for_metric(safety, "ray_mesh_requests_total", before_requests + len(CASES))
     assert metric_total(safety, "ray_mesh_failovers_total") == before_failovers
 
 
