@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from engines import signature
+from test_observability import settled
 from serve_app.common.wire import REPLICA_HEADER
 from serve_app.tools.adapter_copies import register_copies
 
@@ -149,16 +150,8 @@ def adapter_events(mesh) -> Counter:
 
 
 def settled_events(mesh) -> Counter:
-    """:func:`adapter_events` once two reads 2.5 s apart agree (the test cluster exports
-    metrics every second)."""
-    before = adapter_events(mesh)
-    for _ in range(40):
-        time.sleep(2.5)
-        now = adapter_events(mesh)
-        if now == before:
-            return now
-        before = now
-    raise AssertionError("the adapter metrics did not settle in 100 s")
+    """:func:`adapter_events` once two reads agree (:func:`test_observability.settled`)."""
+    return settled(lambda: adapter_events(mesh), timeout_s=100)
 
 
 def resident_now(events: Counter, key: str) -> float:
