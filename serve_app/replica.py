@@ -27,6 +27,7 @@ from serve_app.common.deployment_options import REPLICA_OPTIONS, options
 from serve_app.common.logs import get_logger
 from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaInfo
 from serve_app.server.engine import engine_config, start_engine
+from serve_app.server.engine_checks import accepted_before, remember_accepted
 from serve_app.server.engine_reaper import start_reaper
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import ReplicaServer
@@ -164,13 +165,17 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """``import_path: serve_app.replica:build_app``. Checks ``args`` with our schema, then
     with vLLM's own engine-config checks, before any replica is touched: a bad value fails
     the deploy (``DEPLOY_FAILED``, vLLM's message) and the running replicas keep serving.
+    ``args`` vLLM accepted before, with the same vLLM and model files, are not checked again
+    (:mod:`serve_app.server.engine_checks`: the check costs 10-20 s per build).
 
     Raises:
         ValueError: invalid ``args`` or engine arguments (the message names the field).
     """
     checked = VariantArgs.model_validate(args)
-    try:
-        engine_config(checked)
-    except ValueError as e:
-        raise ValueError(f"invalid engine_args for model {checked.model!r}: {e}") from None
+    if not accepted_before(checked):
+        try:
+            engine_config(checked)
+        except ValueError as e:
+            raise ValueError(f"invalid engine_args for model {checked.model!r}: {e}") from None
+        remember_accepted(checked)
     return serve.deployment(LLMReplica, **options(REPLICA_OPTIONS)).bind(args)

@@ -183,7 +183,19 @@ MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made wi
                 "test_multi_node"]  # last: it kills a node
 
 
-def pytest_collection_modifyitems(items):
+#: Run the integration tests marked ``slow`` in this tier too (``--all`` always does).
+RUN_SLOW = TEST_ENGINE == "vllm" or os.environ.get("MESH_TEST_SLOW") == "1"
+_left_to_all: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if not RUN_SLOW:  # the default tier leaves them to --all (named in the summary)
+        slow = [i for i in items if i.get_closest_marker("slow")]
+        _left_to_all.extend(i.nodeid for i in slow)
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [i for i in items if not i.get_closest_marker("slow")]
+
     def rank(item) -> int:
         name = item.module.__name__.rpartition(".")[2]
         return MODULE_ORDER.index(name) + 1 if name in MODULE_ORDER else 0  # unit tests first
@@ -214,6 +226,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"{seconds:8.1f}  {module}")
     tr.write_line(f"{total:8.1f}  total (engine for integration tests: {TEST_ENGINE}; "
                   f"budget {TEST_BUDGET_S:.0f} s)")
+    if _left_to_all:
+        tr.section(f"integration tests left to ./scripts/test.sh --all (slow): "
+                   f"{len(_left_to_all)}")
+        for nodeid in _left_to_all:
+            tr.write_line(nodeid)
     if RESTARTS:
         tr.section(f"deploys that replaced replicas: {len(RESTARTS)}")
         for line in RESTARTS:

@@ -101,6 +101,7 @@ def released(mesh):
     return mesh
 
 
+@pytest.mark.slow  # Serve retries a failed build 3 times: 4 vLLM config checks, ~75 s
 def test_bad_args_with_plain_serve_deploy_keep_the_old_replica_serving(released):
     """`serve deploy` (the plain CLI, no meshctl) of max_model_len 1,000,000,000 under load:
     build_app checks the engine args with vLLM's own checks, so the application goes

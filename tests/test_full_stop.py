@@ -29,7 +29,7 @@ from serve_app.common.serve_configs import load_yaml
 from serve_app.ingress.limits import SHARED_NAME, SHARED_NAMESPACE
 from serve_app.tools import full_stop
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ACME_KEY = "sk-acme-demo"  # tenants.yaml: acme has max_concurrent_requests (a limited tenant)
 

@@ -38,7 +38,7 @@ from test_rollouts import rollout_state, router_uc
 from test_traffic_safety import (SLOW, engine_processes, metric_total, stream_and_kill,
                                  wait_for_metric)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKER_RESOURCE = "mesh_worker"
 OPS = {"authorization": f"Bearer {KEYS['ops']}"}

@@ -225,6 +225,7 @@ def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
     assert evicted.get(f"{held}@v1", 0) == 0, evicted
 
 
+@pytest.mark.slow  # packing a cold adapter onto one replica: test_replica_affinity
 def test_a_burst_for_a_cold_adapter_loads_it_once(many):
     events = settled_events(many)
     cold = next(f"{n}@v1" for n in many.adapter_names[4:-12]

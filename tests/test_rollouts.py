@@ -209,6 +209,7 @@ def status(mesh, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # the script and its exit codes: test_ci_release, test_rollout_watch
 def test_release_script_waits_for_the_promotion_and_exits_0(rollouts, tmp_path):
     cfg = with_rollout(rollouts.base_cfg, {"id": "ci-promote", "steps": [50, 100]})
     with background_load(load(rollouts)) as results:
@@ -226,6 +227,7 @@ def test_release_script_waits_for_the_promotion_and_exits_0(rollouts, tmp_path):
     assert status(rollouts).returncode == PROMOTED
 
 
+@pytest.mark.slow  # the script and its exit codes: test_ci_release, test_rollout_watch
 def test_release_script_exits_2_when_the_canary_is_rolled_back(rollouts, tmp_path):
     cfg = with_rollout(rollouts.base_cfg, {"id": "ci-drill", "steps": [50, 100]},
                        {"fault_injection": {"error_rate": 1.0}})

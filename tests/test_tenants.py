@@ -289,6 +289,7 @@ def common_prefix_words(a: str, b: str) -> int:
     return n
 
 
+@pytest.mark.slow  # test_real_engine holds the same promise on vLLM in the default tier
 def test_a_merged_variant_serves_its_adapter_as_the_lora_path_does(tenants):
     """serve_configs/merged.yaml: acme-support@v1 from smollm-acme's merged weights, with
     smollm-v1's LoRA path as the failover; greedy answers compared with the LoRA path's."""

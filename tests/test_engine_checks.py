@@ -1,0 +1,53 @@
+"""The record of engine args vLLM accepted: a second build of the same args skips vLLM's
+check; other args, another model file or a refusal are checked (no vLLM import here: the
+check is faked)."""
+
+from __future__ import annotations
+
+import pytest
+
+import serve_app.replica as replica
+from serve_app.common.config import VariantArgs
+from serve_app.server import engine_checks
+
+ARGS = {"model": "smollm2-135m-instruct", "served_model_name": "smollm",
+        "engine_args": {"max_num_seqs": 4}}
+
+
+@pytest.fixture
+def checks(monkeypatch, tmp_path):
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def fake_engine_config(args):
+        seen.append(args.engine_args)
+        if args.engine_args.get("max_num_seqs", 1) < 0:
+            raise ValueError("max_num_seqs must be positive")
+    monkeypatch.setattr(replica, "engine_config", fake_engine_config)
+    return seen
+
+
+def test_accepted_args_are_checked_once(checks):
+    replica.build_app(ARGS)
+    replica.build_app(ARGS)
+    assert checks == [{"max_num_seqs": 4}]
+    replica.build_app({**ARGS, "engine_args": {"max_num_seqs": 6}})
+    assert len(checks) == 2
+
+
+def test_a_refusal_is_not_recorded(checks):
+    bad = {**ARGS, "engine_args": {"max_num_seqs": -3}}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="invalid engine_args.*max_num_seqs must be"):
+            replica.build_app(bad)
+    assert len(checks) == 2
+
+
+def test_the_key_follows_the_model_files(checks, tmp_path, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    args = VariantArgs.model_validate({**ARGS, "model": str(model)})
+    key = engine_checks.check_key(args)
+    (model / "config.json").write_text('{"a": 2}')
+    assert engine_checks.check_key(args) != key
