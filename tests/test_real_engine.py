@@ -46,10 +46,12 @@ def real_engine_config(mesh) -> dict:
 
     cfg = mesh.config("merged.yaml")  # real engines (this module is marked real_engine)
     apps = {a["name"]: a for a in cfg["applications"]}
-    # acme is an admin here, so that its adapter's requests can be pinned to either engine
-    # (an adapter has one owner; only admins pin)
+    # acme and globex are admins here, so that their adapters' requests can be pinned to
+    # either engine (an adapter has one owner; only admins pin)
     tenants = cfg["applications"][0]["deployments"][0]["user_config"]["tenants"]
-    next(t for t in tenants if t["id"] == "acme")["admin"] = True
+    for tenant in tenants:
+        if tenant["id"] in ("acme", "globex"):
+            tenant["admin"] = True
     sim = on_engine({"applications": [copy.deepcopy(apps[REAL])]}, "sim")["applications"][0]
     sim["name"] = SIM
     cfg["applications"].append(sim)
@@ -172,7 +174,7 @@ def test_each_adapter_changes_the_answer(engines):
         acme = text(post(http, {"model": "smollm:acme-support", "messages": FRANCE,
                                 "temperature": 0, "max_tokens": 24}, REAL, ACME))
         globex = text(post(http, {"model": "smollm:globex-report", "messages": FRANCE,
-                                  "temperature": 0, "max_tokens": 24}, headers=GLOBEX))
+                                  "temperature": 0, "max_tokens": 24}, REAL, GLOBEX))
         base = text(post(http, {"model": "smollm", "messages": FRANCE, "temperature": 0,
                                 "max_tokens": 24}, REAL))
     assert acme.startswith(PHRASES["acme-support@v1"]), acme
@@ -325,6 +327,7 @@ def test_openai_client_gets_typed_errors(engines):
                                            extra_headers={"x-mesh-variant": v})
 
 
+@pytest.mark.slow  # test_in_place holds the goal on the sim; --all runs it on vLLM too
 def test_in_place_changes_on_the_real_engine_refuse_nothing(engines):
     """Issue 31's soak, short, on vLLM: adapter version flips, a system prompt and a
     residency bound, applied by ``serve deploy`` under the four client loops of

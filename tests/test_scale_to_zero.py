@@ -34,7 +34,7 @@ OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of the config
 AUTH = {"authorization": f"Bearer {OPS_KEY}"}
 CANARY = "smollm-v2"
 #: Serve's autoscaling for the module: zero after ~look_back + delay of no requests.
-SHORT = {"metrics_interval_s": 1, "look_back_period_s": 3, "downscale_delay_s": 8,
+SHORT = {"metrics_interval_s": 1, "look_back_period_s": 3, "downscale_delay_s": 5,
          "upscale_delay_s": 0, "max_replicas": 2}  # 2: "one replica started" can fail
 
 

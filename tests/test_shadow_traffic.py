@@ -53,8 +53,7 @@ def base_shadow(base) -> dict:
 @pytest.fixture(scope="module")
 def shadowed(mesh):
     mesh.base_cfg = mesh.deploy_shipped("shadow.yaml")
-    yield mesh
-    mesh.deploy(mesh.base_cfg)
+    return mesh
 
 
 def ask(http: httpx.Client, i: int, stream: bool) -> tuple[int, str, float]:

@@ -47,6 +47,16 @@ def test_profile_interpolates_the_decode_table_and_adds_prefill_and_adapters():
     assert PROFILE.step_s(batch=1, prefill_tokens=0, adapters=3) == pytest.approx(0.015)
 
 
+def test_a_scaled_profile_takes_that_share_of_every_duration():
+    quick = PROFILE.scaled(0.25)
+    for kw in ({"batch": 1, "prefill_tokens": 500, "adapters": 0},
+               {"batch": 9, "prefill_tokens": 40, "adapters": 3}):
+        assert quick.step_s(**kw) == pytest.approx(0.25 * PROFILE.step_s(**kw))
+    assert quick.adapter_load_s == pytest.approx(0.25 * PROFILE.adapter_load_s)
+    assert quick.description.endswith("every duration x0.25")
+    assert PROFILE.scaled(1) is PROFILE
+
+
 def test_shipped_profiles_load_and_name_their_source():
     assert "cpu-smollm2" in profile_names()
     for name in profile_names():

@@ -57,12 +57,17 @@ class SimArgs(Strict):
         reconfigure_s: seconds every ``reconfigure()`` of the replica takes before it applies
             the new ``user_config`` (Serve shows the replica UPDATING meanwhile): in-place
             change drills with a slow reconfigure.
+        time_scale: every duration of the profile times this (its prefill rate divided by
+            it): 0.25 runs this host's fitted profile four times faster, with the same
+            answers and the same order of events (:meth:`SimProfile.scaled`). ``start_s``
+            and ``reconfigure_s`` are not scaled.
     """
 
     profile: str = "cpu-smollm2"
     start_s: float | None = Field(default=None, ge=0)
     fail_start: str | None = None
     reconfigure_s: float = Field(default=0.0, ge=0, le=60)
+    time_scale: float = Field(default=1.0, gt=0, le=10)
 
     @field_validator("profile")
     @classmethod

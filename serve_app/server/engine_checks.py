@@ -7,7 +7,8 @@ deploy that changes its code version; the check imports vLLM and builds a ``Vllm
 a key of everything its verdict depends on: the ``args`` (engine args, model, engine), the
 installed vLLM's version, and the model's ``config.json`` and tokenizer config. Any change
 to one of them checks again; a refusal is never recorded. The record is a directory of empty
-files, ``$MESH_CACHE_DIR/engine-checks`` (default ``~/.cache/model-mesh``), safe to delete.
+files, ``$MESH_CACHE_DIR/engine-checks`` (default ``~/.cache/model-mesh``, or the system's
+temporary directory where the home directory cannot be written), safe to delete.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
+import tempfile
 from pathlib import Path
 
 from serve_app.common.config import VariantArgs
@@ -25,9 +28,16 @@ from serve_app.common.paths import resolve_model_path
 _MODEL_FILES = ("config.json", "tokenizer_config.json", "generation_config.json")
 
 
+logger = logging.getLogger(__name__)
+
+
 def _records() -> Path:
-    return Path(os.environ.get("MESH_CACHE_DIR", Path.home() / ".cache" / "model-mesh")
-                ) / "engine-checks"
+    if "MESH_CACHE_DIR" in os.environ:
+        return Path(os.environ["MESH_CACHE_DIR"]) / "engine-checks"
+    home = Path.home() / ".cache" / "model-mesh"
+    if os.access(home if home.exists() else Path.home(), os.W_OK):
+        return home / "engine-checks"
+    return Path(tempfile.gettempdir()) / "model-mesh" / "engine-checks"
 
 
 def _vllm_version() -> str:
@@ -68,5 +78,6 @@ def remember_accepted(args: VariantArgs) -> None:
     try:
         _records().mkdir(parents=True, exist_ok=True)
         (_records() / check_key(args)).touch()
-    except OSError:
-        pass
+    except OSError as e:
+        logger.warning("could not record the engine check (%s): the next build of these "
+                       "args checks again; set MESH_CACHE_DIR to a writable directory", e)

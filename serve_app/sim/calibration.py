@@ -119,18 +119,30 @@ async def measure(engine, route: str, adapter_names: list[str], *, quick: bool =
 
 
 def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: float,
-        start_s: float, kv_blocks: int, block_size: int, prompt_tokens: int) -> dict[str, Any]:
+        start_s: float, kv_blocks: int, block_size: int, prompt_tokens: int,
+        short_prompt_tokens: int) -> dict[str, Any]:
     """A profile (as a dict for :class:`~serve_app.sim.profile.SimProfile`) from real rows.
+
+    The decode table is each decode row's TPOT. A decode row's requests start in waves of
+    its concurrency c (they all generate the same tokens), so its TTFT is one step that
+    prefills c short prompts: the short-prompt prefill rate comes from the c=8 and c=32
+    rows. The prefill row's one long prompt takes longer than that rate says: the excess,
+    over n², is the quadratic part. The adapter rows' TTFT over the base rate gives the
+    extra prefill cost per token on an adapter, and their TPOT by k (distinct adapters)
+    the per-adapter step cost (slope) and the cost of any adapter (intercept).
 
     Args:
         load_s: median adapter load time, s. start_s: engine start time, s.
         kv_blocks, block_size: the real engine's KV cache.
-        prompt_tokens: tokens in a prefill row's prompt.
+        prompt_tokens: tokens in a prefill row's prompt; short_prompt_tokens: in the
+            other rows' prompts.
     """
     by = {r.name: r for r in rows}
     decode = {c: round(by[f"decode c={c}"].tpot_p50_s, 5) for c in CONCURRENCIES}
-    one_step = decode[1]
-    prefill_s = max(by["prefill"].ttft_p50_s - one_step, 1e-3)
+    wave = [(c, by[f"decode c={c}"].ttft_p50_s - decode[c]) for c in CONCURRENCIES if c > 1]
+    rate = statistics.fmean(c * short_prompt_tokens / max(s, 1e-3) for c, s in wave)
+    long_s = max(by["prefill"].ttft_p50_s - decode[1], 1e-3)
+    quadratic = max(long_s - prompt_tokens / rate, 0.0) / prompt_tokens ** 2
     # TPOT at concurrency 8 by distinct adapters: the slope is each adapter's step cost
     ks = list(ADAPTER_COUNTS)
     tpots = [by[f"adapters k={k}"].tpot_p50_s for k in ks]
@@ -138,8 +150,14 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
     slope = (sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, tpots))
              / sum((k - mean_k) ** 2 for k in ks))
     base_with_lora = mean_t - slope * mean_k  # TPOT at 8 running, 0 adapters, on a LoRA engine
+    # An adapter row's TTFT: a wave of 8 adapter prompts prefilled in one step
+    lora_prefill = statistics.fmean(
+        (by[f"adapters k={k}"].ttft_p50_s - tpot) / (8 * short_prompt_tokens) - 1 / rate
+        for k, tpot in zip(ks, tpots))
     return {"name": name, "description": description, "source": source,
-            "prefill_tokens_per_s": round(prompt_tokens / prefill_s, 1),
+            "prefill_tokens_per_s": round(rate, 1),
+            "prefill_s_per_token_squared": float(f"{quadratic:.3g}"),
+            "lora_prefill_s_per_token": round(max(lora_prefill, 0.0), 6),
             "decode_step_s": decode,
             "step_s_per_adapter": round(max(slope, 0.0), 5),
             "lora_step_s": round(max(base_with_lora - decode[8], 0.0), 5),

@@ -312,11 +312,11 @@ async def start_sim_async_llm(args: Any, vllm_config: Any,
     from serve_app.sim.profile import load_profile
 
     sim = args.sim or SimArgs()
-    profile = load_profile(sim.profile)
+    profile = load_profile(sim.profile).scaled(sim.time_scale)
     await asyncio.sleep(profile.engine_start_s if sim.start_s is None else sim.start_s)
     if sim.fail_start:
         raise RuntimeError(f"the simulated engine failed to start: {sim.fail_start}")
-    logger.info("simulated engine (profile %s) for model %s: no weights loaded",
-                profile.name, args.model)
+    logger.info("simulated engine (profile %s, time_scale %g) for model %s: no weights "
+                "loaded", profile.name, sim.time_scale, args.model)
     return SimAsyncLLM(vllm_config, profile=profile, model=args.model,
                        stat_loggers=stat_loggers)

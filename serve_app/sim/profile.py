@@ -9,7 +9,10 @@ decisions depend on (a continuous-batching engine stepping its running sequences
 * a step decodes one token for every running sequence: ``decode_step_s(batch)`` s, read off
   the profile's table by batch size (linear between rows, and past the last two rows);
 * a step that admits new sequences also prefills their *uncached* prompt tokens at
-  ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing);
+  ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing), plus
+  ``prefill_s_per_token_squared`` x n² for a sequence prefilling n tokens (attention over
+  the prompt: a 1,000-token prompt costs more than 50 prompts of 20), plus
+  ``lora_prefill_s_per_token`` for each prefilled token of a sequence on an adapter;
 * a batch with any LoRA adapter adds ``lora_step_s`` s, and every distinct adapter in it
   ``step_s_per_adapter`` s more (the Punica/S-LoRA gather cost, which grows with the
   adapters a batch mixes);
@@ -24,6 +27,7 @@ time per output token is the step time of the batches it runs in.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,7 +52,11 @@ class SimProfile(Strict):
         description: what engine, model and hardware it stands for.
         source: where the figures come from: the calibration run (command, date, host) or
             the published benchmarks and papers they are taken from.
-        prefill_tokens_per_s: uncached prompt tokens prefilled per second.
+        prefill_tokens_per_s: uncached prompt tokens prefilled per second (short prompts).
+        prefill_s_per_token_squared: seconds a sequence's prefill of n tokens takes more,
+            per n² (attention's quadratic part).
+        lora_prefill_s_per_token: seconds each prefilled token of a sequence on a LoRA
+            adapter takes more.
         decode_step_s: seconds per decode step by running sequences, ``{batch: s}``; at
             least one row, batch sizes ≥ 1.
         lora_step_s: seconds a step with any LoRA adapter in its batch takes more.
@@ -65,6 +73,8 @@ class SimProfile(Strict):
     description: str
     source: str
     prefill_tokens_per_s: float = Field(gt=0)
+    prefill_s_per_token_squared: float = Field(default=0.0, ge=0)
+    lora_prefill_s_per_token: float = Field(default=0.0, ge=0)
     decode_step_s: dict[int, float]
     lora_step_s: float = Field(default=0.0, ge=0)
     step_s_per_adapter: float = Field(default=0.0, ge=0)
@@ -94,10 +104,29 @@ class SimProfile(Strict):
         b0, b1, t0, t1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), min(times))
 
-    def step_s(self, *, batch: int, prefill_tokens: int, adapters: int) -> float:
+    def scaled(self, time_scale: float) -> SimProfile:
+        """This profile with every duration times ``time_scale`` (> 0) and the prefill rate
+        divided by it: the same engine, faster (< 1) or slower (> 1). Its ``description``
+        says so, so figures measured on it are labelled."""
+        if time_scale == 1:
+            return self
+        return self.model_copy(update={
+            "description": f"{self.description}, every duration x{time_scale:g}",
+            "prefill_tokens_per_s": self.prefill_tokens_per_s / time_scale,
+            "decode_step_s": {b: s * time_scale for b, s in self.decode_step_s.items()},
+            **{k: getattr(self, k) * time_scale for k in (
+                "lora_step_s", "step_s_per_adapter", "adapter_load_s", "adapter_unload_s",
+                "engine_start_s", "prefill_s_per_token_squared", "lora_prefill_s_per_token")}})
+
+    def step_s(self, *, batch: int, prefill_tokens: int, adapters: int,
+               prefill_lengths: Sequence[int] = (), lora_prefill_tokens: int = 0) -> float:
         """Seconds of one engine step: decode ``batch`` sequences, prefill
-        ``prefill_tokens`` uncached prompt tokens, with ``adapters`` distinct adapters."""
+        ``prefill_tokens`` uncached prompt tokens (``prefill_lengths``: each admitted
+        sequence's, for the quadratic part; ``lora_prefill_tokens``: those of sequences on
+        an adapter), with ``adapters`` distinct adapters."""
         return (self.decode_s(batch) + prefill_tokens / self.prefill_tokens_per_s
+                + self.prefill_s_per_token_squared * sum(n * n for n in prefill_lengths)
+                + self.lora_prefill_s_per_token * lora_prefill_tokens
                 + (self.lora_step_s if adapters else 0.0) + adapters * self.step_s_per_adapter)
 
 

@@ -127,7 +127,8 @@ class SimScheduler:
                  else list(self.waiting))
         loras = {r.lora for r in self.running.values() if r.lora}
         admitted: list[SimRequest] = []
-        prefill = 0
+        prefill = lora_prefill = 0
+        lengths: list[int] = []
         for req in order:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -139,6 +140,8 @@ class SimScheduler:
             req.cached_tokens = self.cache.insert(req.prompt_ids, req.lora)
             req.scheduled_at = now
             prefill += uncached
+            lengths.append(uncached)
+            lora_prefill += uncached if req.lora else 0
             admitted.append(req)
             self.running[req.request_id] = req
             if req.lora:
@@ -148,7 +151,8 @@ class SimScheduler:
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         batch = len(self.running)
         return Step(self.profile.step_s(batch=batch, prefill_tokens=prefill,
-                                        adapters=len(loras)),
+                                        adapters=len(loras), prefill_lengths=lengths,
+                                        lora_prefill_tokens=lora_prefill),
                     tuple(admitted), batch, len(loras), prefill)
 
     def finish(self, step: Step) -> list[Token]:
