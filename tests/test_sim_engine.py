@@ -12,6 +12,7 @@ import json
 import pytest
 
 from serve_app.common.config import VariantArgs
+from serve_app.sim import calibration
 from serve_app.sim.answers import AnswerBook
 from serve_app.sim.prefix_cache import PrefixCache
 from serve_app.sim.profile import SimProfile, load_profile, profile_names
@@ -55,6 +56,26 @@ def test_a_scaled_profile_takes_that_share_of_every_duration():
     assert quick.adapter_load_s == pytest.approx(0.25 * PROFILE.adapter_load_s)
     assert quick.description.endswith("every duration x0.25")
     assert PROFILE.scaled(1) is PROFILE
+
+
+def test_a_refit_moves_the_prefill_terms_by_the_recorded_gaps():
+    """Sim TTFT rows 30 % over the real ones (beyond one decode step): the prefill rate goes
+    up by that ratio, the LoRA cost down by the adapter rows' extra gap per token."""
+    def row(name, real, sim):
+        return {"row": name, "ttft_p50_s": {"real": real, "sim": sim}}
+    decode = {1: 0.1, 8: 0.2, 32: 0.3}
+    fit = [row("decode c=1", 0.2, 0.2), row("decode c=8", 0.2 + 1.0, 0.2 + 1.3),
+           row("decode c=32", 0.3 + 4.0, 0.3 + 5.2), row("prefill", 5.1, 5.1),
+           *(row(f"adapters k={k}", 2.0, 2.3 + 0.4) for k in calibration.ADAPTER_COUNTS)]
+    profile = {"prefill_tokens_per_s": 200.0, "lora_prefill_s_per_token": 0.01,
+               "decode_step_s": decode, "fit": fit}
+    out = calibration.refit(profile, prompt_tokens=1000, short_prompt_tokens=20)
+    assert out["prefill_tokens_per_s"] == pytest.approx(260.0)
+    assert out["prefill_s_per_token_squared"] == pytest.approx((5.0 - 1000 / 260) / 1e6,
+                                                               rel=1e-2)
+    assert out["lora_prefill_s_per_token"] == pytest.approx(0.01 - 0.4 / 160)
+    assert "fit" not in out
+    assert [r.ttft_p50_s for r in calibration.rows_from_fit(fit)][:2] == [0.2, 1.2]
 
 
 def test_shipped_profiles_load_and_name_their_source():

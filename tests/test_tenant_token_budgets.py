@@ -7,7 +7,6 @@ here; what they reserve is computed as the router does (:mod:`serve_app.ingress.
 from __future__ import annotations
 
 import copy
-import glob
 import json
 import time
 import uuid
@@ -134,9 +133,8 @@ def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
     assert all(r["headers"]["retry-after"] and r["headers"]["x-ratelimit-limit-tokens"] == "600"
                for r in refused)
     assert 600 - reservation < served <= 600 + reservation
-    routers = [f for f in glob.glob(
-        "/tmp/ray/session_latest/logs/serve/replica_mesh_MeshRouter_*.log")
-        if any(prefix in line for line in open(f))]
+    routers = [f for f in budgets.serve_logs.glob("replica_mesh_MeshRouter_*.log")
+               if any(prefix in line for line in open(f))]
     assert len(routers) == 2, routers
 
 

@@ -166,6 +166,50 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
             "block_size": block_size}
 
 
+def refit(profile: dict[str, Any], *, prompt_tokens: int, short_prompt_tokens: int
+          ) -> dict[str, Any]:
+    """``profile`` (a dict with the ``fit`` of its last run) with its prefill terms moved
+    so that the simulated TTFT rows come to the real ones.
+
+    :func:`fit` reads the prefill rate off the decode rows' TTFT as if a wave of c requests
+    were prefilled in one step; the sim, like vLLM, starts the wave's first arrival in a step
+    of its own, so its TTFT comes out higher than the real one. One correction from the
+    measured gap: the prefill rate by the ratio of (TTFT - TPOT) sim to real over the decode
+    rows with c > 1, the quadratic part recomputed for the long prompt at that rate, and the
+    LoRA prefill cost by the adapter rows' gap beyond the c=8 row's (the same wave of 8).
+    Run the sim rows again after it (``scripts/calibrate_sim.py --refit``)."""
+    rows = {r["row"]: r for r in profile["fit"]}
+    decode = profile["decode_step_s"]
+
+    def gap(name: str) -> tuple[float, float]:
+        t = rows[name]["ttft_p50_s"]
+        return t["sim"], t["real"]
+
+    ratios = []
+    for c in CONCURRENCIES[1:]:
+        sim, real = gap(f"decode c={c}")
+        ratios.append((sim - decode[c]) / max(real - decode[c], 1e-3))
+    rate = profile["prefill_tokens_per_s"] * statistics.fmean(ratios)
+    long_s = max(gap("prefill")[1] - decode[1], 1e-3)
+    quadratic = max(long_s - prompt_tokens / rate, 0.0) / prompt_tokens ** 2
+    over_8 = gap("decode c=8")[0] - gap("decode c=8")[1]
+    over_lora = statistics.fmean(s - r for s, r in (gap(f"adapters k={k}")
+                                                   for k in ADAPTER_COUNTS))
+    lora = profile.get("lora_prefill_s_per_token", 0.0) - (over_lora - over_8) / (
+        8 * short_prompt_tokens)
+    out = {k: v for k, v in profile.items() if k != "fit"}
+    out.update(prefill_tokens_per_s=round(rate, 1),
+               prefill_s_per_token_squared=float(f"{quadratic:.3g}"),
+               lora_prefill_s_per_token=round(max(lora, 0.0), 6))
+    return out
+
+
+def rows_from_fit(fit: list[dict[str, Any]]) -> list[Row]:
+    """The real rows a profile's ``fit`` recorded (tokens/s and TTFT p50)."""
+    return [Row(r["row"], tokens_per_s=r.get("tokens_per_s", {}).get("real"),
+                ttft_p50_s=r.get("ttft_p50_s", {}).get("real")) for r in fit]
+
+
 def errors(real: list[Row], sim: list[Row]) -> list[dict[str, Any]]:
     """Per row: the real and simulated tokens/s and TTFT p50, and each one's error
     (sim / real - 1)."""
