@@ -154,6 +154,8 @@ def test_metrics_per_route_and_variant(canary):
     assert any('status="401"' in line for line in lines), lines
 
 
+@pytest.mark.slow  # a replica killed: test_traffic_safety kills an engine mid-stream and its
+# callers fail over; test_dispatcher holds the failover rules
 def test_failover_before_first_byte_when_replica_dies(canary):
     """All traffic to smollm-v2, then its replica is killed: requests fail over to smollm-v1."""
     import ray

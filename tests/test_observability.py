@@ -140,9 +140,11 @@ def test_every_dashboard_panel_returns_data_and_a_rollout_report_is_written(obse
         # Every panel's query, through Prometheus's HTTP API, while the load goes on.
         missing = prometheus.without_data(observed.prometheus, queries, 180)
         assert not missing, f"panels without data: {missing}"
-        engines = prometheus.query(observed.prometheus,
-                                   "sum by (variant) (ray_vllm_num_requests_running)")
-        assert {r["metric"]["variant"] for r in engines} == {"smollm-v1", "smollm-v2"}
+        # Engine series carry the variant (a scrape between two exports may miss one: wait)
+        wait_for("engine series of both variants", lambda: {
+            r["metric"].get("variant") for r in prometheus.query(
+                observed.prometheus, "sum by (variant) (ray_vllm_num_requests_running)")}
+            == {"smollm-v1", "smollm-v2"}, timeout_s=60)
 
         # The rollout report, from the admin API and Prometheus.
         out = subprocess.run([sys.executable, "-m", "serve_app.cli", "rollout-report",

@@ -152,6 +152,7 @@ def kill_replica(mesh, app: str, deployment: str) -> None:
         time.sleep(1)
 
 
+@pytest.mark.slow  # a drill of router and controller restarts
 def test_rollout_state_survives_restarts_and_follows_deploys(rollouts):
     slow = {"id": "restart", "steps": [20, 50, 100], "min_requests": 1000, "min_step_s": 3600}
     rollouts.deploy(with_rollout(rollouts.base_cfg, slow))

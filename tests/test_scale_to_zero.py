@@ -109,6 +109,8 @@ def sleepy(mesh):
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # memory given back: test_real_engine; reaching zero: the next tests wait
+# for it from the deploy
 def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
     with sleepy.http() as http:
         if not running(sleepy):  # asleep since the deploy: wake it (a pinned request waits)
