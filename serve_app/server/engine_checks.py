@@ -26,8 +26,6 @@ from serve_app.common.paths import resolve_model_path
 
 #: Model files the check reads, whose content is part of the key.
 _MODEL_FILES = ("config.json", "tokenizer_config.json", "generation_config.json")
-
-
 logger = logging.getLogger(__name__)
 
 
