@@ -139,6 +139,9 @@ def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
 
 def test_requests_during_one_cold_start_all_answer_and_start_one_replica(sleepy):
     wait_until(lambda: not replicas(sleepy), 120, "the canary is at zero")
+    with sleepy.http() as http:  # the router reads Serve's status every few seconds
+        wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(CANARY, {}).get(
+            "state") == "zero", 30, "the router sees the canary at zero")
     seen, stop = [], threading.Event()
 
     def watch():  # the canary's replica count, and when the first one ran
