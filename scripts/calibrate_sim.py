@@ -82,6 +82,14 @@ def tokenizer_of(args: VariantArgs):
     return AutoTokenizer.from_pretrained(resolve_model_path(args.model))
 
 
+def prompt_sizes(tokenizer) -> dict[str, int]:
+    """Tokens in the prefill row's prompt and in the other rows' (``calibration.fit``'s
+    ``prompt_tokens`` and ``short_prompt_tokens``)."""
+    return {"prompt_tokens": len(tokenizer.encode(
+                calibration._prompt(0, calibration.PREFILL_WORDS))),
+            "short_prompt_tokens": len(tokenizer.encode(calibration._prompt(0)))}
+
+
 async def run(engine_kind: str, profile: str, quick: bool):
     from serve_app.server.engine import start_engine
 
@@ -93,12 +101,9 @@ async def run(engine_kind: str, profile: str, quick: bool):
         names, load_times = await load_adapters(engine)
         rows = await calibration.measure(engine, "smollm", names, quick=quick)
         cache = engine.engine.vllm_config.cache_config
-        tokenizer = engine.engine.renderer.tokenizer
-        prompt_tokens = len(tokenizer.encode(calibration._prompt(0, calibration.PREFILL_WORDS)))
-        short_prompt_tokens = len(tokenizer.encode(calibration._prompt(0)))
         return rows, dict(start_s=start_s, load_s=statistics.median(load_times),
                           kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
-                          prompt_tokens=prompt_tokens, short_prompt_tokens=short_prompt_tokens)
+                          **prompt_sizes(engine.engine.renderer.tokenizer))
     finally:
         engine.shutdown()
 
@@ -140,11 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         last = yaml.safe_load(path.read_text())
         real_rows = calibration.rows_from_fit(last["fit"])
-        tokenizer = tokenizer_of(variant_args("sim", args.name))
         profile = calibration.refit(
-            last, prompt_tokens=len(tokenizer.encode(
-                calibration._prompt(0, calibration.PREFILL_WORDS))),
-            short_prompt_tokens=len(tokenizer.encode(calibration._prompt(0))))
+            last, **prompt_sizes(tokenizer_of(variant_args("sim", args.name))))
         profile["source"] = last["source"].split(";")[0] + (
             f"; prefill terms refitted on {datetime.date.today()} (--refit)")
     else:

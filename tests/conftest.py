@@ -145,10 +145,11 @@ def mesh(tmp_path_factory) -> Mesh:
     # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
     # Metrics exported every second (Ray's minimum; 10 s by default), so tests that read
     # them wait on the value, not on a fixed sleep.
-    context = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=dash_port, configure_logging=False, log_to_driver=False,
-             _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
+    context = ray.init(address="local", num_cpus=4, include_dashboard=True,
+                       dashboard_host="127.0.0.1", dashboard_port=dash_port,
+                       configure_logging=False, log_to_driver=False,
+                       _metrics_export_port=metrics_port,
+                       _system_config={"metrics_report_interval_ms": 1000})
     m = Mesh(f"http://127.0.0.1:{dash_port}", http_port, tmp_path_factory.mktemp("configs"))
     m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     # This cluster's Serve logs (not /tmp/ray/session_latest, which may name another's)

@@ -141,8 +141,7 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
     decode = {c: round(by[f"decode c={c}"].tpot_p50_s, 5) for c in CONCURRENCIES}
     wave = [(c, by[f"decode c={c}"].ttft_p50_s - decode[c]) for c in CONCURRENCIES if c > 1]
     rate = statistics.fmean(c * short_prompt_tokens / max(s, 1e-3) for c, s in wave)
-    long_s = max(by["prefill"].ttft_p50_s - decode[1], 1e-3)
-    quadratic = max(long_s - prompt_tokens / rate, 0.0) / prompt_tokens ** 2
+    quadratic = _quadratic(by["prefill"].ttft_p50_s, decode[1], prompt_tokens, rate)
     # TPOT at concurrency 8 by distinct adapters: the slope is each adapter's step cost
     ks = list(ADAPTER_COUNTS)
     tpots = [by[f"adapters k={k}"].tpot_p50_s for k in ks]
@@ -164,6 +163,14 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
             "adapter_load_s": round(load_s, 4), "adapter_unload_s": 0.0,
             "engine_start_s": round(start_s, 1), "kv_blocks": kv_blocks,
             "block_size": block_size}
+
+
+def _quadratic(long_ttft_s: float, one_step_s: float, prompt_tokens: int, rate: float
+               ) -> float:
+    """The quadratic prefill term (s per token²): what the prefill row's long prompt took
+    (its TTFT less one decode step) beyond ``rate`` (tokens/s), over its tokens squared."""
+    long_s = max(long_ttft_s - one_step_s, 1e-3)
+    return max(long_s - prompt_tokens / rate, 0.0) / prompt_tokens ** 2
 
 
 def refit(profile: dict[str, Any], *, prompt_tokens: int, short_prompt_tokens: int
@@ -190,9 +197,9 @@ def refit(profile: dict[str, Any], *, prompt_tokens: int, short_prompt_tokens: i
         sim, real = gap(f"decode c={c}")
         ratios.append((sim - decode[c]) / max(real - decode[c], 1e-3))
     rate = profile["prefill_tokens_per_s"] * statistics.fmean(ratios)
-    long_s = max(gap("prefill")[1] - decode[1], 1e-3)
-    quadratic = max(long_s - prompt_tokens / rate, 0.0) / prompt_tokens ** 2
-    over_8 = gap("decode c=8")[0] - gap("decode c=8")[1]
+    quadratic = _quadratic(gap("prefill")[1], decode[1], prompt_tokens, rate)
+    sim_8, real_8 = gap("decode c=8")
+    over_8 = sim_8 - real_8
     over_lora = statistics.fmean(s - r for s, r in (gap(f"adapters k={k}")
                                                    for k in ADAPTER_COUNTS))
     lora = profile.get("lora_prefill_s_per_token", 0.0) - (over_lora - over_8) / (
