@@ -200,3 +200,97 @@ def test_max_adapters_per_replica_above_max_cpu_loras_is_refused_with_the_fix(co
     with pytest.raises(AdapterError, match="max_cpu_loras=4"):
         asyncio.run(adapters.reconcile(refs[:2], manifest, max_resident=5))
     assert adapters.active == {}
+
+
+def test_a_wait_for_an_adapter_slot_ends_in_adapter_capacity_and_evicts_nothing(copies):
+    """Issue 28: with its one slot held by a running request, a request for another adapter
+    waits its ``wait_s`` (the route's ``queue_timeout_s``), then gets 503 ``adapter_capacity``
+    with ``Retry-After``; nothing was evicted or loaded for it, and its count is given back."""
+    manifest, refs = copies
+    adapters, rec = adapter_set(FakeLoRAModels())
+
+    async def main():
+        await adapters.reconcile(refs[:2], manifest, max_resident=1)
+        held = await adapters.acquire(refs[0][0])  # a long stream holds the only slot
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(MeshError) as refused:
+            await adapters.acquire(refs[1][0], wait_s=0.2)
+        waited = loop.time() - t0
+        adapters.release(held)
+        await asyncio.sleep(0.05)  # a load left behind would evict the idle one now
+        return refused.value, waited, held
+
+    e, waited, held = asyncio.run(main())
+    assert (e.status, e.code) == (503, "adapter_capacity"), e.message
+    assert int(e.headers["Retry-After"]) > 0 and "max_adapters_per_replica" in e.message
+    assert 0.2 <= waited < 1.0
+    assert adapters.resident_names() == [held.lora_name]
+    assert rec.count("evicted") == 0 and rec.count("loaded") == 1
+    assert adapters.active[f"{refs[1][0]}@v1"].in_flight == 0
+
+
+def test_a_waiter_that_leaves_drops_its_load_and_one_that_stays_gets_it(copies):
+    """Issue 28: the only request waiting for a load leaves (its client disconnected): the
+    load is dropped, so releasing the slot evicts nothing. A load with a waiter left after
+    another leaves still happens."""
+    manifest, refs = copies
+    adapters, rec = adapter_set(FakeLoRAModels())
+
+    async def main():
+        await adapters.reconcile(refs[:3], manifest, max_resident=1)
+        held = await adapters.acquire(refs[0][0])
+        gone = asyncio.ensure_future(adapters.acquire(refs[1][0], wait_s=30))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # the client left
+        await asyncio.gather(gone, return_exceptions=True)
+        adapters.release(held)
+        await asyncio.sleep(0.05)
+        after_leaving = (adapters.resident_names(), rec.count("evicted"))
+        held = await adapters.acquire(refs[0][0])
+        a = asyncio.ensure_future(adapters.acquire(refs[2][0], wait_s=30))
+        b = asyncio.ensure_future(adapters.acquire(refs[2][0], wait_s=30))
+        await asyncio.sleep(0.05)
+        a.cancel()
+        await asyncio.gather(a, return_exceptions=True)
+        adapters.release(held)
+        live = await asyncio.wait_for(b, 5)
+        return after_leaving, live
+
+    (resident, evicted), live = asyncio.run(main())
+    assert resident == [f"{refs[0][0]}@v1"] and evicted == 0
+    assert adapters.resident_names() == [live.lora_name] == [f"{refs[2][0]}@v1"]
+
+
+def test_an_adapter_is_removed_only_once_the_engine_holds_no_request_on_it(copies):
+    """Issue 28: a client left mid-stream, so the request is released here while vLLM has not
+    yet aborted it; the eviction that a waiting load makes removes the adapter from the engine
+    only after the engine's own state (its output processor) no longer holds that request."""
+    manifest, refs = copies
+    removed: list[tuple[int, int]] = []  # (lora_int_id, engine requests on it at removal)
+    states: dict[str, SimpleNamespace] = {}
+
+    async def remove_lora(lora_int_id):
+        removed.append((lora_int_id, sum(1 for s in states.values()
+                                         if s.lora_name == f"{refs[0][0]}@v1")))
+
+    engine = SimpleNamespace(remove_lora=remove_lora,
+                             output_processor=SimpleNamespace(request_states=states))
+    adapters = AdapterSet(FakeLoRAModels(), engine, base_model=DEFAULT_MODEL_NAME,
+                          max_lora_rank=16, max_cpu_loras=8)
+
+    async def main():
+        await adapters.reconcile(refs[:2], manifest, max_resident=1)
+        held = await adapters.acquire(refs[0][0])
+        states["chatcmpl-1"] = SimpleNamespace(lora_name=held.lora_name)  # in the engine
+        waiting = asyncio.ensure_future(adapters.acquire(refs[1][0], wait_s=30))
+        await asyncio.sleep(0.05)
+        adapters.release(held)  # released before vLLM has aborted it
+        await asyncio.sleep(0.2)
+        assert not removed and not waiting.done()  # the eviction waits for the engine
+        del states["chatcmpl-1"]  # vLLM aborted it
+        return await asyncio.wait_for(waiting, 5)
+
+    live = asyncio.run(main())
+    assert len(removed) == 1 and removed[0][1] == 0
+    assert adapters.resident_names() == [live.lora_name]

@@ -16,6 +16,9 @@ kind           cause                                       status    fails over?
                dead or unavailable, engine dead, Serve     Retry-    the first
                backpressure, a timeout before the first    After     byte
                byte, an injected fault (drills)
+``CAPACITY``   the variant is busy, not broken: a request  503 +     no           no
+               waited ``queue_timeout_s`` for an adapter   Retry-
+               slot on its replica                         After
 ``INTERNAL``   an unexpected exception inside a live       500       no           no
                replica
 =============  ==========================================  ========  ===========  ===========
@@ -50,6 +53,7 @@ class Failure(str, enum.Enum):
 
     REQUEST = "request_error"
     VARIANT = "variant_failure"
+    CAPACITY = "capacity"
     INTERNAL = "internal_error"
 
 

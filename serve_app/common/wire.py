@@ -51,6 +51,8 @@ class GenerateRequest:
         session: the caller's conversation, ``<tenant>/<x-session-id or user>``; None when
             the caller gave neither. The replica router keeps a session on one replica
             (:mod:`serve_app.ingress.replica_affinity`).
+        queue_timeout_s: the route's ``queue_timeout_s``, s: the longest the replica lets it
+            wait for an adapter slot (then 503 ``adapter_capacity``).
     """
 
     endpoint: Literal["chat", "completion"]
@@ -59,6 +61,7 @@ class GenerateRequest:
     priority: int = 0
     request_id: str | None = None
     session: str | None = None
+    queue_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,14 @@ def _error_of(head: Head) -> MeshError:
                      param=fields.get("param"), code=str(code) if code is not None else None)
 
 
+def _error_kind(head: Head) -> str | None:
+    """The metric error kind of a whole answer: ``internal_error``, the code of a capacity
+    refusal (``adapter_capacity``), else None (its status says it)."""
+    if head.failure is Failure.INTERNAL:
+        return "internal_error"
+    return _error_of(head).code if head.failure is Failure.CAPACITY else None
+
+
 class Dispatcher:
     """Calls variants for planned requests.
 
@@ -102,8 +110,7 @@ class Dispatcher:
             usage = head.usage or Usage()
             if account.capture is not None:  # a mirrored request's answer
                 account.capture.json_body = head.body
-            account.finish(head.status, usage=usage, error_kind="internal_error"
-                           if head.failure is Failure.INTERNAL else None)
+            account.finish(head.status, usage=usage, error_kind=_error_kind(head))
             return Response(head.body, status_code=head.status, media_type="application/json",
                             headers=headers)
         raise self._none_left(plan)

@@ -272,7 +272,8 @@ class RequestPlanner:
         rc = self.config.routes[route]
         return RequestPlan(
             request=GenerateRequest(endpoint, body, version, priority, request_id,
-                                    session=conversation(session_id, body, tenant)),
+                                    session=conversation(session_id, body, tenant),
+                                    queue_timeout_s=rc.admission.queue_timeout_s),
             route=route, adapter=adapter, candidates=tuple(candidates), arms=tuple(arms),
             tenant=tenant, top_priority=priority <= self.top_priority,
             queue_timeout_s=rc.admission.queue_timeout_s, identity=identity, shadow=rc.shadow,

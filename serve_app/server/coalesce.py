@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -28,18 +29,21 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
     Non-string items (the stream's :class:`~serve_app.common.wire.Tail`) are passed on as
     they are, after the text before them. ``interval_s`` <= 0 passes every item on at once.
     An exception of ``items`` is raised here, after the text before it. Closing this
-    generator (the client left) cancels the reading of ``items``.
+    generator (the client left) closes ``items`` and returns once it is closed (so what
+    ``items`` holds, an engine request, is let go before the caller goes on).
     """
     if interval_s <= 0:
-        async for item in items:
-            yield item
+        async with aclosing(items) as each:
+            async for item in each:
+                yield item
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump() -> None:
         try:
-            async for item in items:
-                queue.put_nowait(item)
+            async with aclosing(items) as each:
+                async for item in each:
+                    queue.put_nowait(item)
         except Exception as e:  # noqa: BLE001 -- re-raised on the consumer side
             queue.put_nowait(e)
         queue.put_nowait(_END)
@@ -68,3 +72,4 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
                     yield x
     finally:
         reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)  # items closed when it returns

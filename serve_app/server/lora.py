@@ -12,7 +12,11 @@ name ``name@vN`` (so prefix-cache blocks of one version are never reused for ano
   requests for a cold adapter shares one load. When the replica is full, the least recently
   used resident adapter with **no request in flight** is unloaded first (Serve's own
   multiplexing LRU, checked in Ray 2.60, evicts without asking whether the model is in use);
-  when every resident adapter is in use, the load waits until one is released.
+  when every resident adapter is in use, the load waits until one is released. A request
+  waits for that at most its route's ``queue_timeout_s``, then gets 503 ``adapter_capacity``
+  with ``Retry-After`` (the replica is busy, not broken: no failover, nothing against a
+  rollout); when every request waiting for a load has left, the load is dropped before it
+  evicts anything.
 - At ``reconcile`` the declared adapters are preloaded in config order while there is room
   without evicting anything, so a variant with a few adapters serves them all warm, as before.
 - a new version of a served name takes new requests at once; requests in flight finish on the
@@ -50,6 +54,13 @@ logger = get_logger(__name__)
 #: ``evicted`` (unloaded to make room), ``unloaded`` (retired and idle), ``refused``,
 #: ``waited`` (a request waited for its adapter to load), ``hit`` (it was resident).
 EVENTS = ("loaded", "evicted", "unloaded", "refused", "waited", "hit")
+#: Longest wait for the engine to let go of an adapter's last requests before unloading it,
+#: s (an abort takes one engine step).
+ENGINE_DRAIN_S = 10.0
+#: The error code of a request that waited ``queue_timeout_s`` for an adapter slot.
+ADAPTER_CAPACITY = "adapter_capacity"
+#: ``Retry-After`` of ``adapter_capacity``, s: about one request's time on a busy replica.
+ADAPTER_CAPACITY_RETRY_AFTER_S = 5
 
 
 @dataclass
@@ -66,6 +77,17 @@ class LiveAdapter:
     def lora_name(self) -> str:
         """Its name in vLLM's ``OpenAIServingModels``: ``name@vN``."""
         return self.spec.key
+
+
+@dataclass
+class _Load:
+    """A load under way, shared by the requests waiting for it (a burst loads once)."""
+
+    task: asyncio.Task
+    live: LiveAdapter
+    waiters: int = 0  # requests waiting for it
+    keep: bool = False  # wanted without a waiter (reconcile's warm-up): never dropped
+    loading: bool = False  # past waiting for room: vLLM is loading it
 
 
 class AdapterSet:
@@ -97,8 +119,7 @@ class AdapterSet:
         self.resident: OrderedDict[str, LiveAdapter] = OrderedDict()  # LRU first
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
         self.load_seconds: dict[str, float] = {}  # "name@vN" -> last load time, s
-        # loads under way, shared by a burst: key -> (the load, the object it makes resident)
-        self._loads: dict[str, tuple[asyncio.Future, LiveAdapter]] = {}
+        self._loads: dict[str, _Load] = {}  # loads under way, by key
         self.load_errors: dict[str, str] = {}  # "name@vN" -> vLLM's last load error
         self._loading = 0  # loads under way, counted against max_resident
         self._room = asyncio.Event()  # set when an adapter is released or unloaded
@@ -137,7 +158,8 @@ class AdapterSet:
             for key in wanted:
                 if key in self.active:
                     continue
-                held = self.resident.get(key) or self._loads.get(key, (None, None))[1]
+                load = self._loads.get(key)
+                held = self.resident.get(key) or (load.live if load else None)
                 if held is not None:  # draining or loading: take it back, one object per key
                     self.active[key] = held
                     logger.info("adapter %s serves new requests again", key)
@@ -193,31 +215,54 @@ class AdapterSet:
 
     # -- residency ---------------------------------------------------------------------------
 
-    async def _load_shared(self, live: LiveAdapter) -> None:
-        """Make ``live`` resident; concurrent callers share one load."""
+    async def _load_shared(self, live: LiveAdapter, wait_s: float | None = None,
+                           waiter: bool = False) -> None:
+        """Make ``live`` resident; concurrent callers share one load.
+
+        Args:
+            wait_s: longest wait, s (None: no bound).
+            waiter: a request waits for it: when every waiter has left (timed out, client
+                gone) while the load still waits for room, the load is dropped.
+
+        Raises:
+            asyncio.TimeoutError: not resident within ``wait_s``.
+        """
         if live.lora_name in self.resident:
             self.resident.move_to_end(live.lora_name)
             return
-        if live.lora_name in self._loads:
-            load = self._loads[live.lora_name][0]
-        else:
-            load = asyncio.ensure_future(self._make_resident(live))
-            self._loads[live.lora_name] = (load, live)
-            load.add_done_callback(lambda _, key=live.lora_name: self._loads.pop(key, None))
-        # shield: a caller that leaves (client disconnect) does not cancel the others' load
-        await asyncio.shield(load)
+        load = self._loads.get(live.lora_name)
+        if load is None:
+            load = _Load(asyncio.ensure_future(self._make_resident(live)), live)
+            self._loads[live.lora_name] = load
+            load.task.add_done_callback(
+                lambda _, key=live.lora_name, mine=load: self._loads.get(key) is mine
+                and self._loads.pop(key))
+        load.waiters += waiter
+        load.keep = load.keep or not waiter
+        try:
+            # shield: a caller that leaves does not cancel the others' load
+            await asyncio.wait_for(asyncio.shield(load.task), wait_s)
+        finally:
+            load.waiters -= waiter
+            if waiter and not (load.waiters or load.keep or load.loading or load.task.done()):
+                logger.info("adapter %s: every request waiting for it left; its load is "
+                            "dropped before it evicts anything", live.lora_name)
+                load.task.cancel()
 
     async def _make_resident(self, live: LiveAdapter) -> None:
         while len(self.resident) + self._loading >= self.max_resident:
             victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
             if victim is not None:
                 try:
-                    await self._unload(victim, "evicted")
+                    await asyncio.shield(self._unload(victim, "evicted"))  # once begun, ends
                 except Exception as e:  # noqa: BLE001 -- it left `resident` already; go on
                     logger.error("adapter %s: unload failed: %s", victim.lora_name, e)
                 continue
             self._room.clear()  # every resident adapter is in use: wait for a release
             await self._room.wait()
+        load = self._loads.get(live.lora_name)
+        if load is not None:
+            load.loading = True  # from here on, vLLM loads it for whoever comes next
         self._loading += 1
         try:
             await self._load(live)
@@ -262,6 +307,7 @@ class AdapterSet:
         del self.resident[live.lora_name]  # before awaiting: no second unload, room is counted
         lora_int_id, live.lora_int_id = live.lora_int_id, 0
         try:
+            await self._engine_done_with(live.lora_name)
             await self.models.unload_lora_adapter(
                 UnloadLoRAAdapterRequest(lora_name=live.lora_name))
             await self.engine.remove_lora(lora_int_id)
@@ -271,18 +317,40 @@ class AdapterSet:
         logger.info("adapter %s %s (%d of %d resident)", live.lora_name, event,
                     len(self.resident), self.max_resident)
 
+    def _engine_requests_on(self, lora_name: str) -> int:
+        """Requests the engine itself still holds on ``lora_name`` (its output processor's
+        states; a request our side has let go of is aborted a moment later)."""
+        states = getattr(getattr(self.engine, "output_processor", None), "request_states", {})
+        return sum(1 for r in list(states.values()) if getattr(r, "lora_name", None) == lora_name)
+
+    async def _engine_done_with(self, lora_name: str) -> None:
+        """Wait until the engine holds no request on ``lora_name`` (at most
+        :data:`ENGINE_DRAIN_S`): a request whose client left is released here before vLLM
+        has aborted it, and its adapter must not be removed under it."""
+        deadline = time.monotonic() + ENGINE_DRAIN_S
+        while (n := self._engine_requests_on(lora_name)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if n:
+            logger.warning("adapter %s: the engine still holds %d request(s) on it after %.0f "
+                           "s; unloading it anyway", lora_name, n, ENGINE_DRAIN_S)
+
     # -- requests ----------------------------------------------------------------------------
 
-    async def acquire(self, adapter: str) -> LiveAdapter:
+    async def acquire(self, adapter: str, wait_s: float | None = None) -> LiveAdapter:
         """The version that takes this request, made resident; count the request on it.
 
         Args:
             adapter: ``name@vN`` for one version, or ``name`` for its default version (the
                 first one listed in the config).
+            wait_s: longest wait for room to load it, s (the route's ``queue_timeout_s``;
+                None: no bound).
 
         Raises:
-            MeshError: 404 if this variant does not declare it; 503 (a variant failure) if
-                the load failed (vLLM's reason in :attr:`load_errors`; the next request tries again).
+            MeshError: 404 if this variant does not declare it; 503 ``adapter_capacity``
+                with ``Retry-After`` if every resident adapter stayed in use for ``wait_s``
+                (the replica is busy); 503 ``adapter_load_failed`` (a variant failure) if
+                the load failed (vLLM's reason in :attr:`load_errors`; the next request tries
+                again).
         """
         live = self.active.get(self.default.get(adapter, adapter))
         if live is None:
@@ -295,7 +363,15 @@ class AdapterSet:
             return live
         self.on_event(live.lora_name, "waited", None)
         try:
-            await self._load_shared(live)
+            await self._load_shared(live, wait_s, waiter=True)
+        except asyncio.TimeoutError:
+            self.release(live)
+            raise MeshError(503, f"adapter {live.lora_name} could not be loaded within "
+                            f"queue_timeout_s {wait_s:g}: this replica's "
+                            f"{self.max_resident} adapter slot(s) (max_adapters_per_replica) "
+                            f"stayed in use by other adapters' requests; retry later",
+                            code=ADAPTER_CAPACITY, headers={
+                                "Retry-After": str(ADAPTER_CAPACITY_RETRY_AFTER_S)}) from None
         except BaseException as e:
             self.release(live)
             if isinstance(e, Exception):  # not a cancellation: the variant's fault, fail over

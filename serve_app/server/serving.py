@@ -42,7 +42,7 @@ from serve_app.common.wire import (REPLICA_HEADER, Accepted, GenerateRequest, He
                                    Tail, Usage, sse_error)
 from serve_app.control.resident_policy import EVICTED, IDLE_S, IN_FLIGHT
 from serve_app.server.coalesce import coalesce
-from serve_app.server.lora import AdapterSet
+from serve_app.server.lora import ADAPTER_CAPACITY, AdapterSet
 from serve_app.server.openai_body import (engine_body, for_client, in_band_error, usage_chunk,
                                           wants_structured_output)
 
@@ -214,29 +214,41 @@ class ReplicaServer:
             route, _, adapter = requested.partition(":")
             if adapter and self._serves_merged(request.adapter_version or adapter):
                 # the model's own weights are this adapter: no LoRA, the base's speed
-                async for item in self._generate(request, route):
-                    yield for_client(item, route, requested, self.merged)
+                async with aclosing(self._generate(request, route)) as items:
+                    async for item in items:
+                        yield for_client(item, route, requested, self.merged)
                 return
             if adapter:
                 try:
-                    live = await self.adapters.acquire(request.adapter_version or adapter)
-                except MeshError as e:  # 404: not declared here; 503: the load failed
-                    # On a merged variant, another version of its adapter is the router's
-                    # stale view, not the client's fault: fail over to the LoRA path.
-                    stale = self.merged and adapter_name(self.merged) == adapter
-                    yield Head(e.status, json.dumps(e.body()),
-                               failure=Failure.REQUEST if e.status < 500 and not stale
-                               else Failure.VARIANT)
+                    live = await self.adapters.acquire(request.adapter_version or adapter,
+                                                       wait_s=request.queue_timeout_s)
+                except MeshError as e:  # 404: not declared; 503: no room, or the load failed
+                    yield Head(e.status, json.dumps(e.body()), headers=e.headers,
+                               failure=self._adapter_failure(e, adapter))
                     return
-            async for item in self._generate(request, live.lora_name if live else None):
-                yield for_client(item, live.lora_name, requested, live.lora_name) if live \
-                    else item
+            # Closed here, before the adapter is released below: the engine request stops
+            # (vLLM aborts it as its generator closes) before the adapter may be unloaded.
+            async with aclosing(self._generate(request, live.lora_name if live else None)
+                                ) as items:
+                async for item in items:
+                    yield for_client(item, live.lora_name, requested, live.lora_name) \
+                        if live else item
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self.idle_since = time.monotonic()
             if live is not None:
                 self.adapters.release(live)
+
+    def _adapter_failure(self, e: MeshError, adapter: str) -> Failure:
+        """The kind of an adapter refusal: ``adapter_capacity`` is the replica being busy
+        (:data:`Failure.CAPACITY`); a 404 is the client's (on a merged variant, another
+        version of its adapter is the router's stale view: a variant failure, so the LoRA
+        path serves it); a failed load is the variant's."""
+        if e.code == ADAPTER_CAPACITY:
+            return Failure.CAPACITY
+        stale = self.merged and adapter_name(self.merged) == adapter
+        return Failure.REQUEST if e.status < 500 and not stale else Failure.VARIANT
 
     def _serves_merged(self, adapter: str) -> bool:
         """``adapter`` (``name`` or ``name@vN``) is the version merged into the model."""
@@ -296,9 +308,10 @@ class ReplicaServer:
         else:
             yield Head(200, stream=True)
             interval_s = (self.config.stream_batching_interval_ms if self.config else 0) / 1000
-            async for item in coalesce(self._stream(result, body, client_wants_usage),
-                                       interval_s):
-                yield item
+            async with aclosing(coalesce(self._stream(result, body, client_wants_usage),
+                                         interval_s)) as items:
+                async for item in items:
+                    yield item
 
     async def _stream(self, lines: AsyncIterator[str], body: dict[str, Any],
                       client_wants_usage: bool) -> AsyncIterator[str | Tail]:
@@ -307,7 +320,7 @@ class ReplicaServer:
         in-band error event the engine ended the stream with."""
         tail = Tail()
         try:
-            async for line in lines:
+            async for line in _closing(lines):
                 if (error := in_band_error(line)) is not None:
                     verdict = self._classify(body, None, code=int(error.get("code") or 500),
                                              message=str(error.get("message")))
@@ -326,3 +339,11 @@ class ReplicaServer:
             logger.warning("variant %s: stream ended with an in-band error (%s): %s",
                            self.variant, tail.failure.value, tail.message[:500])
         yield tail
+
+
+async def _closing(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``lines`` (vLLM's SSE generator), closed when this generator is: closing it is what
+    makes vLLM abort the engine request, so it must not wait for garbage collection."""
+    async with aclosing(lines) as items:
+        async for line in items:
+            yield line
