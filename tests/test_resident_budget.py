@@ -247,3 +247,31 @@ def test_a_replicas_eviction_lapses_and_can_be_undone():
     assert s.autoscaling_stats()[EVICTED] == 0.0  # lapsed: a router that died leaves nothing
     stats = s.autoscaling_stats()
     assert stats[IN_FLIGHT] == 0.0 and stats[IDLE_S] > 0.0
+
+
+def test_one_eviction_never_holds_up_another_cold_start(budget):
+    """Issue 28: while b's cold start waits for a's eviction (a takes its time to stop), a
+    request for d, which already runs, needs no room and is not held behind that eviction;
+    a cold start of c meanwhile is refused at once, since a is already spoken for and b is
+    waking (the budget is one)."""
+    async def main():
+        budget.apps["d"] = {"RUNNING": 1}
+        budget.budget.configure(2, evict_timeout_s=5.0)
+        budget.apps["b"] = {}
+        await budget.view.refresh()
+        budget.replicas.stubborn.add("a")  # a takes a while to stop
+        budget.view.waking.add("b")  # as ColdStarts.wake does
+        room_b = asyncio.ensure_future(budget.budget.make_room("b"))
+        await asyncio.sleep(0.05)
+        assert not room_b.done() and budget.view.evicting == {"a"}
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(budget.budget.make_room("d"), 1.0)  # runs: no room needed
+        budget.view.waking.add("c")
+        with pytest.raises(MeshError, match="resident_budget|budget of 2"):
+            await asyncio.wait_for(budget.budget.make_room("c"), 1.0)
+        quick = asyncio.get_running_loop().time() - t0
+        budget.apps["a"] = {}  # a stopped: b goes on
+        await asyncio.wait_for(room_b, 2.0)
+        return quick
+
+    assert asyncio.run(main()) < 1.0

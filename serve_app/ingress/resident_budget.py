@@ -19,7 +19,9 @@ swapping: keep the models in use resident, swap the rest out). A cold start
    evicted.
 4. With nothing evictable: 503 ``resident_budget_full`` with ``Retry-After``.
 
-One lock orders the router's cold starts, so two at once do not both take the last room.
+One lock orders the router's choices of room, so two cold starts at once do not both take
+the last room; it is not held while an eviction runs, so one eviction never holds up another
+cold start.
 Each router replica keeps its own view (the Serve controller's replica counts, ~1 s old):
 two routers that start different variants at the same moment may pass the budget by one.
 """
@@ -131,10 +133,11 @@ class ResidentBudget:
             self._evictions[victim] = task
             task.add_done_callback(lambda t: self._evictions.get(victim) is t
                                    and self._evictions.pop(victim))
-            stopped = await asyncio.shield(task)
-            if not stopped:
-                raise self._full(application, resident, f"{victim} did not stop within "
-                                 f"evict_timeout_s {self.evict_timeout_s:g}")
+        # Not under the lock: an eviction takes up to evict_timeout_s, and other cold starts
+        # meanwhile choose among the rest (this victim is evicting: it is not chosen twice).
+        if not await asyncio.shield(task):
+            raise self._full(application, resident, f"{victim} did not stop within "
+                             f"evict_timeout_s {self.evict_timeout_s:g}")
 
     async def _evict(self, victim: str, for_application: str, send: bool = True) -> bool:
         """Evict ``victim`` (``send``; else it is stopping already) and wait until it has no
