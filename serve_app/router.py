@@ -89,7 +89,7 @@ class MeshRouter:
         self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
         self.budget = ResidentBudget(self._handle, self.availability, self._busy, self.metrics)
         self.cold_starts = ColdStarts(self._handle, self.availability, self.metrics,
-                                      self.budget)
+                                      self.budget, self._admission_of, self._cold_start_limit_s)
         self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability,
                                      self.cold_starts)
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
@@ -144,6 +144,13 @@ class MeshRouter:
                 queue.set_capacity(self.availability.slots(v.application),
                                    self.availability.full_batch_service_s(v.application))
         self.metrics.refresh_gauges(self.availability.states())
+
+    def _cold_start_limit_s(self, application: str) -> float:
+        """How long a cold start of ``application`` may take before it counts as failed, s:
+        the largest ``cold_start_timeout_s`` of the routes it serves."""
+        routes = self.config.routes.values() if self.config else ()
+        return max((rc.cold_start_timeout_s for rc in routes
+                    if any(v.application == application for v in rc.variants)), default=180.0)
 
     def _busy(self, application: str) -> bool:
         """This router has requests (or shadow mirrors) in flight or queued for

@@ -16,7 +16,7 @@ import serve_app.ingress.availability as availability
 import serve_app.ingress.cold_start as cold_start
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage
-from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.admission import VariantAdmission, request_size
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.ingress.cold_start import ColdStarts
 from serve_app.ingress.dispatch import Dispatcher
@@ -28,11 +28,13 @@ from test_dispatcher import FakeStream, Metrics
 INFO = ReplicaInfo(("acme@v1",), max_num_seqs=8)
 
 
-def status_of(apps: dict[str, dict]):
-    """serve.status() for {app: {"RUNNING": n, "STARTING": m}}."""
+def status_of(apps: dict[str, dict], messages: dict[str, str] | None = None):
+    """serve.status() for {app: {"RUNNING": n, "STARTING": m}}, with the deployments'
+    ``messages`` (the controller's words on a replica that failed to start)."""
     return SimpleNamespace(applications={
         name: SimpleNamespace(status="RUNNING", deployments={
-            "LLMReplica": SimpleNamespace(replica_states=states)})
+            "LLMReplica": SimpleNamespace(replica_states=states,
+                                          message=(messages or {}).get(name, ""))})
         for name, states in apps.items()})
 
 
@@ -74,8 +76,9 @@ class Replicas:
 def mesh(monkeypatch):
     """(availability, replicas, dispatcher, admissions) for v1 (always on, down here) and
     v2 (scales to zero, at zero)."""
-    apps = {"v1": {}, "v2": {}}
-    monkeypatch.setattr(availability.serve, "status", lambda: status_of(apps))
+    apps, messages = {"v1": {}, "v2": {}}, {}
+    monkeypatch.setattr(availability.serve, "status", lambda: status_of(apps, messages))
+    monkeypatch.setattr(cold_start, "START_ERROR_CHECK_S", 0.02)
     monkeypatch.setattr(availability, "serve_details", lambda: details_of({"v2"}))
     monkeypatch.setattr(cold_start, "COMMENT_EVERY_S", 0.05)
     replicas = Replicas(apps)
@@ -83,9 +86,9 @@ def mesh(monkeypatch):
     view = VariantAvailability(replicas, on_refresh=lambda: [
         q.set_capacity(view.slots(v)) for v, q in admissions.items()])
     dispatcher = Dispatcher(replicas, admissions.__getitem__, view,
-                            ColdStarts(replicas, view))
+                            ColdStarts(replicas, view, admission_for=admissions.__getitem__))
     return SimpleNamespace(view=view, replicas=replicas, dispatcher=dispatcher, apps=apps,
-                           admissions=admissions)
+                           admissions=admissions, messages=messages)
 
 
 def plan_of(candidates, *, stream=False, timeout_s=5.0, wake=None) -> RequestPlan:
@@ -134,7 +137,7 @@ def test_requests_during_one_cold_start_make_one_wake_call_and_all_run(mesh):
                  for _ in range(8)]
         await asyncio.sleep(0.1)
         assert mesh.replicas.info_calls == ["v2"] and mesh.view.state("v2") == "starting"
-        assert not any(c.done() for c in calls)  # held, not refused
+        assert not any(c.done() for c in calls), [c.result() for c in calls if c.done()]  # held, not refused
         mesh.replicas.start.set()
         results = [r for r, _ in await asyncio.gather(*calls)]
         assert [r.status_code for r in results] == [200] * 8
@@ -202,3 +205,87 @@ def test_the_splits_sleeping_choice_is_woken_while_a_running_variant_serves(mesh
         await asyncio.sleep(0.01)
         assert mesh.view.state("v2") == "warm"
     asyncio.run(main())
+
+
+def test_a_herd_at_a_cold_variant_holds_what_it_can_serve_and_refuses_the_rest_at_once(mesh):
+    """Issue 28: 60 requests at a variant at zero. It holds as many as its first replica
+    (max_num_seqs 8 when last warm) can start within queue_timeout_s once warm; each of the
+    rest gets 503 ``overloaded`` with Retry-After at once; every held one is served."""
+    async def main():
+        mesh.apps["v2"] = {"RUNNING": 1}
+        mesh.view.used("v2")
+        await mesh.view.refresh()  # it was warm once: max_num_seqs 8 is known
+        mesh.apps["v2"] = {}
+        await mesh.view.refresh()
+        admission = mesh.admissions["v2"]
+        admission.configure(queue_timeout_s=1.0, reserved_slots=0, max_queued_per_slot=None)
+        admission.service_s = 2.0  # a request of size 1 holds a slot 2 s while full
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        calls = [asyncio.ensure_future(dispatch(mesh, plan_of(["v2"]))) for _ in range(60)]
+        await asyncio.sleep(0.05)
+        refused = [c.result()[0] for c in calls if c.done()]
+        refused_in = loop.time() - t0
+        held = [c for c in calls if not c.done()]
+        limit = admission.held_limit(request_size(0))
+        mesh.replicas.start.set()
+        served = [r for r, _ in await asyncio.gather(*held)]
+        return refused, refused_in, served, limit
+
+    refused, refused_in, served, limit = asyncio.run(main())
+    assert refused and served and len(refused) + len(served) == 60
+    assert all(isinstance(r, MeshError) and r.status == 503 and r.code == "overloaded"
+               and int(r.headers["Retry-After"]) >= 1 and "starting from zero" in r.message
+               for r in refused), refused[:1]
+    assert refused_in < 1.0
+    assert [r.status_code for r in served] == [200] * len(served)
+    # What it held is what a warm replica of 8 slots (+25 % headroom for the top priority)
+    # starts within queue_timeout_s: 10 at once and 0.9 x 1 s x 8 slots / 2 s = 3.6 more
+    # requests of size 1; these (no max_tokens) are of size 8/24: (10 + 3.6) x 3 = 40.
+    assert len(served) == limit == 40
+
+
+def test_a_start_that_fails_ends_the_held_requests_with_its_reason_and_backs_off(mesh):
+    """Issue 28: the controller reports the woken replica's start error: the held requests
+    get 503 ``cold_start_failed`` with the reason at once (not at their timeout); the variant
+    leaves the resident view, and requests during the back-off are refused at once with a
+    Retry-After; after the back-off a request wakes it again."""
+    async def main():
+        await mesh.view.refresh()
+        loop = asyncio.get_running_loop()
+        held = [asyncio.ensure_future(dispatch(mesh, plan_of(["v2"], timeout_s=30)))
+                for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert not any(c.done() for c in held) and mesh.view.resident("v2")
+        t0 = loop.time()
+        mesh.messages["v2"] = ("A replica failed to start with exception. Retrying 2 more "
+                               "time(s). Error:\nTraceback (most recent call last):\n  ...\n"
+                               "RuntimeError: simulated engine start failure (sim.fail_start)")
+        ended = [r for r, _ in await asyncio.gather(*held)]
+        took = loop.time() - t0
+        resident = mesh.view.resident("v2")
+        again, _ = await dispatch(mesh, plan_of(["v2"]))
+        return ended, took, resident, again
+
+    ended, took, resident, again = asyncio.run(main())
+    assert took < 1.0
+    for r in ended + [again]:
+        assert isinstance(r, MeshError) and (r.status, r.code) == (503, "cold_start_failed")
+        assert "simulated engine start failure" in r.message, r.message
+        assert int(r.headers["Retry-After"]) >= 1
+    assert not resident and mesh.replicas.info_calls == ["v2"]  # no second wake
+
+
+def test_a_start_that_hangs_fails_after_the_routes_cold_start_timeout(mesh):
+    """Issue 28: no replica answers within ``give_up_s`` (the router: the largest
+    cold_start_timeout_s of its routes): the wake fails, and the variant backs off."""
+    mesh.dispatcher.cold_starts.give_up_s = lambda _: 0.1
+
+    async def main():
+        await mesh.view.refresh()
+        result, _ = await dispatch(mesh, plan_of(["v2"], timeout_s=30))
+        return result, mesh.view.failed_start("v2")
+
+    result, why = asyncio.run(main())
+    assert isinstance(result, MeshError) and result.code == "cold_start_failed"
+    assert "no replica started within 0.1 s" in result.message and why

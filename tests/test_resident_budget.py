@@ -135,7 +135,7 @@ def budget(monkeypatch):
 def test_a_cold_start_past_the_budget_evicts_the_idle_variant_first(budget):
     async def main():
         await budget.view.refresh()
-        await budget.cold_starts.wait_warm("b", 5.0)
+        await budget.cold_starts.wake("b")
         assert budget.replicas.evicted == ["a"] and budget.evictions == [("a", "stopped")]
         assert budget.apps == {"a": {}, "b": {"RUNNING": 1}, "c": {}, "d": {}}
         assert budget.view.state("b") == "warm" and not budget.view.evicting
@@ -166,7 +166,7 @@ def test_with_nothing_evictable_the_cold_start_is_refused_with_retry_after(budge
         await budget.view.refresh()
         budget.busy.add("a")
         with pytest.raises(MeshError) as e:
-            await budget.cold_starts.wait_warm("b", 5.0)
+            await budget.cold_starts.wake("b")
         assert e.value.status == 503 and e.value.code == "resident_budget_full"
         assert e.value.headers["Retry-After"] == "10"
         assert "none may be evicted: a has requests in flight or queued" in e.value.message

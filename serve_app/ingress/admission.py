@@ -58,6 +58,15 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   not preempt a running request to make room. The cost is one engine slot of
   ``max_num_seqs`` while only one tenant is busy.
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
+- **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`). While a
+  variant starts from zero, requests that wait for it queue here with the slots its first
+  replica will have: a request is held if, once that replica is warm, it would start within
+  ``queue_timeout_s`` by the rule above (the first ``slots`` at once, the rest at
+  ``service_s`` per size); the rest get 503 ``overloaded`` at once, before any byte. A held
+  request waits at most ``cold_start_timeout_s`` for the replica (``cold_start_timeout``);
+  once it is warm, held requests get its slots in the queue's order (priority, then
+  token-fair), no more at a time than it takes, and their ``queue_timeout_s`` starts then.
+  A start that fails ends every held request (``cold_start_failed``, with the reason).
 
 Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
 :mod:`serve_app.ingress.limits`, cluster-wide, are 429).
@@ -144,6 +153,8 @@ class _Waiter:
     tenant: str = ""
     cost: float = 0.0  # service charged when it starts
     size: float = 1.0  # request_size of its reservation
+    held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
+    hold_s: float = 0.0  # the longest it may wait for that, s
 
 
 @dataclass
@@ -192,6 +203,7 @@ class VariantAdmission:
         self._clock = clock
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
+        self.starting_slots = 0  # slots of the replica a cold start brings (0: none under way)
 
     # -- settings -----------------------------------------------------------------------------
 
@@ -208,11 +220,45 @@ class VariantAdmission:
     def set_capacity(self, slots: int | None, full_batch_service_s: float = 0.0) -> None:
         """Slots of the variant now (``max_num_seqs`` x running replicas; None: unknown) and
         its replicas' start-up measure of a full batch (s; 0: none), which ``service_s``
-        is until the variant has been full."""
+        is until the variant has been full. Slots after a cold start release the held
+        requests (their ``queue_timeout_s`` starts now)."""
         self.capacity = slots
         if not self._full_samples:
             self.service_s = full_batch_service_s or PRIOR_SERVICE_S
+        if slots:
+            self.starting_slots = 0
+            deadline = self._clock() + self.queue_timeout_s
+            for w in self._waiting():
+                if w.held:
+                    w.held, w.deadline = False, deadline
         self._grant()
+
+    # -- cold starts ----------------------------------------------------------------------------
+
+    def expect_start(self, slots: int) -> None:
+        """A cold start of the variant is under way; its first replica will have ``slots``
+        (its ``max_num_seqs``). Until :meth:`set_capacity` gives slots, requests may be held
+        (:meth:`enter` with ``hold_s``)."""
+        self.starting_slots = max(1, slots)
+
+    def fail_start(self, rejected: Rejected) -> None:
+        """The cold start failed: every held request gets ``rejected`` now."""
+        self.starting_slots = 0
+        for w in self._waiting():
+            if w.held:
+                w.future.set_exception(rejected)
+        self._prune()
+
+    def held_limit(self, size: float = 1.0) -> int:
+        """Requests of ``size`` a cold start holds (:meth:`expect_start`; 0 when none is under
+        way): those its first replica can start within ``ADMIT_MARGIN x queue_timeout_s`` of
+        being warm, the first ``slots`` at once (the module docstring)."""
+        if not self.starting_slots:
+            return 0
+        slots = self._slots_of(self.starting_slots, True)
+        more = ADMIT_MARGIN * self.queue_timeout_s * self.starting_slots / max(
+            1e-3, self.service_s)
+        return int((slots + more) // max(1e-3, size))
 
     def slots_for(self, top: bool) -> int:
         """Slots a request may use. The best priority may use the engines' capacity plus
@@ -221,9 +267,12 @@ class VariantAdmission:
         ``reserved_slots`` of the capacity free (but get at least one)."""
         if self.capacity is None:  # not learned yet: Serve's own bounds apply
             return UNKNOWN_CAPACITY
+        return self._slots_of(self.capacity, top)
+
+    def _slots_of(self, capacity: int, top: bool) -> int:
         if top:
-            return self.capacity + math.ceil(self.capacity * self.headroom)
-        return max(1, self.capacity - self.reserved_slots)
+            return capacity + math.ceil(capacity * self.headroom)
+        return max(1, capacity - self.reserved_slots)
 
     def _newcomer_rule(self, tenant: str) -> bool:
         return bool(self.newcomer_slots and tenant and self.fairness == "tokens"
@@ -266,51 +315,107 @@ class VariantAdmission:
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
                       cost: float = 0.0, size: float = 1.0) -> Slot:
-        """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority.
+        """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority
+        (:meth:`enter`, then :meth:`wait`).
+
+        Raises:
+            Rejected: it cannot start in time (see the module docstring).
+        """
+        ticket = self.enter(priority, top, tenant, cost, size)
+        return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
+
+    def enter(self, priority: int, top: bool, tenant: str = "", cost: float = 0.0,
+              size: float = 1.0, hold_s: float | None = None) -> Slot | _Waiter:
+        """Decide at arrival, without waiting: a slot now, or a place in the queue to
+        :meth:`wait` on.
 
         Args:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
             tenant: the tenant id ("" in open mode).
-            size: :func:`request_size` of its reservation (1.0: a short request).
             cost: the service charged to ``tenant`` when it starts (:func:`service_cost` of
                 its reservation, tokens); :meth:`release` corrects it.
+            size: :func:`request_size` of its reservation (1.0: a short request).
+            hold_s: the request may be held for a cold start under way
+                (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
 
         Raises:
-            Rejected: it cannot start in time (see the module docstring).
+            Rejected: ``unavailable`` (no running replica, no cold start to wait for) or
+                ``overloaded`` (it could not start in time).
         """
-        if self.capacity == 0:
+        now = self._clock()
+        held = self.capacity == 0 and hold_s is not None and self.starting_slots > 0
+        if self.capacity == 0 and not held:
             raise Rejected("unavailable", f"variant {self.variant} has no running replica",
                            MIN_RETRY_AFTER_S)
-        now = self._clock()
         self._lift(tenant)
         key = self._key(priority, tenant, math.inf)
         ahead = [w for w in self._waiting() if self._order(w) <= key]
-        if not ahead and self.may_start(top, tenant):
-            return self._start(tenant, cost, now, size)
-        wait_s = self._estimate(sum(self._work(w) for w in ahead) + size,
-                                self.tenant_slots(top, tenant))
-        fixed_bound = self.max_queued_per_slot is not None  # else the estimate is the bound
-        if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
-                fixed_bound and self.queued >= self.max_queued):
-            raise Rejected("overloaded", f"variant {self.variant} is at capacity: {self.in_flight} "
-                           f"requests running, {self.queued} queued; this one would wait about "
-                           f"{wait_s:.0f} s (queue_timeout_s {self.queue_timeout_s:g}); retry "
-                           "later", self._retry_after(wait_s - self.queue_timeout_s))
-        waiter = _Waiter(priority, next(self._seq), now + self.queue_timeout_s, top,
-                         asyncio.get_running_loop().create_future(), tenant, cost, size)
+        if held:
+            slots = self._slots_of(self.starting_slots, top)
+            work = sum(w.size for w in self._waiting()) + size  # all of them go first-come
+            wait_s = self._estimate(max(0.0, work - slots), self.starting_slots)
+            if wait_s > ADMIT_MARGIN * self.queue_timeout_s:
+                raise Rejected("overloaded", f"variant {self.variant} is starting from zero "
+                               f"replicas and holds what its first replica can start within "
+                               f"queue_timeout_s {self.queue_timeout_s:g} once warm (about "
+                               f"{self.held_limit(size)} requests this size), and that many "
+                               "wait already; retry once it has started",
+                               self._retry_after(wait_s))
+            deadline = now + hold_s
+        else:
+            if not ahead and self.may_start(top, tenant):
+                return self._start(tenant, cost, now, size)
+            wait_s = self._estimate(sum(self._work(w) for w in ahead) + size,
+                                    self.tenant_slots(top, tenant))
+            fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
+            if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
+                    fixed_bound and self.queued >= self.max_queued):
+                raise Rejected("overloaded", f"variant {self.variant} is at capacity: "
+                               f"{self.in_flight} requests running, {self.queued} queued; this "
+                               f"one would wait about {wait_s:.0f} s (queue_timeout_s "
+                               f"{self.queue_timeout_s:g}); retry later",
+                               self._retry_after(wait_s - self.queue_timeout_s))
+            deadline = now + self.queue_timeout_s
+        waiter = _Waiter(priority, next(self._seq), deadline, top,
+                         asyncio.get_running_loop().create_future(), tenant, cost, size,
+                         held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
-        self._shed_behind(waiter, now)
-        self._grant()  # those ahead may be held back by newcomer_slots: this one may not
+        if not held:
+            self._shed_behind(waiter, now)
+            self._grant()  # those ahead may be held back by newcomer_slots: this one may not
+        return waiter
+
+    async def wait(self, waiter: _Waiter) -> Slot:
+        """Wait for the slot of a request :meth:`enter` queued, until its deadline (a held
+        request's moves to ``queue_timeout_s`` after the variant is warm).
+
+        Raises:
+            Rejected: ``queue_timeout``, ``shed``, ``cold_start_timeout``, or what
+                :meth:`fail_start` was given.
+        """
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
-        except asyncio.TimeoutError:
-            if _granted(waiter.future):
-                return waiter.future.result()  # granted as the timer fired
-            waiter.future.cancel()
-            raise Rejected("queue_timeout", f"variant {self.variant} could not start the "
-                           f"request within queue_timeout_s {self.queue_timeout_s:g}; retry "
-                           "later", self._retry_after(self.service_s)) from None
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiter.future),
+                                                  max(0.0, waiter.deadline - self._clock()))
+                except asyncio.TimeoutError:
+                    if _granted(waiter.future):
+                        return waiter.future.result()  # granted as the timer fired
+                    if waiter.future.done():
+                        return waiter.future.result()  # rejected as the timer fired: raises
+                    if self._clock() < waiter.deadline:
+                        continue  # the variant became warm: a new deadline
+                    waiter.future.cancel()
+                    if waiter.held:
+                        raise Rejected("cold_start_timeout", f"variant {self.variant} is "
+                                       "starting from zero replicas and did not start within "
+                                       f"cold_start_timeout_s {waiter.hold_s:g}; retry later",
+                                       MAX_RETRY_AFTER_S) from None
+                    raise Rejected("queue_timeout", f"variant {self.variant} could not start "
+                                   f"the request within queue_timeout_s "
+                                   f"{self.queue_timeout_s:g}; retry later",
+                                   self._retry_after(self.service_s)) from None
         except asyncio.CancelledError:  # the client left while queued
             if _granted(waiter.future):
                 self.release(waiter.future.result(), cost=0.0)  # it never ran
@@ -388,7 +493,7 @@ class VariantAdmission:
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
         self._prune()
-        while waiting := sorted(self._waiting(), key=self._order):
+        while waiting := sorted((w for w in self._waiting() if not w.held), key=self._order):
             best = waiting[0]
             if self.in_flight >= self.slots_for(best.top):
                 return
@@ -413,7 +518,7 @@ class VariantAdmission:
         priority first to go."""
         now = self._clock() if now is None else now
         ahead = 0.0
-        for w in sorted(self._waiting(), key=self._order):
+        for w in sorted((w for w in self._waiting() if not w.held), key=self._order):
             if now + self._estimate(ahead + w.size,
                                     self.tenant_slots(w.top, w.tenant)) <= w.deadline:
                 ahead += self._work(w)  # it stays: those behind it wait for it

@@ -97,6 +97,10 @@ class VariantAvailability:
         self.waking: set[str] = set()  # apps a cold start is waking (cold_start sets it)
         self.evictable: set[str] = set()  # apps whose LLMReplica uses the resident policy
         self.evicting: set[str] = set()  # apps the resident budget is evicting (it sets it)
+        self._declared_seqs: dict[str, int] = {}  # app -> engine_args.max_num_seqs deployed
+        self._start_errors: dict[str, str] = {}  # app -> its replica's start error (status)
+        self.start_failed: dict[str, tuple[float, str]] = {}  # app -> (monotonic until, why):
+        # a cold start failed; it is not woken again (nor resident) until then (cold_start)
 
     async def start(self) -> None:
         """Take a first view, then keep refreshing it in the background."""
@@ -146,6 +150,8 @@ class VariantAvailability:
                                    for name, app in serve_status.applications.items()}
             self._app_status = {name: getattr(app.status, "value", str(app.status))
                                 for name, app in serve_status.applications.items()}
+            self._start_errors = {name: error for name, app in serve_status.applications.items()
+                                  if (error := self._start_error(app))}
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
                 self.on_refresh()  # only after the replicas' serving_info answers below
@@ -187,6 +193,10 @@ class VariantAvailability:
         self._statuses = dict(self._app_status)
         zero, evictable = set(), set()
         for name, app in (details.get("applications") or {}).items():
+            engine_args = ((app.get("deployed_app_config") or {}).get("args") or {}).get(
+                "engine_args") or {}
+            if isinstance(engine_args.get("max_num_seqs"), int):
+                self._declared_seqs[name] = engine_args["max_num_seqs"]
             deployment = (app.get("deployments") or {}).get(REPLICA_DEPLOYMENT) or {}
             scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
             if scaling and scaling.get("min_replicas", 1) == 0:
@@ -219,6 +229,23 @@ class VariantAvailability:
                         info.full_batch_service_s)
         self.info[app] = info
         self.adapters[app] = set(info.adapters)
+
+    @staticmethod
+    def _start_error(app) -> str:
+        """The error of a replica that failed to start, as the Serve controller reports it in
+        the deployment's message ("A replica failed to start with exception. Retrying ...
+        Error: <traceback>"): the traceback's last line; "" if none failed."""
+        deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
+        message = str(getattr(deployment, "message", "") or "")
+        if "failed to start" not in message:
+            return ""
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        return lines[-1][:500] if lines else message[:500]
+
+    def start_error(self, application: str) -> str:
+        """Why ``application``'s last replica start failed, per the last status ("" if
+        none did)."""
+        return self._start_errors.get(application, "")
 
     @staticmethod
     def _replicas(app, state: str | None = None) -> int:
@@ -293,8 +320,18 @@ class VariantAvailability:
                 and application not in self.waking)
 
     def resident(self, application: str) -> bool:
-        """``application`` has a replica (:meth:`has_replica`) or a cold start under way."""
+        """``application`` has a replica (:meth:`has_replica`) or a cold start under way; not
+        one whose cold start just failed (:attr:`start_failed`) while it has no serving
+        replica: a start that fails or hangs does not hold the resident budget."""
+        if self.failed_start(application) and not self.running(application):
+            return False
         return application in self.waking or self.has_replica(application)
+
+    def failed_start(self, application: str) -> str:
+        """Why ``application``'s last cold start failed, while its back-off lasts; "" if it
+        may be woken."""
+        until, why = self.start_failed.get(application, (0.0, ""))
+        return why if time.monotonic() < until else ""
 
     def state(self, application: str) -> str:
         """``warm`` (a serving replica), ``starting`` or ``zero`` for a variant that scales
@@ -346,6 +383,13 @@ class VariantAvailability:
         if running == 0 or application in self.evicting:
             return 0
         return info.max_num_seqs * running if info else None
+
+    def first_replica_slots(self, application: str) -> int:
+        """Slots one replica of ``application`` will have when it starts: its
+        ``max_num_seqs`` as it last reported it, else as its deployed ``engine_args`` say,
+        else 1 (unknown: a cold start holds little rather than too much)."""
+        info = self.info.get(application)
+        return info.max_num_seqs if info else self._declared_seqs.get(application, 1)
 
     def full_batch_service_s(self, application: str) -> float:
         """What a replica of the application measured at start-up for a full batch, s (the

@@ -1,4 +1,4 @@
-"""Wake a variant that scaled to zero, once per cold start, and hold its requests meanwhile.
+"""Wake a variant that scaled to zero, once per cold start, and hold what it can serve.
 
 A variant application whose ``LLMReplica`` has ``autoscaling_config.min_replicas: 0`` goes
 to zero replicas when Serve's autoscaler sees no requests for its ``downscale_delay_s``
@@ -6,16 +6,25 @@ to zero replicas when Serve's autoscaler sees no requests for its ``downscale_de
 it awake). A ``DeploymentHandle`` call to a deployment with no replica is queued at the
 handle, and the handle tells the Serve controller at once (Ray's scaled-to-zero push), so the
 autoscaler starts one replica. The router makes one such call per cold start,
-``LLMReplica.serving_info``; every request that arrives meanwhile waits on that one call, not
-at the handle, so Serve sees one queued call and starts one replica. When it returns, the
-variant is warm (:meth:`VariantAvailability.mark_warm`: its slots and adapters are known) and
-the held requests go through admission as usual.
+``LLMReplica.serving_info``; when it returns, the variant is warm
+(:meth:`VariantAvailability.mark_warm`: its slots and adapters are known).
 
-A request waits at most its route's ``cold_start_timeout_s``; then 503 ``cold_start_timeout``
-with ``Retry-After`` (the wake goes on, and later requests join it). A stream waits with its
-response headers sent and an SSE comment line (``: waiting for smollm-v2 to start``) every
+Requests that arrive meanwhile are held in the variant's admission queue
+(:meth:`VariantAdmission.expect_start`): as many as its first replica can start within
+``queue_timeout_s`` once warm, derived as admission derives its queue; the rest get 503
+``overloaded`` with ``Retry-After`` at once, before any byte. When the replica is warm the
+held requests get its slots in admission's order. A held request waits at most its route's
+``cold_start_timeout_s`` (then 503 ``cold_start_timeout``). A stream waits with its response
+headers sent and an SSE comment line (``: waiting for smollm-v2 to start``) every
 :data:`COMMENT_EVERY_S`, which clients ignore (WHATWG HTML, "Server-sent events": lines
 starting with ``:``) and which keep proxies' read timeouts from firing.
+
+A start that fails (the Serve controller reports the replica's start error) or hangs (no
+replica within the largest ``cold_start_timeout_s`` of the variant's routes) ends every held
+request with 503 ``cold_start_failed`` and the reason; the variant is then not woken again,
+and does not count against the resident budget, for a back-off (:data:`BACKOFF_S`, doubling
+per failure in a row up to :data:`MAX_BACKOFF_S`); requests meanwhile get the same 503 at
+once.
 
 With a resident budget (:mod:`serve_app.ingress.resident_budget`), the wake first makes room:
 it may evict the least recently used idle variant, or refuse with 503
@@ -25,22 +34,31 @@ it may evict the least recently used idle variant, or refuse with 503
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
-from serve_app.ingress.resident_budget import BUDGET_FULL, ResidentBudget
+from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
+from serve_app.ingress.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
 
 logger = get_logger(__name__)
 
 #: Seconds between the SSE comment lines of a stream held for a cold start.
 COMMENT_EVERY_S = 5.0
-#: A wake call that has not returned in this long is given up (the next request starts a
-#: new one): longer than any route's ``cold_start_timeout_s`` may be.
-WAKE_GIVE_UP_S = 1800.0
 #: ``Retry-After`` of a ``cold_start_timeout``, s: the variant is still starting.
 COLD_START_RETRY_AFTER_S = 10
+#: First back-off after a failed cold start, s; it doubles per failure in a row.
+BACKOFF_S = 10.0
+#: Longest back-off, s.
+MAX_BACKOFF_S = 300.0
+#: Seconds between the wake's looks at the Serve status for a replica's start error.
+START_ERROR_CHECK_S = 1.0
+
+
+class ColdStartFailed(Exception):
+    """A cold start failed: the replica's start error, or no replica in time."""
 
 
 def budget_full(e: BaseException) -> bool:
@@ -53,24 +71,50 @@ class ColdStarts:
 
     Args:
         handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
-        availability: the availability view (``waking``, ``mark_warm``).
+        availability: the availability view (``waking``, ``mark_warm``, ``start_failed``).
         metrics: the router's metrics (``cold_starts``, ``cold_start_seconds``,
             ``cold_start_held``, ``cold_start_wait_seconds``); None in unit tests.
+        budget: the resident budget (None: none).
+        admission_for: application name -> its admission queue (held requests wait there);
+            None: nothing is held (unit tests of the wake alone).
+        give_up_s: application name -> how long its wake may take, s (the router: the
+            largest ``cold_start_timeout_s`` of its routes).
     """
 
     def __init__(self, handle_for: Callable, availability, metrics=None,
-                 budget: ResidentBudget | None = None) -> None:
+                 budget: ResidentBudget | None = None, admission_for: Callable | None = None,
+                 give_up_s: Callable[[str], float] = lambda _: 180.0) -> None:
         self.handle_for = handle_for
         self.availability = availability
         self.metrics = metrics
         self.budget = budget
+        self.admission_for = admission_for
+        self.give_up_s = give_up_s
         self._wakes: dict[str, asyncio.Task] = {}
+        self._failures: dict[str, int] = {}  # app -> cold starts failed in a row
 
-    def wake(self, application: str) -> asyncio.Task:
-        """The one wake call of ``application`` under way, started if there is none."""
+    def refuse_if_failed(self, application: str) -> None:
+        """Raises MeshError 503 ``cold_start_failed`` (with the reason and ``Retry-After``)
+        while ``application``'s back-off after a failed cold start lasts."""
+        if why := self.availability.failed_start(application):
+            until = self.availability.start_failed[application][0]
+            raise MeshError(503, f"variant {application} could not be started from zero "
+                            f"replicas: {why}; it is not started again for "
+                            f"{until - time.monotonic():.0f} s", code="cold_start_failed",
+                            headers={"Retry-After": str(max(1, math.ceil(
+                                until - time.monotonic())))})
+
+    def wake(self, application: str) -> asyncio.Task | None:
+        """The one wake call of ``application`` under way, started if there is none; None
+        while its back-off after a failed start lasts."""
         task = self._wakes.get(application)
         if task is None or task.done():
+            if self.availability.failed_start(application):
+                return None
             self.availability.waking.add(application)
+            if self.admission_for is not None:
+                self.admission_for(application).expect_start(
+                    self.availability.first_replica_slots(application))
             task = asyncio.get_running_loop().create_task(self._wake(application))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no warnings
             self._wakes[application] = task
@@ -82,19 +126,15 @@ class ColdStarts:
         try:
             if self.budget is not None:
                 await self.budget.make_room(application)
-            info = await asyncio.wait_for(self.handle_for(application).serving_info.remote(),
-                                          WAKE_GIVE_UP_S)
+            info = await self._first_answer(application)
         except BaseException as e:
-            if budget_full(e):
-                logger.warning("cold start of %s refused: %s", application, e.message)
-            else:
-                logger.warning("cold start of %s failed after %.1f s: %s: %s", application,
-                               time.monotonic() - t0, type(e).__name__, str(e)[:300])
-            self._count(application, "budget_full" if budget_full(e) else "failed")
+            self._failed(application, e, time.monotonic() - t0)
             raise
         finally:
             self.availability.waking.discard(application)
         took = time.monotonic() - t0
+        self._failures.pop(application, None)
+        self.availability.start_failed.pop(application, None)
         self.availability.mark_warm(application, info)
         logger.info("cold start: variant %s is warm after %.1f s", application, took)
         self._count(application, "started")
@@ -102,65 +142,138 @@ class ColdStarts:
             self.metrics.cold_start_seconds.observe(took, {"variant": application})
         return info
 
+    async def _first_answer(self, application: str):
+        """The woken replica's ``serving_info``, or ColdStartFailed when the controller
+        reports its start error or none answers within ``give_up_s``."""
+        call = asyncio.ensure_future(self.handle_for(application).serving_info.remote())
+        deadline = time.monotonic() + self.give_up_s(application)
+        try:
+            while not (await asyncio.wait({call}, timeout=START_ERROR_CHECK_S))[0]:
+                await self.availability.refresh(max_age_s=START_ERROR_CHECK_S)
+                if error := self.availability.start_error(application):
+                    raise ColdStartFailed(f"its replica failed to start: {error}")
+                if time.monotonic() > deadline:
+                    raise ColdStartFailed(f"no replica started within "
+                                          f"{self.give_up_s(application):g} s "
+                                          "(cold_start_timeout_s); it may hang at start")
+            return call.result()
+        finally:
+            call.cancel()  # a call left queued at the handle would keep Serve starting it
+
+    def _failed(self, application: str, e: BaseException, took: float) -> None:
+        """A wake ended without a replica: end the held requests, and back off (not for a
+        full budget or a router shutting down: nothing was wrong with the variant)."""
+        if budget_full(e):
+            logger.warning("cold start of %s refused: %s", application, e.message)
+            self._count(application, "budget_full")
+            self._end_held(application, Rejected(BUDGET_FULL, e.message, BUDGET_RETRY_AFTER_S))
+            return
+        if not isinstance(e, Exception):
+            self._end_held(application, Rejected("cold_start_failed", f"variant "
+                                                 f"{application}'s cold start was cancelled",
+                                                 COLD_START_RETRY_AFTER_S))
+            return
+        n = self._failures[application] = self._failures.get(application, 0) + 1
+        backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (n - 1))
+        why = str(e) if isinstance(e, ColdStartFailed) else f"{type(e).__name__}: {e}"[:500]
+        self.availability.start_failed[application] = (time.monotonic() + backoff, why)
+        logger.warning("cold start of %s failed after %.1f s (%d in a row): %s; not woken "
+                       "again for %.0f s", application, took, n, why, backoff)
+        self._count(application, "failed")
+        self._end_held(application, Rejected(
+            "cold_start_failed", f"variant {application} could not be started from zero "
+            f"replicas: {why}; retry later", math.ceil(backoff)))
+
+    def _end_held(self, application: str, rejected: Rejected) -> None:
+        if self.admission_for is not None:
+            self.admission_for(application).fail_start(rejected)
+
     def _count(self, application: str, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.cold_starts.inc(1, {"variant": application, "outcome": outcome})
 
-    async def wait_warm(self, application: str, timeout_s: float, route: str = "") -> None:
-        """Wake ``application`` (or join its wake) and wait until it is warm.
+    def hold(self, application: str, admission: VariantAdmission, route: str,
+             enter: Callable[[], object]):
+        """Hold one request for ``application``'s cold start: ``enter()`` is its place in
+        ``admission`` (:meth:`VariantAdmission.enter` with ``hold_s``), decided now.
 
-        Args:
-            timeout_s: the route's ``cold_start_timeout_s``.
-            route: for the metrics.
+        Returns:
+            A :class:`Held` to wait on.
 
         Raises:
-            MeshError: 503 ``cold_start_timeout`` (not warm within ``timeout_s``),
-                ``cold_start_failed`` (the wake call failed) or ``resident_budget_full`` (no
-                room: :meth:`ResidentBudget.make_room`), with ``Retry-After``.
+            MeshError: 503 with ``Retry-After``, before any byte: ``cold_start_failed`` (its
+                back-off lasts), ``overloaded`` (the cold start holds as many as it can
+                serve already).
         """
-        t0 = time.monotonic()
+        self.refuse_if_failed(application)
+        self.wake(application)
+        try:
+            ticket = enter()
+        except Rejected as r:
+            self._held_metric(route, application, r.reason, 0.0)
+            raise MeshError(503, r.message, code=r.reason,
+                            headers={"Retry-After": str(r.retry_after_s)}) from None
+        return Held(self, application, admission, route, ticket)
+
+    def _held_metric(self, route: str, application: str, outcome: str, waited_s: float) -> None:
+        if self.metrics is not None:
+            tags = {"route": route, "variant": application}
+            self.metrics.cold_start_held.inc(1, {**tags, "outcome": outcome})
+            self.metrics.cold_start_wait_seconds.observe(waited_s, tags)
+
+
+class Held:
+    """A request held for a cold start (:meth:`ColdStarts.hold`)."""
+
+    def __init__(self, cold_starts: ColdStarts, application: str,
+                 admission: VariantAdmission, route: str, ticket) -> None:
+        self.cold_starts = cold_starts
+        self.application = application
+        self.admission = admission
+        self.route = route
+        self.ticket = ticket
+        self.t0 = time.monotonic()
+
+    async def slot(self) -> Slot:
+        """Its admission slot once the variant is warm.
+
+        Raises:
+            MeshError: 503 ``cold_start_timeout``, ``cold_start_failed``,
+                ``resident_budget_full``, ``queue_timeout`` or ``shed``, with
+                ``Retry-After``.
+        """
         outcome = "served"
         try:
-            await asyncio.wait_for(asyncio.shield(self.wake(application)), timeout_s)
-        except asyncio.TimeoutError:
-            outcome = "timed_out"
-            raise MeshError(503, f"variant {application} is starting from zero replicas and "
-                            f"did not start within cold_start_timeout_s {timeout_s:g} (route "
-                            f"{route!r}); retry later", code="cold_start_timeout",
-                            headers={"Retry-After": str(COLD_START_RETRY_AFTER_S)}) from None
+            if isinstance(self.ticket, Slot):
+                return self.ticket
+            return await self.admission.wait(self.ticket)
+        except Rejected as r:
+            outcome = {"cold_start_timeout": "timed_out", "cold_start_failed": "failed",
+                       BUDGET_FULL: "budget_full"}.get(r.reason, r.reason)
+            raise MeshError(503, r.message, code=r.reason,
+                            headers={"Retry-After": str(r.retry_after_s)}) from None
         except asyncio.CancelledError:
             outcome = "client_left"
             raise
-        except Exception as e:
-            if budget_full(e):  # as the budget words it
-                outcome = "budget_full"
-                raise
-            outcome = "failed"
-            raise MeshError(503, f"variant {application} could not be started from zero "
-                            f"replicas ({type(e).__name__}); retry later",
-                            code="cold_start_failed",
-                            headers={"Retry-After": str(COLD_START_RETRY_AFTER_S)}) from None
         finally:
-            if self.metrics is not None:
-                tags = {"route": route, "variant": application}
-                self.metrics.cold_start_held.inc(1, {**tags, "outcome": outcome})
-                self.metrics.cold_start_wait_seconds.observe(time.monotonic() - t0, tags)
+            self.cold_starts._held_metric(self.route, self.application, outcome,
+                                          time.monotonic() - self.t0)
 
-    async def hold_stream(self, application: str, timeout_s: float,
-                          route: str = "") -> AsyncIterator[str]:
-        """SSE comment lines while :meth:`wait_warm` waits (one at once, then one every
-        :data:`COMMENT_EVERY_S`); ends when the variant is warm.
+    async def comments(self, result: list) -> AsyncIterator[str]:
+        """SSE comment lines while :meth:`slot` waits (one at once, then one every
+        :data:`COMMENT_EVERY_S`); the slot is appended to ``result`` at the end.
 
         Raises:
-            MeshError: as :meth:`wait_warm`.
+            MeshError: as :meth:`slot`.
         """
-        t0 = time.monotonic()
-        waiting = asyncio.ensure_future(self.wait_warm(application, timeout_s, route))
+        waiting = asyncio.ensure_future(self.slot())
         try:
-            yield f": waiting for {application} to start\n\n"
+            yield f": waiting for {self.application} to start\n\n"
             while not (await asyncio.wait({waiting}, timeout=COMMENT_EVERY_S))[0]:
-                yield f": waiting for {application} to start ({time.monotonic() - t0:.0f} s)\n\n"
-            waiting.result()
+                yield (f": waiting for {self.application} to start "
+                       f"({time.monotonic() - self.t0:.0f} s)\n\n")
+            result.append(waiting.result())
         finally:
             if not waiting.done():
                 waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)

@@ -8,10 +8,11 @@ to the next candidate; a request error or an internal error is this request's an
 full variant is a 503 now. When every candidate failed: 503 ``no_healthy_variant``.
 
 A candidate that scaled to zero (asleep) is reached only when every candidate before it is
-unavailable or failed: the request then waits for its cold start
-(:mod:`serve_app.ingress.cold_start`) and goes on to admission. A stream waits with its
-headers sent and SSE comment lines, so an error after that (the cold start timed out, the
-variant is full) is an in-band SSE error event instead of a status.
+unavailable or failed: the request is then held for its cold start in the variant's
+admission queue, or refused at once when the cold start holds all it can serve
+(:mod:`serve_app.ingress.cold_start`). A held stream waits with its headers sent and SSE
+comment lines, so an error after that (the cold start timed out or failed) is an in-band
+SSE error event instead of a status.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
                                        nested_too_deeply, replica_gone)
 from serve_app.common.wire import REPLICA_HEADER, Accepted, Head, Usage
 from serve_app.ingress.accounting import RequestAccount
-from serve_app.ingress.admission import Rejected, VariantAdmission
-from serve_app.ingress.cold_start import ColdStarts
+from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
+from serve_app.ingress.cold_start import ColdStarts, Held
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse
 
@@ -72,7 +73,8 @@ class Dispatcher:
         self.handle_for = handle_for
         self.admission_for = admission_for
         self.availability = availability
-        self.cold_starts = cold_starts or ColdStarts(handle_for, availability)
+        self.cold_starts = cold_starts or ColdStarts(handle_for, availability,
+                                                     admission_for=admission_for)
 
     async def dispatch(self, plan: RequestPlan, account: RequestAccount) -> Response:
         """Serve ``plan``: a streaming response (the relay finishes ``account``) or a whole
@@ -93,12 +95,15 @@ class Dispatcher:
                 if woke:
                     continue  # one cold start per request
                 woke = True
+                held = self._hold(variant, plan, account)  # or 503 now, before any byte
                 if plan.stream:  # headers now, comment lines while it starts
-                    return RelayResponse(self._held(plan, account, plan.candidates[i:]),
+                    return RelayResponse(self._held(plan, account, plan.candidates[i:], held),
                                          variant, account, {VARIANT_HEADER: variant},
                                          on_replica_lost=self.availability.replica_lost)
-                await self.cold_starts.wait_warm(variant, plan.cold_start_timeout_s, plan.route)
-            head_and_stream = await self._try(variant, plan, account)
+                head_and_stream = await self._call(variant, plan, account,
+                                                   await held.slot(), held.t0)
+            else:
+                head_and_stream = await self._try(variant, plan, account)
             if head_and_stream is None:
                 continue
             head, stream = head_and_stream
@@ -121,18 +126,37 @@ class Dispatcher:
                          f"(tried {', '.join(plan.candidates)})", code="no_healthy_variant",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    def _hold(self, variant: str, plan: RequestPlan, account: RequestAccount) -> Held:
+        """Hold the request for ``variant``'s cold start (:meth:`ColdStarts.hold`).
+
+        Raises:
+            MeshError: 503 with ``Retry-After``: the cold start holds all it can serve, or
+                the variant's start failed a moment ago.
+        """
+        admission = self.admission_for(variant)
+        try:
+            return self.cold_starts.hold(variant, admission, plan.route, lambda: admission.enter(
+                plan.priority, plan.top_priority, account.tags["tenant"],
+                account.service_charge, account.size, hold_s=plan.cold_start_timeout_s))
+        except MeshError:
+            account.tags["variant"] = variant
+            raise
+
     async def _held(self, plan: RequestPlan, account: RequestAccount,
-                    candidates: tuple[str, ...]):
+                    candidates: tuple[str, ...], held: Held):
         """A stream's body while ``candidates[0]`` starts from zero: comment lines, then the
         first candidate that answers, relayed. Raises MeshError for the relay to send as an
         in-band error event (its status line is already sent)."""
-        async for comment in self.cold_starts.hold_stream(candidates[0],
-                                                          plan.cold_start_timeout_s, plan.route):
+        slot: list = []
+        async for comment in held.comments(slot):
             yield comment
         for variant in candidates:
-            if variant != candidates[0] and self.availability.is_asleep(variant):
+            if variant == candidates[0]:
+                head_and_stream = await self._call(variant, plan, account, slot[0], held.t0)
+            elif self.availability.is_asleep(variant):
                 continue  # one cold start per request
-            head_and_stream = await self._try(variant, plan, account)
+            else:
+                head_and_stream = await self._try(variant, plan, account)
             if head_and_stream is None:
                 continue
             head, stream = head_and_stream
@@ -160,6 +184,13 @@ class Dispatcher:
             account.tags["variant"] = variant
             raise MeshError(503, r.message, code=r.reason,
                             headers={"Retry-After": str(r.retry_after_s)}) from None
+        return await self._call(variant, plan, account, slot, asked_at)
+
+    async def _call(self, variant: str, plan: RequestPlan, account: RequestAccount,
+                    slot: Slot, asked_at: float) -> tuple[Head, object] | None:
+        """:meth:`_try` once the request has its admission ``slot`` (asked for at
+        ``asked_at``, monotonic s)."""
+        admission = self.admission_for(variant)
         account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
         self.availability.used(variant)
         stream = self.handle_for(variant).options(stream=True).generate.remote(plan.request)
