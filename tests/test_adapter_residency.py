@@ -294,3 +294,4 @@ def test_an_adapter_is_removed_only_once_the_engine_holds_no_request_on_it(copie
     live = asyncio.run(main())
     assert len(removed) == 1 and removed[0][1] == 0
     assert adapters.resident_names() == [live.lora_name]
+

@@ -268,3 +268,34 @@ def test_a_merged_variant_serves_its_adapter_from_the_model_weights_with_no_lora
     other = collect(s, GenerateRequest("chat", {"model": "smollm:acme-support", "messages": []},
                                        adapter_version="acme-support@v2"))[1]
     assert (other.status, other.failure) == (404, Failure.VARIANT)  # the router fails over
+
+
+def test_a_promoted_versions_old_one_serves_requests_naming_it_for_the_grace(monkeypatch):
+    """Issue 28: acme-support v1/v2 promoted to v2 only. The router may still send
+    ``acme-support@v1`` on a view a moment old: it is served for RETIRED_GRACE_S, not a 404;
+    an unversioned request gets v2 at once; after the grace v1 is a 404. A name removed
+    altogether (nothing replaced it) is a 404 at once."""
+    import time
+
+    import serve_app.server.lora as lora
+
+    monkeypatch.setattr(lora, "RETIRED_GRACE_S", 0.3)
+    engine = FakeEngine(lambda: EngineAnswer('{"id":"x"}'))
+    v1, v2 = {"name": "acme-support", "version": 1}, {"name": "acme-support", "version": 2}
+    globex = {"name": "globex-report", "version": 1}
+    s = server(engine, {"adapters": [v1, v2, globex], "stream_batching_interval_ms": 0})
+    asyncio.run(s.reconfigure({"adapters": [v2], "stream_batching_interval_ms": 0}))
+
+    def ask(version: str | None = None, model: str = "smollm:acme-support") -> Head:
+        return collect(s, GenerateRequest("chat", {"model": model, "messages": []},
+                                          adapter_version=version))[1]
+
+    # the router's view lists it meanwhile, so the router may pick this replica for it
+    assert s.serving_info().adapters == ("acme-support@v1", "acme-support@v2")
+    assert ask("acme-support@v1").status == 200
+    assert engine.bodies[-1][1]["model"] == "acme-support@v1"
+    assert ask().status == 200 and engine.bodies[-1][1]["model"] == "acme-support@v2"
+    assert ask(model="smollm:globex-report").status == 404  # removed, not replaced
+    time.sleep(0.35)
+    assert ask("acme-support@v1").status == 404
+    assert s.serving_info().adapters == ("acme-support@v2",)

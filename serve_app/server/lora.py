@@ -23,7 +23,11 @@ name ``name@vN`` (so prefix-cache blocks of one version are never reused for ano
   old one, which is unloaded when its last request ends;
 - several versions of one name may be declared (an adapter version canary): the router picks
   one per caller (``route:name@vN``); a request naming no version gets the first listed;
-- a removed adapter stops taking requests (404) and is unloaded once its requests end;
+- a removed adapter stops taking requests (404) and is unloaded once its requests end; a
+  retired *version* still serves requests that name it (``name@vN``) for
+  :data:`RETIRED_GRACE_S`, since the router may send one on a view a moment old (a version
+  promotion, v1/v2 to v2, must give nobody a 404); unversioned requests get the new default
+  at once;
 - a broken adapter is refused with its reason (see :attr:`AdapterSet.refused`) and changes
   nothing else: the version that served before keeps serving.
 
@@ -54,6 +58,10 @@ logger = get_logger(__name__)
 #: ``evicted`` (unloaded to make room), ``unloaded`` (retired and idle), ``refused``,
 #: ``waited`` (a request waited for its adapter to load), ``hit`` (it was resident).
 EVENTS = ("loaded", "evicted", "unloaded", "refused", "waited", "hit")
+#: Seconds a retired adapter version still serves requests that name it: longer than the
+#: router's view of the replica's adapters takes to follow a deploy (its poll, ~1 s, and the
+#: router's own reconfigure).
+RETIRED_GRACE_S = 10.0
 #: Longest wait for the engine to let go of an adapter's last requests before unloading it,
 #: s (an abort takes one engine step).
 ENGINE_DRAIN_S = 10.0
@@ -118,6 +126,7 @@ class AdapterSet:
         self.default: dict[str, str] = {}  # adapter name -> "name@vN" for unversioned requests
         self.resident: OrderedDict[str, LiveAdapter] = OrderedDict()  # LRU first
         self.refused: dict[str, str] = {}  # "name@vN" -> reason
+        self._retired_at: dict[str, tuple[LiveAdapter, float]] = {}  # key -> (it, monotonic)
         self.load_seconds: dict[str, float] = {}  # "name@vN" -> last load time, s
         self._loads: dict[str, _Load] = {}  # loads under way, by key
         self.load_errors: dict[str, str] = {}  # "name@vN" -> vLLM's last load error
@@ -160,6 +169,9 @@ class AdapterSet:
                     continue
                 load = self._loads.get(key)
                 held = self.resident.get(key) or (load.live if load else None)
+                if held is None and self._in_grace(key):
+                    held = self._retired_at[key][0]
+                self._retired_at.pop(key, None)
                 if held is not None:  # draining or loading: take it back, one object per key
                     self.active[key] = held
                     logger.info("adapter %s serves new requests again", key)
@@ -184,8 +196,16 @@ class AdapterSet:
                         adapter_name(k) == adapter_name(key) and k in self.active for k in wanted):
                     logger.warning("adapter %s keeps serving: its replacement was refused", key)
                     continue
-                self._unload_if_retired(self.active.pop(key))
-                logger.info("adapter %s retired: new requests no longer use it", key)
+                live = self.active.pop(key)
+                if any(adapter_name(k) == adapter_name(key) for k in self.active):
+                    # another version of the name serves now: a promotion
+                    self._retired_at[key] = (live, time.monotonic())
+                    asyncio.get_running_loop().call_later(RETIRED_GRACE_S + 0.1,
+                                                          self._unload_if_retired, live)
+                self._unload_if_retired(live)
+                logger.info("adapter %s retired: new requests no longer use it%s", key,
+                            f" (requests that name it still do for {RETIRED_GRACE_S:.0f} s)"
+                            if key in self._retired_at else "")
             order = [k for k in wanted if k in self.active] + list(self.active)
             self.default = {}
             for key in order:
@@ -210,8 +230,17 @@ class AdapterSet:
         """Unload ``live`` if it is resident, no longer declared and idle (a retired adapter
         goes when its last request ends, or at once if it has none)."""
         if (live.in_flight == 0 and self.active.get(live.lora_name) is not live
-                and self.resident.get(live.lora_name) is live):
+                and self.resident.get(live.lora_name) is live
+                and not self._in_grace(live.lora_name)):
             self._unload_soon(live, "unloaded")
+
+    def _in_grace(self, key: str) -> bool:
+        """``key`` was retired less than :data:`RETIRED_GRACE_S` ago."""
+        live, at = self._retired_at.get(key, (None, float("-inf")))
+        if time.monotonic() - at < RETIRED_GRACE_S:
+            return True
+        self._retired_at.pop(key, None)
+        return False
 
     # -- residency ---------------------------------------------------------------------------
 
@@ -353,6 +382,8 @@ class AdapterSet:
                 again).
         """
         live = self.active.get(self.default.get(adapter, adapter))
+        if live is None and self._in_grace(adapter):
+            live = self._retired_at[adapter][0]  # the router's view is a moment old
         if live is None:
             raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
@@ -386,6 +417,11 @@ class AdapterSet:
         if live.in_flight == 0:
             self._room.set()
             self._unload_if_retired(live)
+
+    def serving(self) -> list[str]:
+        """Versions that take requests: the declared ones, and retired ones within their
+        grace (requests that name them)."""
+        return [*self.active, *(k for k in list(self._retired_at) if self._in_grace(k))]
 
     def resident_names(self) -> list[str]:
         """Resident adapter versions (``name@vN``), least recently used first."""

@@ -179,7 +179,7 @@ class ReplicaServer:
 
     def serving_info(self) -> ReplicaInfo:
         """Adapter versions that take new requests here and the engine's scheduling facts."""
-        return ReplicaInfo(adapters=tuple(sorted({*self.adapters.active,
+        return ReplicaInfo(adapters=tuple(sorted({*self.adapters.serving(),
                                                   *([self.merged] if self.merged else [])})),
                            max_num_seqs=self.engine.max_num_seqs,
                            priority_scheduling=self.engine.priority_scheduling,
