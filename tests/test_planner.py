@@ -94,7 +94,8 @@ def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
     assert p.candidates == (first, "v2" if first == "v1" else "v1")
     assert (p.route, p.adapter, p.version) == ("smollm", "", None)
     # What every candidate's replica is sent, built once.
-    assert p.request == GenerateRequest("chat", body, None, 0, "req-1", session="ops/user-7")
+    assert p.request == GenerateRequest("chat", body, None, 0, "req-1", session="ops/user-7",
+                                        queue_timeout_s=7.0)
     # The replica router's conversation: the header, else the OpenAI user; never the tenant.
     assert plan({"model": "smollm", "user": "u1"}).request.session == "ops/u1"
     assert plan({"model": "smollm"}).request.session is None

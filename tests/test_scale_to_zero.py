@@ -1,8 +1,8 @@
 """Scale to zero on the real stack: serve_configs/scale_to_zero.yaml (smollm-v1 always on,
 canary smollm-v2 autoscaling with ``min_replicas: 0``), with short autoscaling delays so the
 module stays short. An idle variant reaches zero replicas and its engine's memory comes
-back; requests sent during one cold start (half of them streamed) all answer, one replica
-starts, and each stream's first data line is a real chunk; a request the split sends to the
+back; a herd of 200 at the variant at zero and 200 at a warm one get no 5xx but fast 503s
+for what the cold start cannot hold, and one replica starts; a request the split sends to the
 sleeping canary is served by smollm-v1 at once and wakes it; a stream in flight keeps its
 variant up past the downscale delay. Then serve_configs/resident_budget.yaml in place (two
 routes, one variant each, room for one engine): routes used alternately swap their variants,
@@ -13,10 +13,11 @@ test_resident_budget.py."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -25,6 +26,8 @@ import pytest
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import serve_status
 from serve_app.tools import prometheus
+from serve_app.tools.drills import herd_table
+from serve_app.tools.loadgen import flood
 from serve_app.tools.servers import free_port
 
 from test_observability import dashboard
@@ -137,44 +140,59 @@ def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
                    == "zero", 15, "the router sees the canary at zero")
 
 
-def test_requests_during_one_cold_start_all_answer_and_start_one_replica(sleepy):
+HERD = 200  # requests at once at each variant, half of them streamed (issue 28)
+HERD_QUEUE_TIMEOUT_S = 5  # so that the herd overflows what a cold start holds
+
+
+def test_a_herd_at_zero_and_one_at_a_warm_variant_get_no_5xx_but_fast_503s(sleepy):
+    """Issue 28: 200 requests (100 streams) at the canary at zero and 200 (100 streams) at the
+    warm smollm-v1, all at once, with the route's queue_timeout_s at 5 s. No 500, no client
+    timeout; the cold start starts one replica and holds what that replica can start within
+    queue_timeout_s once warm (admission's rule: the held count is printed), and every held
+    request is served in full (no held stream ends in an in-band error); every other request
+    gets 503 with Retry-After before any byte. The warm variant's herd is admission's usual
+    answer: what fits within queue_timeout_s, 503 ``overloaded`` for the rest."""
     wait_until(lambda: not replicas(sleepy), 120, "the canary is at zero")
     with sleepy.http() as http:  # the router reads Serve's status every few seconds
         wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(CANARY, {}).get(
             "state") == "zero", 30, "the router sees the canary at zero")
+    short = copy.deepcopy(sleepy.sleepy_cfg)
+    route = short["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
+    route["admission"] = {**route.get("admission", {}), "queue_timeout_s": HERD_QUEUE_TIMEOUT_S}
+    sleepy.deploy(short)  # in place (a router user_config change)
     seen, stop = [], threading.Event()
 
-    def watch():  # the canary's replica count, and when the first one ran
+    def watch():  # the canary's replica count
         while not stop.is_set():
-            reps = replicas(sleepy)
-            seen.append((time.monotonic(), len(reps), sum(r["state"] == "RUNNING"
-                                                          for r in reps)))
+            seen.append(len(replicas(sleepy)))
             time.sleep(0.5)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(8) as pool, sleepy.http() as http:
-        streams = [pool.submit(stream_lines, sleepy.base_url, CANARY) for _ in range(4)]
-        whole = [pool.submit(chat, http, pin=CANARY) for _ in range(4)]
-        answers = [f.result() for f in whole]
-        streamed = [f.result() for f in streams]
-    stop.set()
-    watcher.join()
-    engine_start_s = next(t for t, _, run in seen if run > 0) - t0
-    print(f"\n[scale-to-zero] cold start: the replica ran {engine_start_s:.1f} s after the "
-          f"first request; answers after {[round(s['seconds'], 1) for s in streamed]} s "
-          "(streams)")
-    assert [a.status_code for a in answers] == [200] * 4
-    assert all(a.headers["x-mesh-variant"] == CANARY for a in answers)
-    assert max(n for _, n, _ in seen) == 1  # one replica for the whole burst
-    for s in streamed:
-        assert s["status"] == 200 and s["comments"], s
-        assert s["comments"][0] == f": waiting for {CANARY} to start"
-        first = json.loads(s["data"][0])  # the first data line is a real chunk
-        assert first["object"] == "chat.completion.chunk" and first["choices"], first
-        assert s["data"][-1] == "[DONE]"
-        assert s["seconds"] <= engine_start_s + 10, (s["seconds"], engine_start_s)
-    # Ray exports the router's counters every few seconds: wait for the export.
+
+    async def herds():
+        return await asyncio.gather(*(
+            flood(f"{sleepy.base_url}/v1", OPS_KEY, requests=HERD, streams=HERD // 2,
+                  timeout_s=300, headers={"x-mesh-variant": pin})
+            for pin in (CANARY, "smollm-v1")))
+    try:
+        cold, warm = asyncio.run(herds())
+    finally:
+        stop.set()
+        watcher.join()
+        sleepy.deploy(sleepy.sleepy_cfg)
+    for name, answers in (("at zero", cold), ("warm", warm)):
+        print(f"\n[herd] {HERD} requests ({HERD // 2} streams) at the variant {name}:")
+        for what, count, when in herd_table(answers):
+            print(f"  {what:<45} {count:>4}  {when}")
+    for answers in (cold, warm):
+        assert {a.status for a in answers} <= {200, 503}, herd_table(answers)
+        refused = [a for a in answers if a.status == 503]
+        assert all(a.retry_after for a in refused), herd_table(answers)
+        assert all(a.complete for a in answers if a.status == 200), herd_table(answers)
+    held = [a for a in cold if a.status == 200]
+    assert held and len(held) < HERD, herd_table(cold)  # it held some, refused the rest
+    assert {a.code for a in cold if a.status == 503} == {"overloaded"}, herd_table(cold)
+    assert max(seen) == 1  # one replica for the whole herd
     wait_for_metric(sleepy, "ray_mesh_cold_starts_total", 1, 30, variant=CANARY,
                     outcome="started")
 

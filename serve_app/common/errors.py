@@ -228,8 +228,15 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "retry after `Retry-After`", RETRY_AFTER, "ingress/dispatch.py"),
     "overloaded": ErrorCode(
         503, "the variant is at capacity and its admission queue cannot start the request "
-        "within the route's `queue_timeout_s` (decided at arrival)", "retry after "
-        "`Retry-After`, or send less at once", RETRY_AFTER, "ingress/admission.py"),
+        "within the route's `queue_timeout_s` (decided at arrival); or the variant is "
+        "starting from zero replicas and holds as many requests as its first replica can "
+        "start within `queue_timeout_s` already", "retry after `Retry-After`, or send less "
+        "at once", RETRY_AFTER, "ingress/admission.py"),
+    "adapter_capacity": ErrorCode(
+        503, "the replica's adapter slots (`max_adapters_per_replica`) stayed in use by other "
+        "adapters' requests for the route's `queue_timeout_s`: the variant is busy, not "
+        "broken (no failover, nothing against a rollout)", "retry after `Retry-After`",
+        RETRY_AFTER, "server/lora.py"),
     "queue_timeout": ErrorCode(
         503, "the request waited in the admission queue past its deadline", "retry after "
         "`Retry-After`", RETRY_AFTER, "ingress/admission.py"),
@@ -242,8 +249,11 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "`cold_start_timeout_s` (it goes on starting)", "retry after `Retry-After`",
         RETRY_AFTER, "ingress/cold_start.py"),
     "cold_start_failed": ErrorCode(
-        503, "the variant was at zero replicas and could not be started", "retry after "
-        "`Retry-After`; the operator reads the variant's replica log", RETRY_AFTER,
+        503, "the variant was at zero replicas and could not be started: its replica failed "
+        "to start (the message gives the reason) or did not start within the largest "
+        "`cold_start_timeout_s` of its routes; the variant is not started again until "
+        "`Retry-After` (a back-off)", "retry after `Retry-After`; the operator reads the "
+        "variant's replica log", RETRY_AFTER,
         "ingress/cold_start.py"),
     "resident_budget_full": ErrorCode(
         503, "the variant is at zero replicas, the mesh's resident budget (`max_variants`) "

@@ -141,3 +141,23 @@ def without_priorities(config: dict[str, Any]) -> dict[str, Any]:
     for tenant in (mesh_parts(out).router_user_config or {}).get("tenants", []):
         tenant.pop("priority", None)
     return out
+
+
+def herd_table(answers: list[Answer]) -> list[tuple[str, int, str]]:
+    """What a herd's clients got (:func:`~serve_app.tools.loadgen.flood` with streams), as
+    ``(what, count, when)`` rows: each outcome (status, error code, stream or not, complete
+    or cut) with the p50 and max of when its status arrived, s."""
+    groups: dict[str, list[Answer]] = {}
+    for a in answers:
+        kind = "stream" if a.stream else "whole"
+        if a.status == 200:
+            what = f"200 {kind}, complete" if a.complete else f"200 {kind}, in-band {a.code}"
+        elif a.status:
+            what = f"{a.status} {a.code or ''} {kind}" + (
+                ", Retry-After" if a.retry_after else ", no Retry-After")
+        else:
+            what = f"client {'timeout' if a.timed_out else 'error'} ({kind})"
+        groups.setdefault(what, []).append(a)
+    return [(what, len(group), f"status p50 {percentile([a.status_s for a in group], 50):.2f}"
+             f" s, max {max(a.status_s for a in group):.2f} s")
+            for what, group in sorted(groups.items())]

@@ -179,7 +179,12 @@ class Answer:
         latency_s: from sending until the status arrived (a refusal) or the answer ended, s.
         retry_after: the ``Retry-After`` header of a refusal, if any.
         timed_out: the client's own timeout fired first.
-        code: a refusal's OpenAI error ``code`` (e.g. ``overloaded``, ``shed``), if any.
+        code: a refusal's OpenAI error ``code`` (e.g. ``overloaded``, ``shed``), if any; for
+            a stream, the code of an in-band error event that ended it.
+        stream: it was a streamed request.
+        status_s: from sending until the status line arrived, s.
+        complete: a 200 whose stream ended with ``data: [DONE]`` and no error event (a
+            whole answer: True).
     """
 
     status: int
@@ -187,6 +192,9 @@ class Answer:
     retry_after: str | None = None
     timed_out: bool = False
     code: str | None = None
+    stream: bool = False
+    status_s: float = 0.0
+    complete: bool = False
 
 
 def _error_code(r: httpx.Response) -> str | None:
@@ -200,30 +208,49 @@ def _error_code(r: httpx.Response) -> str | None:
 
 
 async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int = 16,
-                timeout_s: float = 60, model: str = "smollm") -> list[Answer]:
-    """Send ``requests`` non-streaming chat requests all at once (no retries) and record how
-    each ended. Uses plain ``httpx`` with the bodies prepared up front, so the client's own
-    cost stays small next to the mesh's (a flood must measure the mesh, not the client)."""
+                timeout_s: float = 60, model: str = "smollm", streams: int = 0,
+                headers: dict[str, str] | None = None) -> list[Answer]:
+    """Send ``requests`` chat requests all at once (no retries), the first ``streams`` of
+    them streamed, and record how each ended. Uses plain ``httpx`` with the bodies prepared
+    up front, so the client's own cost stays small next to the mesh's (a flood must measure
+    the mesh, not the client). ``headers``: extra request headers (e.g. a variant pin)."""
     bodies = [json.dumps({"model": model, "max_tokens": max_tokens, "ignore_eos": True,
-                          "user": f"flood-{i}", "messages": [{"role": "user", "content":
-                          f"Write a line about the number {i}."}]}).encode()
+                          "stream": i < streams, "user": f"flood-{i}",
+                          "messages": [{"role": "user", "content":
+                                        f"Write a line about the number {i}."}]}).encode()
               for i in range(requests)]
-    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json"}
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json",
+               **(headers or {})}
     limits = httpx.Limits(max_connections=requests + 10, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as http:
 
-        async def one(body: bytes) -> Answer:
+        async def one(i: int, body: bytes) -> Answer:
             t0 = time.monotonic()
             try:
-                r = await http.post("/chat/completions", content=body, headers=headers)
-                return Answer(r.status_code, time.monotonic() - t0,
-                              r.headers.get("retry-after"), code=_error_code(r))
+                if i >= streams:
+                    r = await http.post("/chat/completions", content=body, headers=headers)
+                    return Answer(r.status_code, time.monotonic() - t0,
+                                  r.headers.get("retry-after"), code=_error_code(r),
+                                  status_s=time.monotonic() - t0, complete=r.status_code == 200)
+                async with http.stream("POST", "/chat/completions", content=body,
+                                       headers=headers) as r:
+                    status_s = time.monotonic() - t0
+                    if r.status_code != 200:
+                        await r.aread()
+                        return Answer(r.status_code, status_s, r.headers.get("retry-after"),
+                                      code=_error_code(r), stream=True, status_s=status_s)
+                    data = [line[6:] async for line in r.aiter_lines()
+                            if line.startswith("data: ")]
+                errors = [json.loads(d)["error"] for d in data if d.startswith('{"error"')]
+                return Answer(200, time.monotonic() - t0, stream=True, status_s=status_s,
+                              code=errors[0].get("code") if errors else None,
+                              complete=data[-1:] == ["[DONE]"] and not errors)
             except httpx.TimeoutException:
-                return Answer(0, time.monotonic() - t0, timed_out=True)
+                return Answer(0, time.monotonic() - t0, timed_out=True, stream=i < streams)
             except httpx.HTTPError:
-                return Answer(0, time.monotonic() - t0)
+                return Answer(0, time.monotonic() - t0, stream=i < streams)
 
-        return await asyncio.gather(*(one(b) for b in bodies))
+        return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
 
 async def probe(spec: LoadSpec, stop: asyncio.Event, pause_s: float = 0.2
