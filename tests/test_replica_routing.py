@@ -225,6 +225,68 @@ def test_no_adapter_is_evicted_while_a_stream_on_it_runs(many):
     assert evicted.get(f"{held}@v1", 0) == 0, evicted
 
 
+def engine_states(mesh, app: str = "smollm-v1", replicas: int = 2) -> dict[int, dict]:
+    """Each replica's :meth:`LLMReplica.stats` (the engine's own state included), by pid:
+    handle calls until every replica has answered."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMReplica", app_name=app)
+    states: dict[int, dict] = {}
+    for _ in range(50):
+        state = handle.stats.remote().result()
+        states[state["pid"]] = state
+        if len(states) == replicas:
+            break
+    return states
+
+
+def test_clients_leaving_mid_stream_while_a_load_waits_never_lose_an_adapter_under_the_engine(
+        many):
+    """Issue 28: four streams hold the four adapter slots of one replica (one session); a
+    request for a fifth adapter waits for a slot; the four clients disconnect mid-stream.
+    The fifth is then served there, and the engine's own state shows that no adapter was
+    removed while the engine still ran a request on it (the generator chain is closed and
+    the engine has let go before an adapter is released and unloaded)."""
+    four, fifth, session = many.adapter_names[4:8], many.adapter_names[8], "leaving"
+    streaming, leave = threading.Barrier(len(four) + 1, timeout=120), threading.Event()
+
+    def stream(name: str) -> None:
+        body = {"model": f"smollm:{name}", "messages": QUESTION, "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{many.base_url}/v1/chat/completions", json=body,
+                          headers={"x-session-id": session}, timeout=120) as r:
+            lines = r.iter_lines()
+            while '"content"' not in next(lines):  # a token has come: it runs
+                pass
+            streaming.wait()
+            leave.wait(timeout=120)
+        # leaving the block closes the connection mid-stream: the client left
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in four]
+    for t in threads:
+        t.start()
+    streaming.wait()
+    answer: dict[str, httpx.Response] = {}
+
+    def ask_fifth() -> None:
+        with many.http() as http:
+            answer["fifth"] = ask_adapter(http, fifth, session=session)
+    waiter = threading.Thread(target=ask_fifth)
+    waiter.start()
+    time.sleep(1.0)
+    waited = waiter.is_alive()  # every slot of the replica is in use: its load waits
+    leave.set()
+    for t in [*threads, waiter]:
+        t.join(timeout=120)
+    r = answer["fifth"]
+    assert waited and r.status_code == 200, r.text[:300]
+    assert r.json()["choices"][0]["message"]["content"].startswith(behaviour(many, fifth))
+    if many.engine == "sim":  # the simulated engine counts removals under a request
+        states = engine_states(many)
+        assert len(states) == 2 and all(s["lora_removed_in_use"] == 0
+                                        for s in states.values()), states
+
+
 @pytest.mark.slow  # packing a cold adapter onto one replica: test_replica_affinity
 def test_a_burst_for_a_cold_adapter_loads_it_once(many):
     events = settled_events(many)
