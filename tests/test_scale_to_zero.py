@@ -232,6 +232,52 @@ def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy
 
 
 
+
+BROKEN = "smollm-broken"  # a variant whose engine fails to start (sim.fail_start)
+
+
+def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_backs_off(sleepy):
+    """Issue 28: a variant at zero whose engine fails at start (``sim.fail_start``; on the
+    real engine, a bad model path). The held request gets 503 ``cold_start_failed`` with the
+    engine's reason once the controller reports the failed start, not at
+    ``cold_start_timeout_s``; the next request, during the back-off, gets the same 503 at
+    once with a Retry-After; the budget's view no longer counts it as starting."""
+    cfg = copy.deepcopy(sleepy.sleepy_cfg)
+    broken = copy.deepcopy(next(a for a in cfg["applications"] if a["name"] == CANARY))
+    broken["name"] = BROKEN
+    if sleepy.engine == "sim":
+        broken["args"]["sim"] = {**broken["args"]["sim"], "fail_start": "weights not found"}
+    else:
+        broken["args"]["model"] = "/nonexistent/model"
+    cfg["applications"].append(broken)
+    route = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
+    route["variants"].append({"application": BROKEN, "weight": 0})
+    sleepy.deploy(cfg)  # in place: a new application with no replica, a weight-0 variant
+    try:
+        with sleepy.http() as http:
+            wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(BROKEN, {}).get(
+                "state") == "zero", 30, "the router sees the broken variant at zero")
+            t0 = time.monotonic()
+            first = chat(http, pin=BROKEN)
+            took = time.monotonic() - t0
+            t1 = time.monotonic()
+            again = chat(http, pin=BROKEN)
+            again_s = time.monotonic() - t1
+            state = http.get("/health").json()["scale_to_zero"].get(BROKEN, {})
+    finally:
+        sleepy.deploy(sleepy.sleepy_cfg)
+    print(f"\n[failed start] 503 after {took:.1f} s: {first.json()['error']['message']}")
+    for r in (first, again):
+        assert r.status_code == 503 and r.json()["error"]["code"] == "cold_start_failed", r.text
+        assert int(r.headers["retry-after"]) >= 1
+    reason = "weights not found" if sleepy.engine == "sim" else "nonexistent"
+    assert reason in first.json()["error"]["message"], first.text
+    route_timeout = route.get("cold_start_timeout_s", 180)
+    assert took < route_timeout / 2, took  # the controller's report, not the timeout
+    assert again_s < 1.0, again_s
+    assert state.get("state") != "starting", state
+
+
 # -- the resident budget (serve_configs/resident_budget.yaml) ---------------------------------
 
 BUDGET_ROUTES = {"smollm": "smollm-v1", "smollm-fr": "smollm-fr-v1"}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import Sequence
 
@@ -234,13 +235,15 @@ class VariantAvailability:
     def _start_error(app) -> str:
         """The error of a replica that failed to start, as the Serve controller reports it in
         the deployment's message ("A replica failed to start with exception. Retrying ...
-        Error: <traceback>"): the traceback's last line; "" if none failed."""
+        Error: <traceback>"): the traceback's last line that names an error ("RuntimeError:
+        ..."); "" if none failed."""
         deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
         message = str(getattr(deployment, "message", "") or "")
         if "failed to start" not in message:
             return ""
         lines = [line.strip() for line in message.splitlines() if line.strip()]
-        return lines[-1][:500] if lines else message[:500]
+        errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*: ", line)]
+        return (errors or lines or [message])[-1][:500]
 
     def start_error(self, application: str) -> str:
         """Why ``application``'s last replica start failed, per the last status ("" if
