@@ -145,6 +145,12 @@ class MeshRouter:
                                    self.availability.full_batch_service_s(v.application))
         self.metrics.refresh_gauges(self.availability.states())
 
+    def _context_len(self, plan) -> int:
+        """The largest ``max_model_len`` the plan's candidates reported, tokens (0: none
+        known): a request with no ``max_tokens`` may generate up to it there."""
+        return max((self.availability.info[c].max_model_len for c in plan.candidates
+                    if c in self.availability.info), default=0)
+
     def _cold_start_limit_s(self, application: str) -> float:
         """How long a cold start of ``application`` may take before it counts as failed, s:
         the largest ``cold_start_timeout_s`` of the routes it serves."""
@@ -212,8 +218,8 @@ class MeshRouter:
                                       session_id=request.headers.get(SESSION_HEADER),
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
-            quota_headers = await account.hold_tenant_slot(self.limiter, tenant,
-                                                           Reservation.of(endpoint, body))
+            quota_headers = await account.hold_tenant_slot(
+                self.limiter, tenant, Reservation.of(endpoint, body, self._context_len(plan)))
             # From here on only the plan is read: a deploy during the await above may have
             # changed (or removed) the route in self.config.
             account.capture = self.shadows.maybe_mirror(plan, effective_shadow(

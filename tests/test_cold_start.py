@@ -239,10 +239,10 @@ def test_a_herd_at_a_cold_variant_holds_what_it_can_serve_and_refuses_the_rest_a
                for r in refused), refused[:1]
     assert refused_in < 1.0
     assert [r.status_code for r in served] == [200] * len(served)
-    # What it held is what a warm replica of 8 slots (+25 % headroom for the top priority)
-    # starts within queue_timeout_s: 10 at once and 0.9 x 1 s x 8 slots / 2 s = 3.6 more
-    # requests of size 1; these (no max_tokens) are of size 8/24: (10 + 3.6) x 3 = 40.
-    assert len(served) == limit == 40
+    # What it held is what a warm replica of 8 slots starts within queue_timeout_s: 8 at
+    # once (none kept back here) and 0.9 x 1 s x 8 slots / 2 s = 3.6 more requests of size
+    # 1; these (no max_tokens) are of size 8/24: (8 + 3.6) x 3 = 34.8.
+    assert len(served) == limit == 34
 
 
 def test_a_start_that_fails_ends_the_held_requests_with_its_reason_and_backs_off(mesh):

@@ -36,9 +36,9 @@ def test_any_body_gets_an_estimate_and_vllm_judges_it():
     """The estimate never fails a request: malformed bodies are vLLM's 400s to give."""
     for body in ({"messages": 5}, {"messages": "hi"}, {"messages": [{"content": {"a": 1}}]},
                  {"messages": [{"content": "\ud800 lone surrogate"}]},
-                 {"messages": [{"content": [{"text": None}, 7, "x"]}]}, {"max_tokens": "9"}):
+                 {"messages": [{"content": [{"text": None}, 7, "x"]}]}, {"max_tokens": "nine"}):
         assert Reservation.of("chat", body).total >= DEFAULT_MAX_TOKENS
-    assert Reservation.of("completion", {"prompt": {"x": 1}}) == Reservation(0, DEFAULT_MAX_TOKENS)
+    assert Reservation.of("completion", {"prompt": {"x": 1}}) == Reservation(0, 16)  # vLLM: 16
 
 
 def test_settled_cost_on_every_ending():
@@ -48,16 +48,45 @@ def test_settled_cost_on_every_ending():
     assert r.used(0, 0, streamed_chunks=0) == (0, 0)  # nothing ran (refused, 400, failed over)
 
 
-def test_bucket_refills_over_its_window_and_never_goes_negative():
+def test_bucket_refills_over_its_window_and_an_excess_is_a_debt_paid_first():
     b = TokenBucket(600, 60.0, now=0.0)
     assert b.wait_s(600, 0.0) == 0 and b.wait_s(601, 0.0) == float("inf")
     b.take(600)
     assert b.wait_s(100, 0.0) == pytest.approx(10.0)  # 10 tokens/s
     assert b.reset_s(30.0) == pytest.approx(30.0)  # 300 back after 30 s, 30 s to full
-    b.settle(reserved=0, used=10_000, now=30.0)  # an excess past what is left
-    assert b.level == 0.0
+    b.settle(reserved=0, used=900, now=30.0)  # it cost 900 more than it reserved
+    assert b.level == -600.0  # charged, not forgiven: a debt of 600
+    assert b.wait_s(100, 30.0) == pytest.approx(70.0)  # the debt, then the request
     b.settle(reserved=10_000, used=0, now=30.0)  # a refund past the limit
     assert b.level == 600.0
+
+
+def test_a_reservation_bounds_what_vllm_may_generate_for_the_body():
+    """Issue 27: the fields vLLM reads, per endpoint, in every form it accepts."""
+    def completion(**body):
+        return Reservation.of("completion", {"prompt": "hi", **body}).completion
+
+    def chat(max_model_len=0, **body):
+        return Reservation.of("chat", {"messages": [], **body}, max_model_len).completion
+
+    # vLLM's completions ignore max_completion_tokens: max_tokens (16 when absent) counts
+    assert completion(max_completion_tokens=1, max_tokens=100) == 100
+    assert completion(max_completion_tokens=1) == 16
+    assert completion(n=4, max_tokens=100) == 400
+    assert completion(n=2, best_of=3, max_tokens=10) == 30
+    assert completion(prompt=["a", "b", "c"], max_tokens=10) == 30  # one per prompt
+    assert completion(prompt=[[1, 2], [3]], n=2, max_tokens=5) == 20
+    assert completion(prompt=[1, 2, 3], max_tokens=5) == 5  # one prompt of token ids
+    assert completion(max_tokens="100") == completion(max_tokens=100.0) == 100
+    assert completion(max_tokens=None) == DEFAULT_MAX_TOKENS  # null: the rest of the context
+    # a chat: max_completion_tokens, else max_tokens, else the rest of the context
+    assert chat(max_completion_tokens=7, max_tokens=9) == 7
+    assert chat(max_completion_tokens=None, max_tokens=" 9 ") == 9
+    assert chat(max_model_len=2048) == 2048 and chat() == DEFAULT_MAX_TOKENS
+    assert chat(max_model_len=2048, max_tokens=10**9) == 2048  # vLLM's cap
+    assert chat(n=3, max_tokens=10) == 30
+    assert chat(max_tokens=True) == DEFAULT_MAX_TOKENS  # not an int to vLLM: its 400
+    assert Reservation.of("completion", {"prompt": ["abc", "abcdef"]}).prompt == 1 + 2
 
 
 def test_duration_header_is_openais_format():

@@ -136,6 +136,8 @@ class ReplicaInfo:
         full_batch_service_s: seconds a request of :data:`CALIBRATION_TOKENS` generated tokens
             held the engine in a full batch at start-up (:meth:`EngineHandle.full_batch_service_s`); 0.0
             when not measured.
+        max_model_len: the engine's context length, tokens (0: unknown): what a chat with no
+            ``max_tokens`` may generate at most (vLLM's default, the rest of the context).
     """
 
     adapters: tuple[str, ...] = ()
@@ -144,3 +146,4 @@ class ReplicaInfo:
     defaults: tuple[str, ...] = ()
     merged: str = ""
     full_batch_service_s: float = 0.0
+    max_model_len: int = 0

@@ -45,7 +45,8 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   its reservation when it starts (so a tenant's long streams count while they run) and
   corrected to its real usage when it ends. A tenant that arrives with nothing queued or
   running has its counter lifted to the least counter among the tenants that have
-  requests queued or running, so time spent idle earns no burst of credit; on an idle
+  requests queued or running (what each was served: not the reservations of their requests
+  still running), so time spent idle earns no burst of credit; on an idle
   variant, to the greatest counter, so the contention of an hour ago (a tenant that was
   served a lot then, one that was away) does not decide the next one. ``fairness: fifo`` keeps arrival
   order (the baseline the fair order is measured against).
@@ -61,8 +62,9 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`). While a
   variant starts from zero, requests that wait for it queue here with the slots its first
   replica will have: a request is held if, once that replica is warm, it would start within
-  ``queue_timeout_s`` by the rule above (the first ``slots`` at once, the rest at
-  ``service_s`` per size); the rest get 503 ``overloaded`` at once, before any byte. A held
+  ``queue_timeout_s`` by the rule above (its ``max_num_seqs`` less the ``reserved_slots`` or
+  ``newcomer_slots`` kept back at once, the rest at ``service_s`` per size on those); the
+  rest get 503 ``overloaded`` at once, before any byte. A held
   request waits at most ``cold_start_timeout_s`` for the replica (``cold_start_timeout``);
   once it is warm, held requests get its slots in the queue's order (priority, then
   token-fair), no more at a time than it takes, and their ``queue_timeout_s`` starts then.
@@ -200,6 +202,7 @@ class VariantAdmission:
         self._full_samples = 0  # releases service_s was learned from (the variant full)
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
+        self._charged: dict[str, float] = {}  # tenant -> reservations of its running requests
         self._clock = clock
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
@@ -249,15 +252,28 @@ class VariantAdmission:
                 w.future.set_exception(rejected)
         self._prune()
 
+    def _held_slots(self) -> int:
+        """Slots of the first replica a held request may count on: its ``max_num_seqs`` less
+        those kept back (``reserved_slots`` for the best priority, ``newcomer_slots`` for a
+        tenant with nothing in flight), whoever the held requests are; so every request held
+        starts within ``queue_timeout_s`` by the rules that release it (no held request is
+        shed)."""
+        return max(1, self.starting_slots - max(self.reserved_slots, self.newcomer_slots))
+
+    def _held_wait_s(self, work: float) -> float:
+        """Seconds after the replica is warm until held ``work`` (sizes, own included) has
+        started: the first :meth:`_held_slots` at once, the rest at ``service_s`` each."""
+        slots = self._held_slots()
+        return self._estimate(max(0.0, work - slots), slots)
+
     def held_limit(self, size: float = 1.0) -> int:
         """Requests of ``size`` a cold start holds (:meth:`expect_start`; 0 when none is under
         way): those its first replica can start within ``ADMIT_MARGIN x queue_timeout_s`` of
-        being warm, the first ``slots`` at once (the module docstring)."""
+        being warm (:meth:`_held_wait_s`; the module docstring)."""
         if not self.starting_slots:
             return 0
-        slots = self._slots_of(self.starting_slots, True)
-        more = ADMIT_MARGIN * self.queue_timeout_s * self.starting_slots / max(
-            1e-3, self.service_s)
+        slots = self._held_slots()
+        more = ADMIT_MARGIN * self.queue_timeout_s * slots / max(1e-3, self.service_s)
         return int((slots + more) // max(1e-3, size))
 
     def slots_for(self, top: bool) -> int:
@@ -352,9 +368,8 @@ class VariantAdmission:
         key = self._key(priority, tenant, math.inf)
         ahead = [w for w in self._waiting() if self._order(w) <= key]
         if held:
-            slots = self._slots_of(self.starting_slots, top)
             work = sum(w.size for w in self._waiting()) + size  # all of them go first-come
-            wait_s = self._estimate(max(0.0, work - slots), self.starting_slots)
+            wait_s = self._held_wait_s(work)
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s:
                 raise Rejected("overloaded", f"variant {self.variant} is starting from zero "
                                f"replicas and holds what its first replica can start within "
@@ -440,6 +455,7 @@ class VariantAdmission:
             1, self.capacity - max(self.reserved_slots, self.newcomer_slots))
         self.in_flight -= 1
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
+        self._charged[slot.tenant] = self._charged.get(slot.tenant, 0.0) - slot.charged
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
         if full and size is not None:  # held while full, by a request that generated tokens
@@ -480,14 +496,21 @@ class VariantAdmission:
         if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
             return
         active = {w.tenant for w in waiting} | {t for t, n in self._running.items() if n}
-        floor = (min(self.service.get(t, 0.0) for t in active) if active
+        floor = (min(self._served(t) for t in active) if active
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
+
+    def _served(self, tenant: str) -> float:
+        """``tenant``'s counter without the reservations of its requests still running: what
+        it was served. A lift goes to that, never to a reservation, which may be far above
+        what the request will cost (a ``max_tokens`` vLLM refuses; issue 27)."""
+        return self.service.get(tenant, 0.0) - self._charged.get(tenant, 0.0)
 
     def _start(self, tenant: str, cost: float, now: float, size: float = 1.0) -> Slot:
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost
+        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost
         return Slot(now, tenant, cost, size)
 
     def _grant(self) -> None:

@@ -39,7 +39,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.ingress.call_batcher import MAX_BATCH, CallBatcher
-from serve_app.ingress.token_budget import DEFAULT_MAX_TOKENS, WINDOW_S, TokenBucket, duration_header
+from serve_app.ingress.token_budget import WINDOW_S, TokenBucket, duration_header
 
 logger = get_logger(__name__)
 
@@ -192,20 +192,23 @@ class TenantCounts:
                                math.ceil(wait_s))
             if math.isinf(wait_s):
                 return Refusal(400, f"the request reserves {tokens} tokens (prompt estimate "
-                               f"plus max_tokens, {DEFAULT_MAX_TOKENS} when unset), more than "
+                               "plus what vLLM may generate for it: max_tokens x n per "
+                               "prompt; unset, the rest of the context), more than "
                                f"tenant {tenant_id!r}'s whole {name} of {bucket.limit}; set a "
                                "smaller max_tokens", "reservation_exceeds_budget", None)
-            return Refusal(429, f"tenant {tenant_id!r} has {int(bucket.level)} of its "
-                           f"{name} {bucket.limit} left and this request reserves {tokens}; "
-                           f"retry in {math.ceil(wait_s)} s or set a smaller max_tokens",
-                           "tokens_exhausted", math.ceil(wait_s))
+            left = (f"has {int(bucket.level)} of its {name} {bucket.limit} left"
+                    if bucket.level >= 0 else f"owes {math.ceil(-bucket.level)} tokens of its "
+                    f"{name} {bucket.limit} (its requests cost more than they reserved)")
+            return Refusal(429, f"tenant {tenant_id!r} {left} and this request reserves "
+                           f"{tokens}; retry in {math.ceil(wait_s)} s or set a smaller "
+                           "max_tokens", "tokens_exhausted", math.ceil(wait_s))
         return None
 
     @staticmethod
     def _quota(st: _TenantState, now: float) -> Quota:
         def figures(name: str) -> tuple[int, int, float] | None:
             b = st.buckets.get(name)
-            return None if b is None else (b.limit, int(b.level), b.reset_s(now))
+            return None if b is None else (b.limit, max(0, int(b.level)), b.reset_s(now))
         return Quota(requests=figures(REQUESTS),
                      tokens=figures("tokens_per_minute") or figures("tokens_per_day"))
 
@@ -232,7 +235,7 @@ class TenantCounts:
         out = {}
         for name, bucket in (st.buckets.items() if st else ()):
             bucket.refill(now)
-            out[name] = int(bucket.level)
+            out[name] = max(0, int(bucket.level))
         return out
 
 

@@ -13,15 +13,24 @@ A request **reserves** before it runs, when its real size is not known yet:
   default system prompt of about 30 tokens when a request has none). English averages about
   4 bytes per token on BPE tokenizers, so 3 reserves a little more than English costs; text
   denser than that (e.g. CJK, ~1.5 bytes/token) may settle above its reservation.
-- completion tokens: the request's ``max_completion_tokens`` / ``max_tokens``, or
-  :data:`DEFAULT_MAX_TOKENS` when it states none.
+- completion tokens: the most vLLM may generate for that body, read as vLLM reads it
+  (``vllm/entrypoints/openai/*/protocol.py``, ``serve/utils/api_utils.get_max_tokens``, vLLM
+  0.32): per sequence, for a chat ``max_completion_tokens`` if given, else ``max_tokens``,
+  else the rest of the context (``max_model_len``, when the route's variants reported it;
+  else :data:`DEFAULT_MAX_TOKENS`); for a completion ``max_tokens``, 16 when absent, the rest
+  of the context when null; ``max_completion_tokens`` means nothing to vLLM's completions.
+  Each in every form vLLM's protocol accepts (an integer, an integer string such as
+  ``"100"``, a float with no fraction), capped at ``max_model_len``. Times ``n`` (and
+  ``best_of`` where it is larger), times the number of prompts of a completion (a list of
+  strings or of token-id lists).
 
 It **settles** when it ends, however it ends, with the tokens it really cost: vLLM's usage
 when the answer carried it, else (a stream the client left, or one that failed) the prompt
 estimate plus one token per streamed chunk (vLLM streams a chunk per generated token), and 0
-when nothing ran. Settling returns the unused part of the reservation, or draws the excess;
-a bucket never goes below 0 (an excess it cannot cover is forgiven, at most one request's
-misestimate).
+when nothing ran. Settling returns the unused part of the reservation, or draws the excess:
+what a request cost beyond its reservation is charged, not forgiven. A bucket may go below
+0 (a debt); the tenant's next request fits only once the refill has paid the debt and its
+own reservation.
 """
 
 from __future__ import annotations
@@ -64,17 +73,62 @@ def prompt_estimate(endpoint: str, body: dict[str, Any]) -> int:
         nbytes = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
         return (math.ceil(nbytes / PROMPT_BYTES_PER_TOKEN) + CHAT_TEMPLATE_TOKENS
                 + MESSAGE_OVERHEAD_TOKENS * len(messages))
-    return math.ceil(_text_bytes(body.get("prompt")) / PROMPT_BYTES_PER_TOKEN)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return sum(math.ceil(_text_bytes(p) / PROMPT_BYTES_PER_TOKEN) for p in prompt)
+    return math.ceil(_text_bytes(prompt) / PROMPT_BYTES_PER_TOKEN)
 
 
-def completion_reservation(body: dict[str, Any]) -> int:
-    """Completion tokens a body may generate: its ``max_completion_tokens`` or
-    ``max_tokens``, else :data:`DEFAULT_MAX_TOKENS`."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return DEFAULT_MAX_TOKENS
+#: A completion's ``max_tokens`` when the body has none (vLLM's ``CompletionRequest``).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as vLLM's pydantic protocol (lax mode) reads an ``int`` field: an int, a
+    float with no fraction, a string of an integer; None for anything else (vLLM answers
+    that with a 400) and for a bool."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _prompts(endpoint: str, body: dict[str, Any]) -> int:
+    """Prompts a body has: a completion's list of strings or of token-id lists is one each."""
+    prompt = body.get("prompt") if endpoint == "completion" else None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def completion_reservation(body: dict[str, Any], endpoint: str = "chat",
+                           max_model_len: int = 0) -> int:
+    """Completion tokens vLLM may generate for ``body`` at most (see the module docstring).
+
+    Args:
+        endpoint: ``chat`` or ``completion``.
+        max_model_len: the route's variants' context length, tokens (0: unknown).
+    """
+    if endpoint == "chat":
+        given = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                      if body.get(k) is not None), None)
+    else:
+        given = body.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    per_sequence = as_int(given) if given is not None else None
+    if per_sequence is None or per_sequence <= 0:  # none given (or vLLM's 400 to come)
+        per_sequence = max_model_len or DEFAULT_MAX_TOKENS
+    elif max_model_len:
+        per_sequence = min(per_sequence, max_model_len)
+    sequences = max(1, as_int(body.get("n")) or 1, as_int(body.get("best_of")) or 1)
+    return per_sequence * sequences * _prompts(endpoint, body)
 
 
 @dataclass(frozen=True)
@@ -89,8 +143,11 @@ class Reservation:
         return self.prompt + self.completion
 
     @classmethod
-    def of(cls, endpoint: str, body: dict[str, Any]) -> Reservation:
-        return cls(prompt_estimate(endpoint, body), completion_reservation(body))
+    def of(cls, endpoint: str, body: dict[str, Any], max_model_len: int = 0) -> Reservation:
+        """The reservation of ``body`` on ``endpoint`` (``max_model_len``: see
+        :func:`completion_reservation`)."""
+        return cls(prompt_estimate(endpoint, body),
+                   completion_reservation(body, endpoint, max_model_len))
 
     def used(self, prompt_tokens: int, completion_tokens: int,
              streamed_chunks: int) -> tuple[int, int]:
@@ -137,9 +194,10 @@ class TokenBucket:
         self.level = max(0.0, self.level - tokens)
 
     def settle(self, reserved: int, used: int, now: float) -> None:
-        """Give back ``reserved - used`` tokens (or draw the excess, down to 0 at most)."""
+        """Give back ``reserved - used`` tokens, or draw the excess: below 0 is a debt, paid
+        by the refill before the next request fits (:meth:`wait_s`)."""
         self.refill(now)
-        self.level = min(float(self.limit), max(0.0, self.level + reserved - used))
+        self.level = min(float(self.limit), self.level + reserved - used)
 
     def reset_s(self, now: float) -> float:
         """Seconds until the bucket is full again."""

@@ -185,7 +185,8 @@ class ReplicaServer:
                            priority_scheduling=self.engine.priority_scheduling,
                            defaults=tuple(sorted(self.adapters.default.values())),
                            merged=self.merged,
-                           full_batch_service_s=self.full_batch_service_s)
+                           full_batch_service_s=self.full_batch_service_s,
+                           max_model_len=self.engine.max_model_len)
 
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:
