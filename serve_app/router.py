@@ -209,6 +209,7 @@ class MeshRouter:
         request_id = request_id_for(request.headers.get(REQUEST_ID_HEADER))
         account = RequestAccount(self.metrics, self.rollouts.observe, planner.labels(None, None),
                                  request_id)
+        quota_headers: dict[str, str] = {}
         try:
             tenant = authenticate(self._tenants, request.headers.get("authorization"))
             account.tags = planner.labels(tenant, None)
@@ -228,6 +229,9 @@ class MeshRouter:
             response.headers.update(quota_headers)  # OpenAI's x-ratelimit-* headers
             return response
         except MeshError as e:
+            # A limited tenant's refusal after its slot was taken (503 overloaded, ...) carries
+            # its x-ratelimit-* headers too, as every answer to it does.
+            e.headers = {**quota_headers, **e.headers}
             # The router's own refusals (overloaded, queue_timeout, shed, no_healthy_variant,
             # internal_error) are counted by their code; the rest by status.
             if e.status != 500:
