@@ -263,11 +263,12 @@ def test_a_start_that_fails_ends_the_held_requests_with_its_reason_and_backs_off
                                "RuntimeError: simulated engine start failure (sim.fail_start)")
         ended = [r for r, _ in await asyncio.gather(*held)]
         took = loop.time() - t0
-        resident = mesh.view.resident("v2")
+        resident, state = mesh.view.resident("v2"), mesh.view.state("v2")
         again, _ = await dispatch(mesh, plan_of(["v2"]))
-        return ended, took, resident, again
+        return ended, took, resident, again, state
 
-    ended, took, resident, again = asyncio.run(main())
+    ended, took, resident, again, state = asyncio.run(main())
+    assert state == "failed"
     assert took < 1.0
     for r in ended + [again]:
         assert isinstance(r, MeshError) and (r.status, r.code) == (503, "cold_start_failed")

@@ -337,12 +337,15 @@ class VariantAvailability:
         return why if time.monotonic() < until else ""
 
     def state(self, application: str) -> str:
-        """``warm`` (a serving replica), ``starting`` or ``zero`` for a variant that scales
-        to zero; ``warm`` or ``down`` for the others."""
+        """``warm`` (a serving replica), ``starting``, ``zero`` or ``failed`` (its cold start
+        failed; the back-off lasts) for a variant that scales to zero; ``warm`` or ``down``
+        for the others."""
         if self.running(application) > 0:
             return "warm"
         if application not in self.scales_to_zero:
             return "down" if self._running is not None else "warm"
+        if self.failed_start(application):
+            return "failed"  # its cold start failed: not woken during the back-off
         if application in self.waking or self._starting.get(application, 0) > 0:
             return "starting"
         return "zero"

@@ -28,7 +28,7 @@ SHADOW_TAGS = ("route", "shadow")
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300]
 _START_SECONDS = [5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600]
 #: States of a variant that scales to zero (:meth:`VariantAvailability.state`).
-VARIANT_STATES = ("warm", "starting", "zero")
+VARIANT_STATES = ("warm", "starting", "zero", "failed")
 _RATIOS = [0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
 _ITL_SECONDS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2]
 
