@@ -244,6 +244,36 @@ def test_adapter_version_canary_split_is_sticky(tenants):
         tenants.deploy(tenants.tenants_cfg)
 
 
+def test_promoting_a_v1_v2_split_to_v2_only_under_sticky_v1_traffic_gives_no_404(tenants):
+    """Issue 28: callers the split keeps on acme-support@v1 send requests while one
+    ``serve deploy`` makes v2 the only version (the router's split and the replica's adapters
+    at once). The router's view of the replica is a moment old, so requests for v1 may still
+    come: the replica serves them for RETIRED_GRACE_S. Every request gets 200; new callers
+    get v2 after."""
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 50), (2, 50)]))
+    v2_only = with_adapters(tenants.tenants_cfg, [("acme-support", 2), ("globex-report", 1)])
+    spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model="smollm:acme-support",
+                    concurrency=4, max_tokens=4, api_key=KEYS["acme"], duration_s=600,
+                    user_prefix="acme-sticky-")
+    try:
+        with background_load(spec) as results:
+            wait_for_results(results, 8)
+            t_change = time.monotonic()
+            tenants.deploy(v2_only)
+            wait_for_results(results, 8, started_after=time.monotonic())
+        after = [r for r in results if r.started_at >= t_change]
+        failed = [(r.status, r.error) for r in results if not r.ok]
+        print(f"\npromotion under load: {len(results)} requests, {len(after)} during and "
+              f"after the deploy, {len(failed)} failed")
+        assert after and not failed, failed[:3]
+        with tenants.http() as http:
+            r = ask(http, "acme", "smollm:acme-support", user="acme-sticky-new")
+            assert r.headers["x-mesh-adapter"] == "acme-support@v2"
+            assert text(r).startswith(sig(tenants, ACME_V2))
+    finally:
+        tenants.deploy(tenants.tenants_cfg)
+
+
 def test_adapter_version_rollout_is_promoted(tenants):
     rollout = {"id": "acme-v2", "steps": [50, 100], "min_requests": 3, "min_step_s": 1,
                "gates": {"max_ttft_p95_ratio": 3.0, "max_latency_p95_ratio": 3.0}}
