@@ -290,3 +290,21 @@ def test_a_start_that_hangs_fails_after_the_routes_cold_start_timeout(mesh):
     result, why = asyncio.run(main())
     assert isinstance(result, MeshError) and result.code == "cold_start_failed"
     assert "no replica started within 0.1 s" in result.message and why
+
+
+def test_an_earlier_start_error_still_in_the_status_does_not_fail_the_next_wake(mesh):
+    """The controller's message about a start that failed before this wake (it lingers in
+    the status) is not this wake's failure: the request is held and served."""
+    mesh.messages["v2"] = ("A replica failed to start with exception. Retrying 0 more "
+                           "time(s). Error:\nRuntimeError: an earlier failure")
+
+    async def main():
+        await mesh.view.refresh()
+        call = asyncio.ensure_future(dispatch(mesh, plan_of(["v2"], timeout_s=30)))
+        await asyncio.sleep(0.1)  # several looks at the status
+        held = not call.done()
+        mesh.replicas.start.set()
+        return held, (await call)[0]
+
+    held, result = asyncio.run(main())
+    assert held and result.status_code == 200

@@ -99,7 +99,7 @@ class VariantAvailability:
         self.evictable: set[str] = set()  # apps whose LLMReplica uses the resident policy
         self.evicting: set[str] = set()  # apps the resident budget is evicting (it sets it)
         self._declared_seqs: dict[str, int] = {}  # app -> engine_args.max_num_seqs deployed
-        self._start_errors: dict[str, str] = {}  # app -> its replica's start error (status)
+        self._start_errors: dict[str, tuple[str, str]] = {}  # app -> start_error()
         self.start_failed: dict[str, tuple[float, str]] = {}  # app -> (monotonic until, why):
         # a cold start failed; it is not woken again (nor resident) until then (cold_start)
 
@@ -152,7 +152,7 @@ class VariantAvailability:
             self._app_status = {name: getattr(app.status, "value", str(app.status))
                                 for name, app in serve_status.applications.items()}
             self._start_errors = {name: error for name, app in serve_status.applications.items()
-                                  if (error := self._start_error(app))}
+                                  if (error := self._start_error(app))[0]}
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
                 self.on_refresh()  # only after the replicas' serving_info answers below
@@ -232,23 +232,24 @@ class VariantAvailability:
         self.adapters[app] = set(info.adapters)
 
     @staticmethod
-    def _start_error(app) -> str:
+    def _start_error(app) -> tuple[str, str]:
         """The error of a replica that failed to start, as the Serve controller reports it in
         the deployment's message ("A replica failed to start with exception. Retrying ...
-        Error: <traceback>"): the traceback's last line that names an error ("RuntimeError:
-        ..."); "" if none failed."""
+        Error: <traceback>"): (the message, the traceback's last line that names an error,
+        "RuntimeError: ..."); ("", "") if none failed."""
         deployment = app.deployments.get(REPLICA_DEPLOYMENT) if app.deployments else None
         message = str(getattr(deployment, "message", "") or "")
         if "failed to start" not in message:
-            return ""
+            return "", ""
         lines = [line.strip() for line in message.splitlines() if line.strip()]
         errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*: ", line)]
-        return (errors or lines or [message])[-1][:500]
+        return message, (errors or lines or [message])[-1][:500]
 
-    def start_error(self, application: str) -> str:
-        """Why ``application``'s last replica start failed, per the last status ("" if
-        none did)."""
-        return self._start_errors.get(application, "")
+    def start_error(self, application: str) -> tuple[str, str]:
+        """``(message, error)`` of ``application``'s last failed replica start, per the last
+        status (:meth:`_start_error`; ("", "") if none failed). The message tells one
+        failure from the next (Serve counts the retries in it)."""
+        return self._start_errors.get(application, ("", ""))
 
     @staticmethod
     def _replicas(app, state: str | None = None) -> int:

@@ -147,10 +147,12 @@ class ColdStarts:
         reports its start error or none answers within ``give_up_s``."""
         call = asyncio.ensure_future(self.handle_for(application).serving_info.remote())
         deadline = time.monotonic() + self.give_up_s(application)
+        earlier, _ = self.availability.start_error(application)  # a start before this one
         try:
             while not (await asyncio.wait({call}, timeout=START_ERROR_CHECK_S))[0]:
                 await self.availability.refresh(max_age_s=START_ERROR_CHECK_S)
-                if error := self.availability.start_error(application):
+                message, error = self.availability.start_error(application)
+                if message and message != earlier:
                     raise ColdStartFailed(f"its replica failed to start: {error}")
                 if time.monotonic() > deadline:
                     raise ColdStartFailed(f"no replica started within "
