@@ -29,6 +29,7 @@ class FakeEngine:
     """A :class:`ServingEngine` that answers what a test gives it and records the bodies."""
 
     max_num_seqs = 4
+    max_model_len = 2048
 
     def __init__(self, answer=None, *, raises: BaseException | None = None,
                  priority_scheduling: bool = True) -> None:

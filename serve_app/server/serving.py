@@ -75,6 +75,7 @@ class ServingEngine(Protocol):
     is vLLM's)."""
 
     max_num_seqs: int
+    max_model_len: int
     priority_scheduling: bool
 
     @property
