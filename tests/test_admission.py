@@ -269,10 +269,10 @@ def test_token_fair_order_serves_the_tenant_with_less_service_first_and_fifo_doe
 
     assert run(order_of("fifo")) == ["heavy-0", "heavy-1", "heavy-2", "heavy-3",
                                      "light-0", "light-1"]
-    # The light tenant arrives lifted to what the heavy one was served (0: its running
-    # request's charge is a reservation, issue 27), so its two go first; every heavy start
-    # adds 300 and every light one 30.
-    assert run(order_of("tokens")) == ["light-0", "light-1", "heavy-0", "heavy-1",
+    # The light tenant arrives lifted to the heavy's counter (300: its running request's
+    # charge; no credit for having been idle). The tie goes to the earlier arrival, then
+    # every heavy start adds 300 and every light one 30.
+    assert run(order_of("tokens")) == ["heavy-0", "light-0", "light-1", "heavy-1",
                                        "heavy-2", "heavy-3"]
 
 
@@ -302,60 +302,38 @@ def test_a_tenant_back_from_idle_gets_no_burst_of_credit_and_usage_corrects_the_
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
         q.set_capacity(1)
-        q.release(await q.acquire(0, False, "busy", cost=100), cost=100)  # served 100
         running = await q.acquire(0, False, "busy", cost=100)
-        assert q.service == {"busy": 200}
+        assert q.service == {"busy": 100}
         queued = asyncio.create_task(q.acquire(0, False, "busy", cost=100))
         await settle()
         q.service["idle"] = 10.0  # it was served long ago
         late = asyncio.create_task(q.acquire(0, False, "idle", cost=1))
         await settle()
-        assert q.service["idle"] == 100.0  # lifted to what busy was served (not reserved)
+        assert q.service["idle"] == 100.0  # lifted to the least queued counter
         q.release(running, cost=40)  # it really cost 40 of the 100 charged
         await settle()
-        assert q.service["busy"] == 140  # corrected
-        assert late.done() and not queued.done()  # idle (100) goes before busy (140)
-        q.release(late.result(), cost=1)
-        await settle()
-        assert queued.done()
+        assert queued.done() and not late.done()  # the tie goes to the earlier arrival
+        assert q.service["busy"] == 40 + 100  # corrected, plus the next one's charge
         q.release(queued.result(), cost=0)  # ended before it ran: charged nothing
-        assert q.service["busy"] == 140
+        await settle()
+        assert q.service["busy"] == 40 and late.done()
+        q.release(late.result())
     run(main())
 
 
 def test_no_credit_for_idle_time_even_when_nothing_is_queued():
     """A tenant that has only running requests still sets the floor a returning tenant is
-    lifted to: what it was served."""
+    lifted to."""
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
         q.set_capacity(2)
-        q.release(await q.acquire(0, False, "busy", cost=500), cost=500)
         running = await q.acquire(0, False, "busy", cost=500)
         q.service["idle"] = 3.0
         mine = await q.acquire(0, False, "idle", cost=1)
-        assert q.service["idle"] == 500 + 1  # lifted to busy's 500 served, then charged
+        assert q.service["idle"] == 500 + 1  # lifted to busy's 500, then charged
         q.release(running)
         q.release(mine)
     run(main())
-
-
-def test_a_reservation_never_sets_the_floor_another_tenant_is_lifted_to():
-    """Issue 27: a poisoner's request reserves far more than it will cost (``max_tokens``
-    1e9, which vLLM refuses). A tenant that becomes active meanwhile is lifted to what the
-    poisoner was served, not to its reservation; once the reservation is corrected, the two
-    are in the order of what they were served."""
-    async def main():
-        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
-        q.set_capacity(2)
-        poison = await q.acquire(0, False, "poisoner", cost=2e9)
-        honest = await q.acquire(0, False, "honest", cost=10)
-        assert q.service["honest"] == 10  # lifted to 0 (served), not to 2e9
-        q.release(poison, cost=0)  # vLLM refused it: it cost nothing
-        q.release(honest, cost=10)
-        return dict(q.service)
-
-    service = run(main())
-    assert service == {"poisoner": 0, "honest": 10}
 
 
 def test_on_an_idle_variant_past_service_is_forgotten():
@@ -374,11 +352,14 @@ def test_on_an_idle_variant_past_service_is_forgotten():
         await settle()
         q.release(heavy, cost=190)
         await settle()
-        # The light one was lifted to what the heavy one had been served (25,000, not its
-        # running request's charge): it goes before the heavy one's queue, not behind it.
-        assert light.done() and not any(t.done() for t in queued)
+        # Equal counters (the light one was lifted to the heavy's): the earlier arrival
+        # first, then the heavy one is charged and the light one goes before the rest.
+        assert queued[0].done() and not light.done()
+        q.release(queued[0].result(), cost=190)
+        await settle()
+        assert light.done() and not queued[1].done() and not queued[2].done()
         q.release(light.result())
-        for t in queued:
+        for t in queued[1:]:
             await settle()
             q.release(await t)
     run(main())
@@ -440,3 +421,30 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
             t.cancel()
         await asyncio.gather(*long, short, return_exceptions=True)
     run(main())
+
+
+def test_a_reservation_beyond_the_context_moves_a_counter_by_one_context_at_most():
+    """Issue 27, in part: a poisoner's request asks ``max_tokens`` 1e9, which vLLM refuses.
+    Its charge while it runs is its reservation, which the router caps at the variant's
+    ``max_model_len`` (token_budget.completion_reservation), so a tenant lifted meanwhile is
+    lifted by one context's worth at most, not by 2e9; the correction then takes the
+    poisoner's counter back to what it was served."""
+    from serve_app.ingress.admission import service_cost
+    from serve_app.ingress.token_budget import Reservation
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}
+    charge = service_cost(*vars(Reservation.of("chat", body, max_model_len=2048)).values())
+
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
+        q.set_capacity(2)
+        poison = await q.acquire(0, False, "poisoner", cost=charge)
+        honest = await q.acquire(0, False, "honest", cost=10)
+        lifted_to = q.service["honest"] - 10
+        q.release(poison, cost=0)  # vLLM refused it: it cost nothing
+        q.release(honest, cost=10)
+        return lifted_to, dict(q.service)
+
+    lifted_to, service = run(main())
+    assert lifted_to == charge <= 2 * 2048 + 100
+    assert service["poisoner"] == 0

@@ -45,8 +45,7 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   its reservation when it starts (so a tenant's long streams count while they run) and
   corrected to its real usage when it ends. A tenant that arrives with nothing queued or
   running has its counter lifted to the least counter among the tenants that have
-  requests queued or running (what each was served: not the reservations of their requests
-  still running), so time spent idle earns no burst of credit; on an idle
+  requests queued or running, so time spent idle earns no burst of credit; on an idle
   variant, to the greatest counter, so the contention of an hour ago (a tenant that was
   served a lot then, one that was away) does not decide the next one. ``fairness: fifo`` keeps arrival
   order (the baseline the fair order is measured against).
@@ -202,7 +201,6 @@ class VariantAdmission:
         self._full_samples = 0  # releases service_s was learned from (the variant full)
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
-        self._charged: dict[str, float] = {}  # tenant -> reservations of its running requests
         self._clock = clock
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
@@ -455,7 +453,6 @@ class VariantAdmission:
             1, self.capacity - max(self.reserved_slots, self.newcomer_slots))
         self.in_flight -= 1
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
-        self._charged[slot.tenant] = self._charged.get(slot.tenant, 0.0) - slot.charged
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
         if full and size is not None:  # held while full, by a request that generated tokens
@@ -496,21 +493,14 @@ class VariantAdmission:
         if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
             return
         active = {w.tenant for w in waiting} | {t for t, n in self._running.items() if n}
-        floor = (min(self._served(t) for t in active) if active
+        floor = (min(self.service.get(t, 0.0) for t in active) if active
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
-
-    def _served(self, tenant: str) -> float:
-        """``tenant``'s counter without the reservations of its requests still running: what
-        it was served. A lift goes to that, never to a reservation, which may be far above
-        what the request will cost (a ``max_tokens`` vLLM refuses; issue 27)."""
-        return self.service.get(tenant, 0.0) - self._charged.get(tenant, 0.0)
 
     def _start(self, tenant: str, cost: float, now: float, size: float = 1.0) -> Slot:
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost
-        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost
         return Slot(now, tenant, cost, size)
 
     def _grant(self) -> None:
