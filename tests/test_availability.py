@@ -239,3 +239,22 @@ def test_a_running_variant_that_stops_answering_the_poll_is_lost(monkeypatch):
         assert v.is_available("v2")  # a miss or two may be a slow moment
     asyncio.run(v.refresh())
     assert not v.is_available("v2") and v.is_available("v1")
+
+
+def test_a_deleted_variants_lost_mark_does_not_outlive_it(monkeypatch):
+    """A retired variant's polls fail, so it is marked lost for LOST_REPLICA_S; once the
+    status no longer lists it, the mark goes: the same name deployed again a moment later is
+    available at once (in the suite, canary.yaml redeployed after a retirement)."""
+    apps = {"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}
+    v = view(monkeypatch, apps, {"v1": ReplicaInfo((), 8), "v2": ReplicaInfo((), 8)})
+
+    async def main():
+        await v.refresh()
+        v.replica_lost("v1")  # its replica went with the application
+        del apps["v1"]
+        await v.refresh()
+        apps["v1"] = app("RUNNING", 1)  # deployed again
+        await v.refresh()
+
+    asyncio.run(main())
+    assert v.is_available("v1") and v.prefer_available(["v2", "v1"]) == ["v2", "v1"]

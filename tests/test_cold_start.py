@@ -263,7 +263,7 @@ def test_a_start_that_fails_ends_the_held_requests_with_its_reason_and_backs_off
                                "RuntimeError: simulated engine start failure (sim.fail_start)")
         ended = [r for r, _ in await asyncio.gather(*held)]
         took = loop.time() - t0
-        resident, state = mesh.view.resident("v2"), mesh.view.state("v2")
+        resident, state = mesh.view.resident("v2"), mesh.view.states()["v2"]["state"]  # /health
         again, _ = await dispatch(mesh, plan_of(["v2"]))
         return ended, took, resident, again, state
 

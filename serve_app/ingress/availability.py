@@ -153,6 +153,11 @@ class VariantAvailability:
                                 for name, app in serve_status.applications.items()}
             self._start_errors = {name: error for name, app in serve_status.applications.items()
                                   if (error := self._start_error(app))[0]}
+            for gone in [a for a in self._lost_until if a not in serve_status.applications]:
+                # Deleted: what its replicas did says nothing of the application a later
+                # deploy may create under the same name.
+                del self._lost_until[gone]
+                self._missed.pop(gone, None)
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
                 self.on_refresh()  # only after the replicas' serving_info answers below
@@ -371,6 +376,14 @@ class VariantAvailability:
             self._running[application] = max(1, self._running.get(application, 0))
         self._take(application, info)
         self.used(application)
+        self._update_states()
+        if self.on_refresh is not None:
+            self.on_refresh()
+
+    def mark_start_failed(self, application: str, backoff_s: float, why: str) -> None:
+        """A cold start of ``application`` failed (``why``): it is ``failed``, not woken and
+        not resident, for ``backoff_s`` (:meth:`failed_start`)."""
+        self.start_failed[application] = (time.monotonic() + backoff_s, why)
         self._update_states()
         if self.on_refresh is not None:
             self.on_refresh()

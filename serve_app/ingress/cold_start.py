@@ -178,7 +178,7 @@ class ColdStarts:
         n = self._failures[application] = self._failures.get(application, 0) + 1
         backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (n - 1))
         why = str(e) if isinstance(e, ColdStartFailed) else f"{type(e).__name__}: {e}"[:500]
-        self.availability.start_failed[application] = (time.monotonic() + backoff, why)
+        self.availability.mark_start_failed(application, backoff, why)
         logger.warning("cold start of %s failed after %.1f s (%d in a row): %s; not woken "
                        "again for %.0f s", application, took, n, why, backoff)
         self._count(application, "failed")
