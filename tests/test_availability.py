@@ -258,3 +258,22 @@ def test_a_deleted_variants_lost_mark_does_not_outlive_it(monkeypatch):
 
     asyncio.run(main())
     assert v.is_available("v1") and v.prefer_available(["v2", "v1"]) == ["v2", "v1"]
+
+
+def test_a_deleted_variants_missed_polls_do_not_count_against_its_next_deploy(monkeypatch):
+    """Polls of a variant being deleted time out; once the status no longer lists it, they
+    are forgotten, so the variant deployed again under the name is not marked lost by two
+    slow first polls of its new replica (in the suite: canary.yaml after a retirement)."""
+    apps = {"v1": app("RUNNING", 1)}
+    v = view(monkeypatch, apps, {"v1": ReplicaInfo((), 8)})
+
+    async def main():
+        await v.refresh()
+        v._missed["v1"] = availability.MISSED_POLLS_LOST - 1  # polls during its deletion
+        del apps["v1"]
+        await v.refresh()
+        apps["v1"] = app("RUNNING", 1)
+        await v.refresh()
+
+    asyncio.run(main())
+    assert v._missed.get("v1", 0) == 0 and v.is_available("v1")

@@ -153,10 +153,11 @@ class VariantAvailability:
                                 for name, app in serve_status.applications.items()}
             self._start_errors = {name: error for name, app in serve_status.applications.items()
                                   if (error := self._start_error(app))[0]}
-            for gone in [a for a in self._lost_until if a not in serve_status.applications]:
-                # Deleted: what its replicas did says nothing of the application a later
-                # deploy may create under the same name.
-                del self._lost_until[gone]
+            for gone in [a for a in {*self._lost_until, *self._missed}
+                         if a not in serve_status.applications]:
+                # Deleted: what its replicas did (polls missed, a replica lost) says nothing
+                # of the application a later deploy may create under the same name.
+                self._lost_until.pop(gone, None)
                 self._missed.pop(gone, None)
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
