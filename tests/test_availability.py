@@ -291,3 +291,22 @@ def test_a_deleted_variants_missed_polls_do_not_count_against_its_next_deploy(mo
 
     asyncio.run(main())
     assert v.is_available("v1")
+
+
+@pytest.mark.timeout(20)
+def test_a_refresh_that_ended_before_its_caller_resumed_is_not_spun_on(monkeypatch):
+    """Issue 28's herd hung the router: a request needing the status arrived between the end
+    of the poll's status-less refresh and its caller's resumption, and looped on that ended
+    refresh without ever yielding (an ended task is awaited without a pause), so the caller
+    that would clear it never ran. Now a refresh that has ended is not waited on."""
+    v = view(monkeypatch, {"v1": app("RUNNING", 1)}, {"v1": ReplicaInfo((), 8)})
+
+    async def main():
+        await v.refresh()
+        ended = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+        await ended
+        v._refreshing, v._refreshing_status = ended, False  # its caller not resumed yet
+        await asyncio.wait_for(v.refresh(), 5)  # needs the status: a new refresh
+
+    asyncio.run(main())
+    assert v._refreshing is None

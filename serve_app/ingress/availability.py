@@ -118,19 +118,24 @@ class VariantAvailability:
                 costs the router ~50 ms of CPU, so the poll asks for it every
                 :data:`STATUS_EVERY` periods).
         """
-        while self._refreshing is not None:  # one is under way: its view is new enough,
-            with_status = self._refreshing_status  # unless it skips the status we need:
-            await asyncio.shield(self._refreshing)  # then wait for the next one (a loop: a
-            if with_status or not status:  # herd of callers must not recurse, issue 28)
+        # One under way: its view is new enough, unless it skips the status we need; then
+        # wait for the next one. A loop, not a recursion (a herd of callers overflowed the
+        # stack, issue 28), and only while it runs: a refresh that has ended but whose caller
+        # has not resumed yet is awaited without yielding, so looping on it would spin.
+        while (current := self._refreshing) is not None and not current.done():
+            with_status = self._refreshing_status
+            await asyncio.shield(current)
+            if with_status or not status:
                 return
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
         self._refreshing_status = status or self._running is None
-        self._refreshing = asyncio.get_running_loop().create_task(self._refresh(status))
+        task = self._refreshing = asyncio.get_running_loop().create_task(self._refresh(status))
         try:
-            await asyncio.shield(self._refreshing)
+            await asyncio.shield(task)
         finally:
-            self._refreshing = None
+            if self._refreshing is task:
+                self._refreshing = None
 
     async def _refresh(self, status: bool) -> None:
         if status or self._running is None:
