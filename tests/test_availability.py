@@ -310,3 +310,22 @@ def test_a_refresh_that_ended_before_its_caller_resumed_is_not_spun_on(monkeypat
 
     asyncio.run(main())
     assert v._refreshing is None
+
+
+def test_a_variant_deployed_again_under_a_deleted_ones_name_starts_from_nothing(monkeypatch):
+    """What a deleted variant's replicas said is forgotten: the application deployed again
+    under its name is a first start, so its starting replica does not count as serving (it
+    would be polled, miss, and be marked lost before it ran)."""
+    apps = {"v1": app("RUNNING", 1)}
+    v = view(monkeypatch, apps, {"v1": ReplicaInfo((), 8)})
+
+    async def main():
+        await v.refresh()
+        del apps["v1"]
+        await v.refresh()
+        apps["v1"] = SimpleNamespace(status="DEPLOYING", deployments={
+            "LLMReplica": SimpleNamespace(replica_states={"STARTING": 1})})
+        await v.refresh()
+
+    asyncio.run(main())
+    assert v.running("v1") == 0 and "v1" not in v.info

@@ -158,12 +158,13 @@ class VariantAvailability:
                                 for name, app in serve_status.applications.items()}
             self._start_errors = {name: error for name, app in serve_status.applications.items()
                                   if (error := self._start_error(app))[0]}
-            for gone in [a for a in {*self._lost_until, *self._missed}
+            for gone in [a for a in {*self._lost_until, *self._missed, *self.info}
                          if a not in serve_status.applications]:
-                # Deleted: what its replicas did (polls missed, a replica lost) says nothing
-                # of the application a later deploy may create under the same name.
-                self._lost_until.pop(gone, None)
-                self._missed.pop(gone, None)
+                # Deleted: what its replicas did and said (polls missed, a replica lost, what
+                # it served) says nothing of the application a later deploy may create under
+                # the same name, whose replicas then start from nothing.
+                for known in (self._lost_until, self._missed, self.info, self.adapters):
+                    known.pop(gone, None)
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
                 self.on_refresh()  # only after the replicas' serving_info answers below
