@@ -191,6 +191,8 @@ def test_a_herd_at_zero_and_one_at_a_warm_variant_get_no_5xx_but_fast_503s(sleep
         assert all(a.complete for a in answers if a.status == 200), herd_table(answers)
     held = [a for a in cold if a.status == 200]
     assert held and len(held) < HERD, herd_table(cold)  # it held some, refused the rest
+    # a held stream got its headers and `: waiting for ...` comments, then the real chunks
+    assert all(a.held for a in held if a.stream), herd_table(cold)
     assert {a.code for a in cold if a.status == 503} == {"overloaded"}, herd_table(cold)
     assert max(seen) == 1  # one replica for the whole herd
     wait_for_metric(sleepy, "ray_mesh_cold_starts_total", 1, 30, variant=CANARY,

@@ -413,10 +413,8 @@ class VariantAdmission:
                     return await asyncio.wait_for(asyncio.shield(waiter.future),
                                                   max(0.0, waiter.deadline - self._clock()))
                 except asyncio.TimeoutError:
-                    if _granted(waiter.future):
-                        return waiter.future.result()  # granted as the timer fired
-                    if waiter.future.done():
-                        return waiter.future.result()  # rejected as the timer fired: raises
+                    if waiter.future.done():  # granted, or rejected, as the timer fired
+                        return waiter.future.result()
                     if self._clock() < waiter.deadline:
                         continue  # the variant became warm: a new deadline
                     waiter.future.cancel()

@@ -185,6 +185,8 @@ class Answer:
         status_s: from sending until the status line arrived, s.
         complete: a 200 whose stream ended with ``data: [DONE]`` and no error event (a
             whole answer: True).
+        held: a stream whose body began with an SSE comment line (``: waiting for ...``,
+            a cold start held it) and whose first data line is a completion chunk.
     """
 
     status: int
@@ -195,6 +197,7 @@ class Answer:
     stream: bool = False
     status_s: float = 0.0
     complete: bool = False
+    held: bool = False
 
 
 def _error_code(r: httpx.Response) -> str | None:
@@ -239,12 +242,14 @@ async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int =
                         await r.aread()
                         return Answer(r.status_code, status_s, r.headers.get("retry-after"),
                                       code=_error_code(r), stream=True, status_s=status_s)
-                    data = [line[6:] async for line in r.aiter_lines()
-                            if line.startswith("data: ")]
+                    lines = [line async for line in r.aiter_lines() if line]
+                data = [line[6:] for line in lines if line.startswith("data: ")]
                 errors = [json.loads(d)["error"] for d in data if d.startswith('{"error"')]
+                held = (lines[0].startswith(":") and bool(data) and not errors
+                        and '"chat.completion.chunk"' in data[0])
                 return Answer(200, time.monotonic() - t0, stream=True, status_s=status_s,
                               code=errors[0].get("code") if errors else None,
-                              complete=data[-1:] == ["[DONE]"] and not errors)
+                              complete=data[-1:] == ["[DONE]"] and not errors, held=held)
             except httpx.TimeoutException:
                 return Answer(0, time.monotonic() - t0, timed_out=True, stream=i < streams)
             except httpx.HTTPError:
