@@ -71,7 +71,7 @@ class FakeAvailability:
 
 def planner(adapters=None, down=frozenset(), stale=frozenset()):
     splits = splits_of(CONFIG)
-    return RequestPlanner(CONFIG, splits, lambda key: splits[key].weighted,
+    return RequestPlanner(CONFIG, splits, lambda key, split: split.weighted,
                           FakeAvailability(adapters if adapters is not None else {
                               "v1": {"acme@v1", "acme@v2", "globex@v1"},
                               "v2": {"acme@v1"}}, down, stale))
@@ -159,6 +159,21 @@ def test_adapter_versions_and_the_variants_that_serve_them():
     assert plan({"model": "smollm:acme"}, "acme", p=p2, session_id="s1").version == "acme@v1"
 
 
+def test_a_plan_under_the_last_config_reads_its_own_splits_while_the_next_is_applied():
+    """CI's 500 KeyError (issue 28's promotion test): a ``serve deploy`` that drops an adapter
+    split hands the rollout client the new splits while requests planned under the last
+    config still run; their adapter split must still have weights."""
+    from serve_app.ingress.rollouts import RolloutClient
+    client = RolloutClient(controller=None)
+    client.splits = splits_of(RouterConfig.model_validate({"routes": {"smollm": {
+        "variants": [{"application": "v1", "weight": 90}, {"application": "v2",
+                                                            "weight": 10}]}}}))
+    p = RequestPlanner(CONFIG, splits_of(CONFIG), client.weighted, FakeAvailability(
+        {"v1": {"acme@v1", "acme@v2"}, "v2": {"acme@v1"}}))
+    assert plan({"model": "smollm:acme"}, "acme", p=p, session_id="s1").version in (
+        "acme@v1", "acme@v2")
+
+
 def test_unknown_adapter_is_refreshed_once_before_404():
     p = planner({"v1": set()})
     with pytest.raises(MeshError):
@@ -222,7 +237,7 @@ def merged_planner(availability, versions=None):
     config = RouterConfig.model_validate({"routes": {"smollm": route},
                                           "tenants": CONFIG.model_dump()["tenants"]})
     splits = splits_of(config)
-    return RequestPlanner(config, splits, lambda key: splits[key].weighted, availability)
+    return RequestPlanner(config, splits, lambda key, split: split.weighted, availability)
 
 
 def test_an_adapter_with_a_merged_variant_goes_there_first_with_the_lora_path_as_failover():

@@ -156,19 +156,25 @@ class RequestPlanner:
     Args:
         config: the router's ``user_config``.
         splits: its splits (:func:`serve_app.ingress.split.splits_of`).
-        weighted: split key -> ``(arm, weight)`` in force (a rollout may own the weights).
+        weights_in_force: ``(split key, split) -> [(arm, weight)]`` in force (a rollout may
+            own the weights); called with this config's own split, so a request planned
+            under this config never looks a key up in another one's splits.
         availability: which variants run, and which adapters they serve.
     """
 
     def __init__(self, config: RouterConfig, splits: dict[str, Split],
-                 weighted: Callable[[str], list[tuple[str, int]]],
+                 weights_in_force: Callable[[str, Split], list[tuple[str, int]]],
                  availability: Availability) -> None:
         self.config = config
         self.splits = splits
-        self.weighted = weighted
+        self._weights_in_force = weights_in_force
         self.availability = availability
         self.top_priority = config.top_priority()
         self.owned_adapters = {a for t in config.tenants for a in t.adapters}
+
+    def weighted(self, key: str) -> list[tuple[str, int]]:
+        """The arms of this config's split ``key`` with the weights in force."""
+        return self._weights_in_force(key, self.splits[key])
 
     def model_ids(self, tenant: Tenant | None) -> list[str]:
         """The ``model`` names the caller may use (``GET /v1/models``): its routes, and

@@ -72,10 +72,11 @@ class RolloutClient:
             except Exception as e:  # keep the last weights; the controller may be restarting
                 logger.warning("rollout controller: %s: %s", type(e).__name__, str(e)[:300])
 
-    def weighted(self, key: str) -> list[tuple[str, int]]:
-        """The arms of split ``key`` with the weights in force: the rollout's when it has
-        one (its stable arm alone until the controller has answered), else the config's."""
-        split = self.splits[key]
+    def weighted(self, key: str, split: Split) -> list[tuple[str, int]]:
+        """The arms of ``split`` (the split ``key`` of the caller's config) with the weights
+        in force: the rollout's when it has one (its stable arm alone until the controller
+        has answered), else the config's. The caller passes its split: a request planned
+        under the last config may still be running while :meth:`apply` takes the next."""
         if split.rollout is None:
             return split.weighted
         weights = self._weights.by_split.get(key) or {split.weighted[0][0]: 100}
@@ -92,7 +93,7 @@ class RolloutClient:
 
     def weights(self) -> dict[str, dict[str, int]]:
         """Split key -> arm -> weight in force (for logs and ``/health``)."""
-        return {key: dict(self.weighted(key)) for key in self.splits}
+        return {key: dict(self.weighted(key, split)) for key, split in self.splits.items()}
 
     def observe(self, arms: tuple[tuple[str, str], ...], *, error: bool, truncated: bool = False,
                 ttft_s: float | None = None, latency_s: float) -> None:
