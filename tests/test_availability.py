@@ -217,6 +217,26 @@ def test_a_variant_that_lost_a_replica_is_tried_last_for_a_while(monkeypatch):
     assert v.is_available("v2") and v.prefer_available(["v2", "v1"]) == ["v2", "v1"]
 
 
+def test_a_lost_mark_ends_when_another_replica_of_the_variant_answers(monkeypatch):
+    """A redeploy replaces v1's replica: polls to the old one missed, so v1 was marked lost.
+    The same replica answering again keeps the mark (it may be the one dying); the new
+    replica answering ends it, not LOST_REPLICA_S later (in the suite, all of a rollout's
+    callers went to the canary for the rest of the 30 s)."""
+    infos = {"v1": ReplicaInfo((), 8, replica="old"), "v2": ReplicaInfo((), 8, replica="b")}
+    v = view(monkeypatch, {"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}, infos)
+
+    async def main():
+        await v.refresh()
+        v.replica_lost("v1")
+        await v.refresh(max_age_s=0)
+        assert not v.is_available("v1")
+        infos["v1"] = ReplicaInfo((), 8, replica="new")
+        await v.refresh(max_age_s=0)
+
+    asyncio.run(main())
+    assert v.is_available("v1") and v.prefer_available(["v1", "v2"]) == ["v1", "v2"]
+
+
 def test_only_a_gone_replica_counts_as_lost():
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 

@@ -138,6 +138,7 @@ class ReplicaInfo:
             when not measured.
         max_model_len: the engine's context length, tokens (0: unknown): what a chat with no
             ``max_tokens`` may generate at most (vLLM's default, the rest of the context).
+        replica: the Serve replica id that answered ("" when unknown).
     """
 
     adapters: tuple[str, ...] = ()
@@ -147,3 +148,4 @@ class ReplicaInfo:
     merged: str = ""
     full_batch_service_s: float = 0.0
     max_model_len: int = 0
+    replica: str = ""

@@ -84,6 +84,7 @@ class VariantAvailability:
         self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
         self._refreshed_at = float("-inf")
         self._lost_until: dict[str, float] = {}  # app -> monotonic time, see replica_lost
+        self._lost_replica: dict[str, str] = {}  # app -> the replica last seen when lost
         self._missed: dict[str, int] = {}  # app -> serving_info polls missed in a row
         self._refreshing: asyncio.Task | None = None
         self._refreshing_status = False  # the refresh under way asks the controller
@@ -163,7 +164,8 @@ class VariantAvailability:
                 # Deleted: what its replicas did and said (polls missed, a replica lost, what
                 # it served) says nothing of the application a later deploy may create under
                 # the same name, whose replicas then start from nothing.
-                for known in (self._lost_until, self._missed, self.info, self.adapters):
+                for known in (self._lost_until, self._lost_replica, self._missed, self.info,
+                              self.adapters):
                     known.pop(gone, None)
             await self._read_autoscaling()
             if self.on_refresh is not None:  # admission sees new replica counts at once, not
@@ -236,6 +238,13 @@ class VariantAvailability:
     def _take(self, app: str, info: ReplicaInfo) -> None:
         """What a replica of ``app`` answered ``serving_info``: what the view keeps of it."""
         self._missed[app] = 0
+        if self._lost_until.get(app, 0.0) > time.monotonic() \
+                and info.replica != self._lost_replica.get(app):
+            # Another replica answers (Serve replaced the one lost, or the variant runs
+            # more): a call placed now reaches it, so the variant need not wait out the mark.
+            logger.info("variant %s: replica %s answers; available again", app,
+                        info.replica or "?")
+            self._lost_until.pop(app)
         if app not in self.info:
             logger.info("variant %s: a full batch of %d-token requests holds its engine "
                         "%.2f s (start-up measure)", app, CALIBRATION_TOKENS,
@@ -426,10 +435,14 @@ class VariantAvailability:
 
     def replica_lost(self, application: str) -> None:
         """A call to ``application`` found its replica gone: try the other variants first for
-        :data:`LOST_REPLICA_S` (it stays a last resort)."""
+        :data:`LOST_REPLICA_S` (it stays a last resort), or until a poll is answered by a
+        replica other than the one last seen (a redeploy's new replica serves at once)."""
         if self._lost_until.get(application, 0.0) <= time.monotonic():
             logger.warning("variant %s lost a replica; trying the route's other variants "
-                           "first for %.0f s", application, LOST_REPLICA_S)
+                           "first for %.0f s, or until another replica answers", application,
+                           LOST_REPLICA_S)
+            known = self.info.get(application)
+            self._lost_replica[application] = known.replica if known else ""
         self._lost_until[application] = time.monotonic() + LOST_REPLICA_S
 
     def is_available(self, application: str) -> bool:

@@ -187,7 +187,8 @@ class ReplicaServer:
                            defaults=tuple(sorted(self.adapters.default.values())),
                            merged=self.merged,
                            full_batch_service_s=self.full_batch_service_s,
-                           max_model_len=self.engine.max_model_len)
+                           max_model_len=self.engine.max_model_len,
+                           replica=self.replica)
 
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:
