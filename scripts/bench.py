@@ -207,8 +207,8 @@ def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | No
     import ray
 
     from serve_app.common.config import Tenant
-    from serve_app.ingress.call_batcher import MAX_BATCH
-    from serve_app.ingress.limits import TenantLimiter
+    from serve_app.tenancy.call_batcher import MAX_BATCH
+    from serve_app.tenancy.limits import TenantLimiter
     from serve_app.observability.stats import percentile
 
     if not ray.is_initialized():

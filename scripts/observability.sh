@@ -9,5 +9,5 @@
 # that Prometheus as its data source.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case " $* " in *" -h "*|*" --help "*) ;; *) ./scripts/install_prometheus.sh;; esac
+case " $* " in *" -h "*|*" --help "*) ;; *) ./scripts/install_services.sh;; esac
 exec .venv/bin/python -m serve_app.tools.prometheus "$@"

@@ -26,6 +26,6 @@ if [ "${1:-}" = --all ]; then
   export MESH_TEST_BUDGET_S=${MESH_TEST_BUDGET_S:-0}
 fi
 ./scripts/setup.sh
-./scripts/install_prometheus.sh   # tests/test_observability.py runs a real Prometheus
+./scripts/install_services.sh   # real Prometheus and Redis servers for their tests
 echo "[test] set-up took $((SECONDS - t0)) s; engine for integration tests: ${MESH_TEST_ENGINE:-sim}"
 exec .venv/bin/python -m pytest -v --durations=15 "$@"

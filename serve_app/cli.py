@@ -54,7 +54,7 @@ from serve_app.release import kuberay, merge_plan, rollout_watch
 from serve_app.release.change_lines import report_lines
 from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import InvalidPlan, apply_plan, parse_steps, plan_swap, write_plan
-from serve_app.ingress.tenancy import hash_api_key
+from serve_app.tenancy.keys import hash_api_key
 from serve_app.release.validate import config_warnings, validate_config
 
 #: Exit status of a command that cannot do its job: bad arguments, a file that cannot be

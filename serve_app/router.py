@@ -32,20 +32,21 @@ from serve_app.common.failures import RETRY_AFTER_S
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
-from serve_app.ingress.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
+from serve_app.tenancy.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.ingress.cold_start import ColdStarts
 from serve_app.ingress.resident_budget import ResidentBudget
 from serve_app.ingress.dispatch import Dispatcher
-from serve_app.ingress.limits import TenantLimiter
+from serve_app.tenancy.ledger import ledger_for
+from serve_app.tenancy.limits import TenantLimiter
 from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
 from serve_app.ingress.request_body import read_json_body
 from serve_app.ingress.rollouts import RolloutClient
 from serve_app.ingress.shadow import ShadowMirror, effective_shadow
 from serve_app.ingress.split import splits_of
-from serve_app.ingress.tenancy import authenticate
-from serve_app.ingress.token_budget import Reservation
+from serve_app.tenancy.keys import authenticate
+from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 from serve_app.control.rollout_controller import RolloutController
 
@@ -83,7 +84,7 @@ class MeshRouter:
         self._handles: dict[str, Any] = {}
         self._admission: dict[str, VariantAdmission] = {}  # variant -> its slots and queue
         self.metrics = MeshMetrics()
-        self.limiter = TenantLimiter()
+        self.limiter = TenantLimiter(routers=lambda: self.availability.routers)
         self.rollouts = RolloutClient(controller)
         self.controller = controller
         self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
@@ -95,7 +96,6 @@ class MeshRouter:
         self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
                                     self.rollouts.observe_shadow, self.availability.is_asleep)
         await self.availability.start()
-        await self.limiter.start()
         self.rollouts.start()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -116,6 +116,7 @@ class MeshRouter:
             self.metrics.config_rejected.inc()
             return
         splits = splits_of(new)
+        ledger_changed = self.config is None or self.config.ledger != new.ledger
         self.config = new
         self._tenants = new.tenant_by_key_digest()
         self.planner = RequestPlanner(new, splits, self.rollouts.weighted, self.availability)
@@ -123,6 +124,9 @@ class MeshRouter:
         self.budget.configure(budget.max_variants if budget else None,
                               budget.evict_timeout_s if budget else 60.0)
         self._update_slots()
+        if ledger_changed:  # counted there from the next request; ready before it comes
+            self.limiter.use(lambda: ledger_for(new.ledger))
+            await self.limiter.start()
         if not new.tenants:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "
                            "unauthenticated. Add `tenants:` to the MeshRouter user_config "

@@ -430,7 +430,7 @@ def test_a_reservation_beyond_the_context_moves_a_counter_by_one_context_at_most
     lifted by one context's worth at most, not by 2e9; the correction then takes the
     poisoner's counter back to what it was served."""
     from serve_app.ingress.admission import service_cost
-    from serve_app.ingress.token_budget import Reservation
+    from serve_app.tenancy.token_budget import Reservation
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}
     charge = service_cost(*vars(Reservation.of("chat", body, max_model_len=2048)).values())

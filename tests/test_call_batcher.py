@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.call_batcher import CallBatcher
+from serve_app.tenancy.call_batcher import CallBatcher
 
 
 def test_one_call_in_flight_and_the_next_batch_collects_meanwhile():

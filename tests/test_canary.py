@@ -91,7 +91,7 @@ def test_split_90_10_header_matches_body_and_sticks(canary):
 
 def test_pinning_is_admin_only(canary):
     cfg = copy.deepcopy(canary.canary_cfg)
-    from serve_app.ingress.tenancy import hash_api_key
+    from serve_app.tenancy.keys import hash_api_key
     cfg["applications"][0]["deployments"][0]["user_config"]["tenants"].append(
         {"id": "dev", "api_keys_sha256": [hash_api_key("sk-dev")]})
     canary.deploy(cfg)

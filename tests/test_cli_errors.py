@@ -19,7 +19,7 @@ import yaml
 from serve_app import cli
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
-from serve_app.ingress.tenancy import hash_api_key
+from serve_app.tenancy.keys import hash_api_key
 from serve_app.release.rollout_watch import USAGE
 
 LOCAL = str(REPO_ROOT / "serve_configs" / "local.yaml")
@@ -178,7 +178,7 @@ def test_top_adapters_says_why_nothing_merges(files, capsys):
 PY_SCRIPTS = sorted([*(REPO_ROOT / "scripts").glob("*.py"), REPO_ROOT / "dashboards" / "build.py"])
 #: Shell scripts (their --help prints help and runs nothing).
 SH_SCRIPTS = [REPO_ROOT / "scripts" / n for n in ("demo.sh", "setup.sh", "observability.sh",
-                                                  "install_prometheus.sh", "stop.sh",
+                                                  "install_services.sh", "stop.sh",
                                                   "test.sh")] + [
     REPO_ROOT / "deploy" / "ci" / "release.sh"]
 

@@ -12,7 +12,7 @@ import yaml
 from serve_app.common.config import RouterConfig
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
-from serve_app.ingress.tenancy import authenticate, hash_api_key
+from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.common.errors import MeshError
 from serve_app.release.validate import config_warnings, validate_config
 

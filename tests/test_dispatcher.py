@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import RETRY_AFTER_S, Failure
 from serve_app.common.wire import Accepted, GenerateRequest, Head, Tail, Usage
-from serve_app.ingress.accounting import RequestAccount
+from serve_app.tenancy.accounting import RequestAccount
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.dispatch import Dispatcher
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan

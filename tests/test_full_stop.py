@@ -26,7 +26,7 @@ import yaml
 from conftest import TEST_ENGINE, on_engine
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
-from serve_app.ingress.limits import SHARED_NAME, SHARED_NAMESPACE
+from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
 from serve_app.tools import full_stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,46 +8,42 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError
 
-import serve_app.ingress.limits as limits
+import serve_app.tenancy.limits as limits
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.ingress.limits import Limits, TenantCounts, TenantLimiter
+from serve_app.tenancy.counts import Limits, TenantCounts
+from serve_app.tenancy.limits import TenantLimiter
 
 
 def tenant(id: str = "t", **kw) -> Tenant:
     return Tenant(id=id, api_keys_sha256=["0" * 64], **kw)
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
 class FakeShared:
-    """The calls of :class:`limits.SharedTenantCounts`, on a real TenantCounts, with a delay
-    or a failure on request."""
+    """A :class:`~serve_app.tenancy.ledger.Ledger` on a real TenantCounts, as the actor
+    runs it, with a delay or a failure on request."""
+
+    backend = "fake"
 
     def __init__(self, delay_s: float = 0.0, fail: bool = False):
         self.counts, self.incarnation = TenantCounts(), "one"
         self.delay_s, self.fail = delay_s, fail
-        self.acquire_many = _Method(self._acquire_many)
-        self.release_many = _Method(self._release_many)
         self.calls = 0
 
-    async def _acquire_many(self, requests):
+    async def acquire_many(self, requests):
         self.calls += 1
         if self.fail:
             raise RayActorError()
         await asyncio.sleep(self.delay_s)
         return [(self.incarnation, *self.counts.acquire(*r)) for r in requests]
 
-    async def _release_many(self, releases):
+    async def release_many(self, releases):
         for tenant_id, incarnation, reserved, used in releases:
-            if incarnation == self.incarnation:
-                self.counts.release(tenant_id, reserved, used)
+            self.counts.release(tenant_id, reserved, used,
+                                counted=incarnation == self.incarnation)
+
+    async def ping(self):
+        pass
 
 
 def test_concurrency_limit_and_release():

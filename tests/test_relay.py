@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.ingress.accounting import RequestAccount
+from serve_app.tenancy.accounting import RequestAccount
 from serve_app.ingress.relay import RelayResponse
 from serve_app.common.failures import Failure
 from serve_app.common.wire import Tail, Usage

@@ -96,7 +96,7 @@ def promtool_check(series_values: dict[str, str], expectations: list[tuple[str, 
     import yaml
 
     if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (scripts/install_prometheus.sh)")
+        pytest.skip("promtool is not installed (scripts/install_services.sh)")
     test = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
         "interval": "15s",
         "input_series": [{"series": s, "values": v} for s, v in series_values.items()],

@@ -2,7 +2,7 @@
 budget that holds across both routers under concurrent streams, a stream the client abandons
 settling to what it really streamed, and a window that refills on time (token-fair admission:
 test_fairness.py). Budgets are given to globex and acme
-here; what they reserve is computed as the router does (:mod:`serve_app.ingress.token_budget`)."""
+here; what they reserve is computed as the router does (:mod:`serve_app.tenancy.token_budget`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_app.ingress.token_budget import Reservation
+from serve_app.tenancy.token_budget import Reservation
 
 pytestmark = pytest.mark.integration
 

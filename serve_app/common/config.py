@@ -314,13 +314,13 @@ class Tenant(Strict):
         routes: routes the tenant may call; ``["*"]`` for all.
         adapters: adapter names the tenant owns and may call (``route:adapter``).
         max_concurrent_requests: requests in flight at once, across every router replica
-            (429 above; :mod:`serve_app.ingress.limits`).
+            (429 above; :mod:`serve_app.tenancy.limits`).
         requests_per_minute: request rate, across every router replica (429 above).
         tokens_per_minute / tokens_per_day: token budgets (prompt + completion tokens),
             across every router replica: a request reserves its estimated prompt plus its
             ``max_tokens`` at admission and settles with its real usage when it ends (429
             ``tokens_exhausted`` when the reservation does not fit;
-            :mod:`serve_app.ingress.token_budget`).
+            :mod:`serve_app.tenancy.token_budget`).
         limits_fail_mode: what a router does with a limited tenant's request while the
             cluster-wide counts do not answer: ``open`` counts it on that router replica
             alone (the limits then hold per router), ``closed`` refuses it (503
@@ -376,6 +376,31 @@ class ResidentBudget(Strict):
     evict_timeout_s: float = Field(default=60.0, gt=0, le=600)
 
 
+class LedgerConfig(Strict):
+    """Where the tenant counts of every router replica are kept (``MeshRouter``
+    ``user_config`` ``ledger``; :mod:`serve_app.tenancy.ledger`).
+
+    Attributes:
+        backend: ``actor`` (default: a Ray actor that keeps its buckets in the Ray GCS) or
+            ``redis`` (a Redis server, which outlives the Ray cluster).
+        redis_url: ``redis://host:port/db`` of the server, for ``backend: redis``.
+    """
+
+    backend: Literal["actor", "redis"] = "actor"
+    redis_url: str | None = None
+
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> LedgerConfig:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("ledger.backend redis needs ledger.redis_url, e.g. "
+                             "redis://127.0.0.1:6379/0")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://",
+                                                              "unix://")):
+            raise ValueError(f"ledger.redis_url {self.redis_url!r} is not a Redis URL "
+                             "(redis://host:port/db, rediss://..., unix://path)")
+        return self
+
+
 class RouterConfig(Strict):
     """``user_config`` of the ``MeshRouter`` deployment.
 
@@ -383,11 +408,13 @@ class RouterConfig(Strict):
         routes: route name (the OpenAI ``model`` field) -> its variants and weights.
         tenants: who may call; empty means open mode (no auth, logged loudly, no pinning).
         resident_budget: optional budget of resident variants (:class:`ResidentBudget`).
+        ledger: where tenant limits are counted (:class:`LedgerConfig`; default the actor).
     """
 
     routes: dict[str, RouteConfig] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     resident_budget: ResidentBudget | None = None
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
 
     @model_validator(mode="after")
     def _tenants_consistent(self) -> RouterConfig:

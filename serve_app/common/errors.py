@@ -157,14 +157,14 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "the request reserves more tokens (prompt estimate + max_tokens, 512 when unset) "
         "than the tenant's whole token budget", "set a smaller `max_tokens`; the operator "
         "may raise the tenant's tokens_per_minute / tokens_per_day", NO_RETRY,
-        "ingress/limits.py"),
+        "tenancy/limits.py"),
     "unprocessable_entity": ErrorCode(
         422, "vLLM's verdict: the request is well formed but cannot be processed",
         "fix the request as the message says", NO_RETRY, "vLLM"),
     # -- 401 / 403: who is calling ------------------------------------------------------------
     "invalid_api_key": ErrorCode(
         401, "tenants are configured and the `Authorization: Bearer <key>` header is missing "
-        "or its key is unknown", "send a tenant's API key", NO_RETRY, "ingress/tenancy.py"),
+        "or its key is unknown", "send a tenant's API key", NO_RETRY, "tenancy/keys.py"),
     "model_not_allowed": ErrorCode(
         403, "the tenant may not call this route (its `routes`)", "call a route the tenant "
         "may call; the operator may add the route to the tenant", NO_RETRY,
@@ -200,14 +200,14 @@ ERROR_CODES: dict[str, ErrorCode] = {
     # -- 429: the tenant's own limits ---------------------------------------------------------
     "concurrency_limit_exceeded": ErrorCode(
         429, "the tenant has `max_concurrent_requests` in flight, across every router",
-        "wait for one of your requests to end", RETRY_AFTER, "ingress/limits.py"),
+        "wait for one of your requests to end", RETRY_AFTER, "tenancy/limits.py"),
     "rate_limit_exceeded": ErrorCode(
         429, "the tenant is over its `requests_per_minute`, across every router",
-        "send more slowly", RETRY_AFTER, "ingress/limits.py"),
+        "send more slowly", RETRY_AFTER, "tenancy/limits.py"),
     "tokens_exhausted": ErrorCode(
         429, "the tenant's token budget (tokens_per_minute / tokens_per_day) has less left "
         "than the request reserves; the `x-ratelimit-*-tokens` headers say how much",
-        "wait, or set a smaller `max_tokens`", RETRY_AFTER, "ingress/limits.py"),
+        "wait, or set a smaller `max_tokens`", RETRY_AFTER, "tenancy/limits.py"),
     # -- 500: a bug -------------------------------------------------------------------------
     "internal_error": ErrorCode(
         500, "an unexpected error inside a live replica, for this request only (it is not "
@@ -262,7 +262,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "limits_unavailable": ErrorCode(
         503, "the tenant has limits, `limits_fail_mode: closed`, and the cluster-wide "
         "counts did not answer", "retry after `Retry-After`", RETRY_AFTER,
-        "ingress/limits.py"),
+        "tenancy/limits.py"),
     "controller_unavailable": ErrorCode(
         503, "an `/admin/rollouts` or `/admin/shadows` read: the rollout controller did not "
         "answer", "retry after `Retry-After`", RETRY_AFTER, "router.py"),

@@ -70,7 +70,7 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   A start that fails ends every held request (``cold_start_failed``, with the reason).
 
 Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
-:mod:`serve_app.ingress.limits`, cluster-wide, are 429).
+:mod:`serve_app.tenancy.limits`, cluster-wide, are 429).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from ray import serve
 from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
 from serve_app.common.failures import replica_gone
-from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.common.wire import CALIBRATION_TOKENS, ReplicaInfo
 from serve_app.control.resident_policy import POLICY_FUNCTION
 
@@ -84,6 +84,7 @@ class VariantAvailability:
         self.info: dict[str, ReplicaInfo] = {}  # app -> what its replicas last reported
         self._refreshed_at = float("-inf")
         self._lost_until: dict[str, float] = {}  # app -> monotonic time, see replica_lost
+        self.routers = 1  # MeshRouter replicas running, per the last status
         self._lost_replica: dict[str, str] = {}  # app -> the replica last seen when lost
         self._missed: dict[str, int] = {}  # app -> serving_info polls missed in a row
         self._refreshing: asyncio.Task | None = None
@@ -151,6 +152,10 @@ class VariantAvailability:
             if running != self._running:
                 logger.info("variant availability (serving replicas): %s", running)
             self._running = running
+            self.routers = max(1, sum(
+                (d.replica_states or {}).get("RUNNING", 0)
+                for app in serve_status.applications.values()
+                for name, d in (app.deployments or {}).items() if name == ROUTER_DEPLOYMENT))
             self._starting = {name: self._replicas(app, "STARTING")
                               for name, app in serve_status.applications.items()}
             self._replica_count = {name: self._replicas(app)

@@ -3,7 +3,7 @@
 :class:`RelayResponse` is a Starlette ``StreamingResponse`` over the text a replica streams
 after its head (see :mod:`serve_app.common.wire`): each item is passed on as it comes, as
 one body chunk, with no parsing. When the stream ends, for any reason, the request's
-:class:`~serve_app.ingress.accounting.RequestAccount` is finished once. That includes a
+:class:`~serve_app.tenancy.accounting.RequestAccount` is finished once. That includes a
 client that disconnects before the body starts: Starlette then never enters the body's
 generator, so a ``finally`` inside it would not run; the response's own ``__call__`` catches
 that case.

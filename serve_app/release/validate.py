@@ -51,10 +51,10 @@ from serve_app.common.serve_configs import (
     mesh_parts,
 )
 from serve_app.common.paths import models_dir, resolve_model_path, resolve_repo_path
-from serve_app.ingress.token_budget import Reservation
+from serve_app.tenancy.token_budget import Reservation
 
 #: Tokens the smallest request of default size reserves: a chat of one empty message with no
-#: ``max_tokens`` (:class:`~serve_app.ingress.token_budget.Reservation`). A token budget
+#: ``max_tokens`` (:class:`~serve_app.tenancy.token_budget.Reservation`). A token budget
 #: below it refuses every such request with 400 ``reservation_exceeds_budget``.
 DEFAULT_RESERVATION = Reservation.of("chat", {"messages": [{"role": "user", "content": ""}]})
 

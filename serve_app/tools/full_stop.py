@@ -4,7 +4,7 @@
 In order:
 
 1. the Serve applications (``serve shutdown -y``): the router lets its requests finish;
-2. the tenant counts actor (:data:`serve_app.ingress.limits.SHARED_NAME`), which is detached
+2. the tenant counts actor (:data:`serve_app.tenancy.ledger.SHARED_NAME`), which is detached
    and outlives ``serve shutdown`` (``ray kill-actor --force --no-restart``: Ray would
    restart it otherwise);
 3. the Prometheus of ``scripts/observability.sh`` (its pid file; SIGTERM, then SIGKILL after
@@ -129,7 +129,7 @@ def leftovers(*, keep_ray: bool = False, pid_file: Path = PROMETHEUS_PID_FILE) -
 
 
 def main() -> int:
-    from serve_app.ingress.limits import SHARED_NAME, SHARED_NAMESPACE
+    from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
     from serve_app.release.deploy import DEFAULT_DASHBOARD
     from serve_app.tools.script_args import script_parser
 

@@ -64,3 +64,45 @@ def start_local_ray(env: dict[str, str] | None = None) -> tuple[str, int, str]:
              dashboard_port=dash, configure_logging=False, log_to_driver=False,
              _metrics_export_port=metrics_port)
     return f"http://127.0.0.1:{dash}", http_port, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def start_redis(data_dir: str, port: int | None = None, timeout_s: float = 20.0
+                ) -> tuple[subprocess.Popen, str]:
+    """Start a ``redis-server`` on 127.0.0.1 that keeps its data in ``data_dir``
+    (``appendonly yes``, ``appendfsync always``: what it acknowledged survives its kill, as
+    the tenant ledger needs), and wait until it answers ``PING``. Returns the process and its
+    ``redis://`` URL. Started again on the same ``data_dir`` and port, it reads its data back.
+
+    Raises:
+        ServerDidNotStart: ``redis-server`` is missing (``scripts/install_services.sh``),
+            exited, or did not answer in ``timeout_s``.
+    """
+    import os
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ServerDidNotStart("redis-server is not installed; run ./scripts/install_services.sh")
+    port = port or free_port()
+    log_path = os.path.join(data_dir, "redis.log")
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", data_dir,
+                             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                             "--logfile", log_path], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerDidNotStart(f"redis-server exited; see {log_path}")
+        try:
+            if redis.Redis.from_url(url, socket_timeout=1).ping():
+                return proc, url
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ServerDidNotStart(f"redis-server did not answer on {url} in {timeout_s:.0f} s; "
+                                    f"see {log_path}")
+        time.sleep(0.1)

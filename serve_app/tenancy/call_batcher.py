@@ -2,7 +2,7 @@
 
 An actor runs its calls one at a time, and each call costs it about 1 ms of overhead here
 whatever it does, so one actor answering a call per request caps the requests per second
-of every router together (the cluster's :class:`~serve_app.ingress.limits.SharedTenantCounts`:
+of every router together (the cluster's :class:`~serve_app.tenancy.ledger.SharedTenantCounts`:
 about 800/s). :class:`CallBatcher` sends a call as soon as none is in flight, so at low load
 a request waits for nothing extra; while one is in flight, the requests that arrive join the
 next call, which goes out as soon as the first returns. Under load a call carries many
@@ -24,7 +24,7 @@ class CallBatcher:
 
     :meth:`submit` returns a future per item: its result, or the exception the call raised.
     A future nobody waits for any more (a caller that timed out) still gets its result, so
-    its caller can undo what it counted (:mod:`serve_app.ingress.limits` does).
+    its caller can undo what it counted (:mod:`serve_app.tenancy.limits` does).
     """
 
     def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any]]],

@@ -1,6 +1,6 @@
 """``RequestAccount``: the one owner of a request's accounting.
 
-A request holds up to two slots while it runs (its tenant's, :mod:`serve_app.ingress.limits`,
+A request holds up to two slots while it runs (its tenant's, :mod:`serve_app.tenancy.limits`,
 and its variant's, :mod:`serve_app.ingress.admission`) and ends in one metrics record, one
 access log line and, when it went through a rollout, one observation. The account holds all
 of them and :meth:`RequestAccount.finish` releases and records everything exactly once,
@@ -25,8 +25,8 @@ from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
 from serve_app.ingress.admission import Slot, VariantAdmission, request_size, service_cost
-from serve_app.ingress.limits import Lease, TenantLimiter
-from serve_app.ingress.token_budget import Reservation
+from serve_app.tenancy.limits import Lease, TenantLimiter
+from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 
 logger = get_logger(__name__)

@@ -173,6 +173,17 @@ class TokenBucket:
         self.level = float(limit)
         self._at = now
 
+    def state(self) -> list[float]:
+        """``[limit, window_s, level, at]``: what :meth:`from_state` takes back."""
+        return [self.limit, self.window_s, self.level, self._at]
+
+    @classmethod
+    def from_state(cls, state: list[float]) -> TokenBucket:
+        limit, window_s, level, at = state
+        bucket = cls(int(limit), float(window_s), float(at))
+        bucket.level = float(level)
+        return bucket
+
     @property
     def rate(self) -> float:
         """Refill rate, tokens/s."""

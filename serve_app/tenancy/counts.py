@@ -1,0 +1,243 @@
+"""Per-tenant limits on requests and tokens, counted: pure, no I/O, no clock of its own.
+
+- ``max_concurrent_requests``: requests in flight (a stream counts until it ends).
+- ``requests_per_minute``: a bucket holding ``rpm`` requests, refilled at ``rpm / 60`` per
+  second (the usual token-bucket rate limiter).
+- ``tokens_per_minute``, ``tokens_per_day``: buckets of prompt + completion tokens, drawn by
+  a reservation at admission and settled with the real usage when the request ends
+  (:mod:`serve_app.tenancy.token_budget`). Over budget: 429 ``tokens_exhausted``.
+
+Every answer to a limited tenant carries OpenAI's ``x-ratelimit-*`` headers (:class:`Quota`).
+:class:`TenantCounts` is what every ledger backend (:mod:`serve_app.tenancy.ledger`) runs;
+:meth:`TenantCounts.export` and :meth:`TenantCounts.load` are how a backend keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import astuple, dataclass, field, replace
+from typing import Any
+
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
+from serve_app.tenancy.token_budget import WINDOW_S, TokenBucket, duration_header
+
+#: The tenant's limits that are token buckets, with their windows (s). The requests bucket
+#: draws 1 per request, the token buckets a request's reserved tokens (:func:`_draw`).
+REQUESTS = "requests_per_minute"
+BUCKET_WINDOWS_S = {REQUESTS: 60.0, **WINDOW_S}
+
+
+def _draw(bucket_name: str, tokens: int) -> int:
+    """What one request reserving ``tokens`` draws from the bucket ``bucket_name``."""
+    return 1 if bucket_name == REQUESTS else tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's limits as the counts need them (picklable; None: no such limit)."""
+
+    max_concurrent_requests: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> Limits:
+        return cls(tenant.max_concurrent_requests, tenant.requests_per_minute,
+                   tenant.tokens_per_minute, tenant.tokens_per_day)
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in astuple(self))
+
+    def buckets(self) -> dict[str, int]:
+        """Limit per bucket name (:data:`BUCKET_WINDOWS_S`), for the limits set."""
+        return {name: getattr(self, name) for name in BUCKET_WINDOWS_S
+                if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What a tenant has left after a decision (limit, remaining, seconds until full), for
+    OpenAI's rate-limit headers. ``tokens`` is the per-minute budget, or the per-day one
+    when only that is set."""
+
+    requests: tuple[int, int, float] | None = None
+    tokens: tuple[int, int, float] | None = None
+    #: ``(bucket name, what is left in it)`` for every bucket, (tokens or requests, may be
+    #: negative: a debt): what a router falling back to local counts takes its share of.
+    left: tuple[tuple[str, float], ...] = ()
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the limits set."""
+        out = {}
+        for kind, figures in (("requests", self.requests), ("tokens", self.tokens)):
+            if figures is not None:
+                limit, remaining, reset_s = figures
+                out |= {f"x-ratelimit-limit-{kind}": str(limit),
+                        f"x-ratelimit-remaining-{kind}": str(remaining),
+                        f"x-ratelimit-reset-{kind}": duration_header(reset_s)}
+        return out
+
+
+@dataclass
+class _TenantState:
+    in_flight: int = 0
+    buckets: dict[str, TokenBucket] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was refused: the fields of a :class:`MeshError` (picklable).
+    ``retry_after_s`` None: retrying the same request cannot succeed."""
+
+    status: int
+    message: str
+    code: str
+    retry_after_s: int | None
+    quota: Quota = Quota()
+
+    def error(self) -> MeshError:
+        headers = self.quota.headers()
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return MeshError(self.status, self.message, code=self.code, headers=headers)
+
+
+class TenantCounts:
+    """In-flight counts and token buckets (requests and tokens) per tenant id; no I/O.
+
+    Args:
+        clock: ``time.monotonic`` (tests pass a fake).
+    """
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._state: dict[str, _TenantState] = {}
+        self._clock = clock
+
+    def _tenant(self, tenant_id: str, limits: Limits, now: float) -> _TenantState:
+        """The tenant's state, its buckets matched to ``limits`` (a config change keeps
+        what was left, up to the new limit)."""
+        st = self._state.setdefault(tenant_id, _TenantState())
+        wanted = limits.buckets()
+        for name in list(st.buckets):
+            if name not in wanted:
+                del st.buckets[name]
+        for name, limit in wanted.items():
+            old = st.buckets.get(name)
+            if old is None or old.limit != limit:
+                st.buckets[name] = bucket = TokenBucket(limit, BUCKET_WINDOWS_S[name], now)
+                if old is not None:
+                    old.refill(now)
+                    bucket.level = min(float(limit), old.level)
+        return st
+
+    def acquire(self, tenant_id: str, limits: Limits, tokens: int = 0
+                ) -> tuple[Refusal | None, Quota]:
+        """Count a new request that reserves ``tokens`` (prompt + completion); returns the
+        :class:`Refusal` (429 at a limit, 400 when ``tokens`` exceed a whole budget) or
+        None, and the tenant's :class:`Quota` after the decision."""
+        now = self._clock()
+        st = self._tenant(tenant_id, limits, now)
+        refusal = self._refusal(tenant_id, st, limits, tokens, now)
+        if refusal is None:
+            for name, bucket in st.buckets.items():
+                bucket.take(_draw(name, tokens))
+            st.in_flight += 1
+        quota = self._quota(st, now)
+        return (replace(refusal, quota=quota) if refusal else None), quota
+
+    @staticmethod
+    def _refusal(tenant_id: str, st: _TenantState, limits: Limits, tokens: int,
+                 now: float) -> Refusal | None:
+        if limits.max_concurrent_requests and st.in_flight >= limits.max_concurrent_requests:
+            return Refusal(429, f"tenant {tenant_id!r} has {st.in_flight} requests in flight; "
+                           f"the limit is {limits.max_concurrent_requests}",
+                           "concurrency_limit_exceeded", 1)
+        for name, bucket in st.buckets.items():
+            wait_s = bucket.wait_s(_draw(name, tokens), now)
+            if wait_s == 0:
+                continue
+            if name == REQUESTS:
+                return Refusal(429, f"tenant {tenant_id!r} is over its limit of "
+                               f"{bucket.limit} requests per minute", "rate_limit_exceeded",
+                               math.ceil(wait_s))
+            if math.isinf(wait_s):
+                return Refusal(400, f"the request reserves {tokens} tokens (prompt estimate "
+                               "plus what vLLM may generate for it: max_tokens x n per "
+                               "prompt; unset, the rest of the context), more than "
+                               f"tenant {tenant_id!r}'s whole {name} of {bucket.limit}; set a "
+                               "smaller max_tokens", "reservation_exceeds_budget", None)
+            left = (f"has {int(bucket.level)} of its {name} {bucket.limit} left"
+                    if bucket.level >= 0 else f"owes {math.ceil(-bucket.level)} tokens of its "
+                    f"{name} {bucket.limit} (its requests cost more than they reserved)")
+            return Refusal(429, f"tenant {tenant_id!r} {left} and this request reserves "
+                           f"{tokens}; retry in {math.ceil(wait_s)} s or set a smaller "
+                           "max_tokens", "tokens_exhausted", math.ceil(wait_s))
+        return None
+
+    @staticmethod
+    def _quota(st: _TenantState, now: float) -> Quota:
+        def figures(name: str) -> tuple[int, int, float] | None:
+            b = st.buckets.get(name)
+            return None if b is None else (b.limit, max(0, int(b.level)), b.reset_s(now))
+        return Quota(requests=figures(REQUESTS),
+                     tokens=figures("tokens_per_minute") or figures("tokens_per_day"),
+                     left=tuple((name, b.level) for name, b in st.buckets.items()))
+
+    def release(self, tenant_id: str, reserved: int = 0, used: int = 0, *,
+                counted: bool = True) -> None:
+        """A request ended, having cost ``used`` of the ``reserved`` tokens. ``counted``
+        False: its in-flight count is not held here any more (the ledger restarted since,
+        or its lease expired); its tokens are settled all the same."""
+        st = self._state.get(tenant_id)
+        if st is None:
+            return
+        if counted and st.in_flight > 0:
+            st.in_flight -= 1
+        now = self._clock()
+        for name, bucket in st.buckets.items():
+            if name != REQUESTS:  # a request stays counted; its tokens are settled
+                bucket.settle(reserved, used, now)
+
+    def in_flight(self, tenant_id: str) -> int:
+        st = self._state.get(tenant_id)
+        return st.in_flight if st else 0
+
+    def remaining(self, tenant_id: str) -> dict[str, int]:
+        """Tokens (or requests) left per bucket name, now."""
+        st = self._state.get(tenant_id)
+        now = self._clock()
+        out = {}
+        for name, bucket in (st.buckets.items() if st else ()):
+            bucket.refill(now)
+            out[name] = max(0, int(bucket.level))
+        return out
+
+    def export(self, tenant_id: str) -> dict[str, Any]:
+        """The tenant's buckets as JSON-able data, ``{"buckets": {name: [limit, window_s,
+        level, at]}}`` (``at``: this counter's clock, s); in-flight counts are not in it."""
+        st = self._state.get(tenant_id)
+        return {"buckets": {name: b.state() for name, b in (st.buckets.items() if st else ())}}
+
+    def load(self, tenant_id: str, data: dict[str, Any] | None, in_flight: int = 0) -> None:
+        """Take a tenant's :meth:`export` back (None: a tenant with full buckets), with
+        ``in_flight`` requests."""
+        buckets = (data or {}).get("buckets") or {}
+        self._state[tenant_id] = _TenantState(in_flight, {
+            name: TokenBucket.from_state(state) for name, state in buckets.items()})
+
+    def tenants(self) -> list[str]:
+        return list(self._state)
+
+    def seed(self, tenant_id: str, limits: Limits, left: dict[str, float]) -> None:
+        """Start the tenant's buckets at ``left`` (bucket name -> level), keeping its
+        in-flight count: a router's share of what another ledger said remained."""
+        now = self._clock()
+        st = self._tenant(tenant_id, limits, now)
+        for name, level in left.items():
+            if (bucket := st.buckets.get(name)) is not None:
+                bucket.refill(now)
+                bucket.level = min(float(bucket.limit), level)
+

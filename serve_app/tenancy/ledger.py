@@ -1,0 +1,168 @@
+"""The ledger: where the tenant counts of every router replica are kept, and kept safe.
+
+A router's :class:`~serve_app.tenancy.limits.TenantLimiter` asks a :class:`Ledger` to count
+each request of a limited tenant and to settle it when it ends. Two backends, chosen by the
+router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerConfig`):
+
+- ``actor`` (the default): one named, detached Ray actor, :class:`SharedTenantCounts`. It
+  writes its token buckets to the Ray GCS key-value store after every call that changed
+  them and reads them back when Ray restarts it, so a crash gives no budget back. The GCS
+  itself is lost with the head node unless Ray runs with GCS fault tolerance (an external
+  Redis); in-flight counts start from zero in a new incarnation (their requests settle
+  their tokens all the same).
+- ``redis``: :class:`~serve_app.tenancy.redis_ledger.RedisLedger`, the counts in a Redis
+  server, as Envoy's rate-limit service and LiteLLM keep theirs: survives the whole Ray
+  cluster, and in-flight counts are leases that expire should a router die holding one.
+
+Both run the same counting (:class:`~serve_app.tenancy.counts.TenantCounts`) and pass the
+same contract tests (``tests/test_ledger.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from serve_app.common.logs import get_logger
+from serve_app.tenancy.counts import Limits, Quota, Refusal, TenantCounts
+
+logger = get_logger(__name__)
+
+#: The shared counts' actor: name and namespace (one per Ray cluster). The actor is detached:
+#: it outlives `serve shutdown`, so its name carries the version of its calls' protocol, and
+#: routers of a new version never call an older actor (3: settles across incarnations, kept
+#: in the GCS).
+SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts-3", "model-mesh"
+#: Where the actor keeps its buckets (Ray's internal key-value store, in the GCS).
+KV_KEY, KV_NAMESPACE = b"tenant-ledger", b"model-mesh"
+
+#: A request to count: ``(tenant_id, limits, tokens reserved)``.
+Ask = tuple[str, Limits, int]
+#: A ledger's answer: ``(lease, refusal or None, quota)``; ``lease`` identifies the count
+#: for its release (the actor's incarnation, a Redis lease id).
+Answer = tuple[str, Refusal | None, Quota]
+#: A settlement: ``(tenant_id, lease, tokens reserved, tokens used)``.
+Release = tuple[str, str, int, int]
+
+
+class Ledger(Protocol):
+    """The cluster's tenant counts, as a router calls them (every call may raise: the
+    router then applies the tenant's ``limits_fail_mode``)."""
+
+    backend: str
+
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+        """Count each ask in order (:meth:`TenantCounts.acquire`); one answer each."""
+
+    async def release_many(self, releases: list[Release]) -> None:
+        """Settle each ended request (:meth:`TenantCounts.release`)."""
+
+    async def ping(self) -> None:
+        """Return once the ledger answers."""
+
+    async def remaining(self, tenant_id: str) -> dict[str, int]:
+        """Tokens (or requests) the tenant has left per bucket, now."""
+
+
+class KeptCounts:
+    """A :class:`TenantCounts` kept in a key-value store: its buckets are read back when it
+    starts and written after every call that changed them, before that call answers.
+
+    ``incarnation`` is new at each start: in-flight counts start from zero then, so a
+    release meant for an earlier incarnation settles its tokens but frees no slot.
+
+    Args:
+        read: returns what :meth:`_save` last wrote (bytes/str), or None.
+        write: stores a str.
+    """
+
+    def __init__(self, read: Callable[[], bytes | str | None],
+                 write: Callable[[str], None]) -> None:
+        self.counts = TenantCounts(clock=time.time)  # wall clock: a restart may move nodes
+        self.incarnation = uuid.uuid4().hex
+        self._write = write
+        saved = read()
+        for tenant_id, data in (json.loads(saved) if saved else {}).items():
+            self.counts.load(tenant_id, data)
+        if saved:
+            logger.info("tenant ledger: buckets of %d tenants read back",
+                        len(self.counts.tenants()))
+
+    def _save(self) -> None:
+        self._write(json.dumps({t: self.counts.export(t) for t in self.counts.tenants()}))
+
+    def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+        """:meth:`TenantCounts.acquire` for each ask, saved before it answers."""
+        answers = [(self.incarnation, *self.counts.acquire(*ask)) for ask in asks]
+        self._save()
+        return answers
+
+    def release_many(self, releases: list[Release]) -> None:
+        """:meth:`TenantCounts.release` for each, saved."""
+        for tenant_id, incarnation, reserved, used in releases:
+            self.counts.release(tenant_id, reserved, used,
+                                counted=incarnation == self.incarnation)
+        self._save()
+
+    def in_flight(self, tenant_id: str) -> int:
+        return self.counts.in_flight(tenant_id)
+
+    def remaining(self, tenant_id: str) -> dict[str, int]:
+        return self.counts.remaining(tenant_id)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class SharedTenantCounts(KeptCounts):
+    """The cluster's one :class:`KeptCounts` (a Ray actor: calls run one at a time), kept in
+    the Ray GCS's key-value store (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: _internal_kv_get(KV_KEY, namespace=KV_NAMESPACE),
+                         lambda data: _internal_kv_put(KV_KEY, data, namespace=KV_NAMESPACE))
+
+
+class ActorLedger:
+    """:class:`Ledger` over the :class:`SharedTenantCounts` actor ``handle``."""
+
+    backend = "actor"
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+        return await self.handle.acquire_many.remote(asks)
+
+    async def release_many(self, releases: list[Release]) -> None:
+        await self.handle.release_many.remote(releases)
+
+    async def ping(self) -> None:
+        await self.handle.in_flight.remote("")
+
+    async def remaining(self, tenant_id: str) -> dict[str, int]:
+        return await self.handle.remaining.remote(tenant_id)
+
+
+def shared_tenant_counts():
+    """The cluster's :class:`SharedTenantCounts` actor handle. The first router to ask
+    creates it on its own node (soft affinity: a node of routers, not one that runs engines
+    only); Ray restarts it elsewhere if that node is lost."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return SharedTenantCounts.options(name=SHARED_NAME, namespace=SHARED_NAMESPACE,
+                                      lifetime="detached", get_if_exists=True,
+                                      scheduling_strategy=here).remote()
+
+
+def ledger_for(config) -> Ledger:
+    """The :class:`Ledger` a :class:`~serve_app.common.config.LedgerConfig` names (None:
+    the default actor)."""
+    if config is not None and config.backend == "redis":
+        from serve_app.tenancy.redis_ledger import RedisLedger
+        return RedisLedger(config.redis_url)
+    return ActorLedger(shared_tenant_counts())

@@ -1,0 +1,120 @@
+"""The ``redis`` ledger backend: tenant counts in a Redis server (:mod:`serve_app.tenancy.ledger`).
+
+Each tenant is one key, ``mesh:ledger:tenant:<id>``, holding JSON: its token buckets
+(:meth:`TenantCounts.export`, on the Redis server's clock, ``TIME``) and its in-flight
+**leases** (lease id -> expiry, s). A batch of asks or releases is one optimistic
+transaction (``WATCH`` the batch's tenant keys, read them, count with the same
+:class:`~serve_app.tenancy.counts.TenantCounts` every backend runs, ``MULTI``/``EXEC`` the
+new values; retried when another router wrote one of those keys in between), so two routers
+never both spend the same tokens. A lease expires after :data:`LEASE_TTL_S`: a router that
+dies holding requests does not hold its tenants' slots forever. A key idle for
+:data:`KEY_TTL_S` (longer than any window) expires: its buckets would be full by then.
+
+The server should run with ``appendonly yes`` so that its counts survive its restart
+(``scripts/redis_ledger.sh`` starts one so).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import WatchError
+
+from serve_app.tenancy.counts import TenantCounts
+from serve_app.tenancy.ledger import Answer, Ask, Release
+from serve_app.tenancy.token_budget import WINDOW_S
+
+#: Seconds a lease (one request in flight) is held at most; longer than any request runs.
+LEASE_TTL_S = 3600.0
+#: Seconds an idle tenant's key is kept: two of the longest window.
+KEY_TTL_S = int(2 * max(WINDOW_S.values()))
+KEY_PREFIX = "mesh:ledger:tenant:"
+#: Seconds a Redis call may take before the router's fail mode applies (it waits less).
+SOCKET_TIMEOUT_S = 2.0
+
+
+class RedisLedger:
+    """:class:`~serve_app.tenancy.ledger.Ledger` in the Redis server at ``url``
+    (``redis://host:port/db``).
+
+    Raises (from every call): ``redis.exceptions.RedisError`` when the server cannot be
+    reached; the router then applies the tenant's ``limits_fail_mode``.
+    """
+
+    backend = "redis"
+
+    def __init__(self, url: str, prefix: str = KEY_PREFIX) -> None:
+        self.url = url
+        self.prefix = prefix
+        self._redis = aioredis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
+                                        socket_connect_timeout=SOCKET_TIMEOUT_S)
+
+    async def ping(self) -> None:
+        await self._redis.ping()
+
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+        def count(counts: TenantCounts, leases: dict[str, dict[str, float]], now: float):
+            answers = []
+            for tenant_id, limits, tokens in asks:
+                refusal, quota = counts.acquire(tenant_id, limits, tokens)
+                lease = ""
+                if refusal is None:
+                    lease = uuid.uuid4().hex
+                    leases[tenant_id][lease] = now + LEASE_TTL_S
+                answers.append((lease, refusal, quota))
+            return answers
+        return await self._transaction([a[0] for a in asks], count)
+
+    async def release_many(self, releases: list[Release]) -> None:
+        def settle(counts: TenantCounts, leases: dict[str, dict[str, float]], now: float):
+            for tenant_id, lease, reserved, used in releases:
+                # A lease that is gone was settled already (a retried transaction) or
+                # expired: its reservation stays charged, never settled twice.
+                if leases[tenant_id].pop(lease, None) is not None:
+                    counts.release(tenant_id, reserved, used)
+        await self._transaction([r[0] for r in releases], settle)
+
+    async def remaining(self, tenant_id: str) -> dict[str, int]:
+        return await self._transaction([tenant_id], lambda counts, _, __: counts.remaining(
+            tenant_id))
+
+    async def _transaction(self, tenant_ids: list[str], change) -> Any:
+        """Run ``change(counts, leases, now)`` on the tenants' state read under ``WATCH``,
+        and write it back in one ``MULTI``/``EXEC``; again if a key changed meanwhile."""
+        tenants = sorted(set(tenant_ids))
+        keys = [self.prefix + t for t in tenants]
+        async with self._redis.pipeline(transaction=True) as pipe:
+            reconnected = False
+            while True:
+                try:
+                    await pipe.watch(*keys)
+                    raw = await pipe.mget(keys)
+                    seconds, micros = await pipe.time()
+                    now = seconds + micros / 1e6
+                    counts = TenantCounts(clock=lambda: now)
+                    leases: dict[str, dict[str, float]] = {}
+                    for tenant_id, value in zip(tenants, raw):
+                        data = json.loads(value) if value else {}
+                        leases[tenant_id] = {lease: until for lease, until in
+                                             (data.get("leases") or {}).items() if until > now}
+                        counts.load(tenant_id, data, in_flight=len(leases[tenant_id]))
+                    result = change(counts, leases, now)
+                    pipe.multi()
+                    for tenant_id, key in zip(tenants, keys):
+                        value = {**counts.export(tenant_id), "leases": leases[tenant_id]}
+                        pipe.set(key, json.dumps(value), ex=KEY_TTL_S)
+                    await pipe.execute()
+                    return result
+                except WatchError:
+                    continue
+                except RedisConnectionError:
+                    # A pooled connection to a server that restarted fails once. Run again:
+                    # should the lost reply have been EXEC's, an ask is counted twice (its
+                    # extra lease expires) and a settlement finds its lease gone (a no-op).
+                    if reconnected:
+                        raise
+                    reconnected = True
