@@ -129,6 +129,24 @@ def test_unreachable_shared_counts_apply_the_fail_mode(mode):
     asyncio.run(main())
 
 
+def test_open_mode_counts_from_this_routers_share_of_what_the_ledger_said_remained():
+    """Issue 27: in open fail mode a router used to count a tenant from a full budget of its
+    own. With 2 routers and 400 of 1,000 tokens left per the ledger's last answer, this
+    router may spend 200 while the ledger is unreachable, not 1,000."""
+    async def main():
+        t = tenant(tokens_per_minute=1000, limits_fail_mode="open")
+        shared = FakeShared()
+        limiter = TenantLimiter(shared=shared, routers=lambda: 2)
+        limiter.release(await limiter.acquire(t, 600), used=600)  # the ledger: 400 left
+        shared.fail = True
+        lease = await limiter.acquire(t, 150)
+        assert lease.shared is None  # counted here
+        with pytest.raises(MeshError) as e:
+            await limiter.acquire(t, 100)  # 50 of this router's 200 left
+        assert (e.value.status, e.value.code) == (429, "tokens_exhausted"), e.value
+    asyncio.run(main())
+
+
 def test_a_late_answer_gives_its_count_back_and_the_router_stops_asking(monkeypatch):
     monkeypatch.setattr(limits, "SHARED_TIMEOUT_S", 0.05)
 
