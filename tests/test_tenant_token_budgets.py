@@ -12,10 +12,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import asyncio
+
 import httpx
 import pytest
+import ray
 
+from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
+from serve_app.tenancy.redis_ledger import RedisLedger
 from serve_app.tenancy.token_budget import Reservation
+from serve_app.tools.servers import start_redis
 
 pytestmark = pytest.mark.integration
 
@@ -158,3 +164,102 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
           f"{reservation.prompt}, reservation {reservation.total})")
     assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
     assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left
+
+
+def spend_to_429(http: httpx.Client, tenant: str) -> int:
+    """1-token chats until the tenant's budget refuses one; returns how many were served."""
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    for served in range(60):
+        r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+        if r.status_code != 200:
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+            return served
+    raise AssertionError("60 requests and no 429")
+
+
+def refused_for_tokens(http: httpx.Client, tenant: str) -> None:
+    r = http.post("/v1/chat/completions", json=SMALL,
+                  headers={"authorization": f"Bearer {KEYS[tenant]}"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+
+
+def test_a_killed_ledger_actor_comes_back_with_the_budget_spent(budgets):
+    """The kill drill for the default ledger: acme spends its tokens_per_day to a 429; the
+    ledger actor is killed and Ray restarts it; it reads its buckets back from the GCS, so
+    the next request is still a 429 and the actor itself says the day is spent."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 300}))
+    reservation = Reservation.of("chat", SMALL).total
+    with budgets.http() as http:
+        served = spend_to_429(http, "acme")
+        actor = ray.get_actor(SHARED_NAME, namespace=SHARED_NAMESPACE)
+        ray.kill(actor, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:  # Ray restarts it (max_restarts=-1)
+            try:
+                left = ray.get(actor.remaining.remote("acme"), timeout=5)
+                break
+            except (ray.exceptions.RayError, TimeoutError):
+                assert time.monotonic() < deadline, "the ledger actor did not come back"
+                time.sleep(0.5)
+        print(f"\nacme spent its 300 tokens/day in {served} requests; the restarted actor "
+              f"says {left} left")
+        assert left["tokens_per_day"] < reservation
+        refused_for_tokens(http, "acme")
+
+
+def test_a_killed_redis_ledger_comes_back_with_the_budget_spent(budgets, tmp_path):
+    """The kill drill for the redis ledger: the routers count in a real redis-server
+    (appendonly); acme spends its tokens_per_day to a 429; the server is killed (SIGKILL)
+    and started again on its data; the next request is still a 429, and Redis says so."""
+    proc, url = start_redis(str(tmp_path))
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    cfg = budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 300})
+    cfg["applications"][0]["deployments"][0]["user_config"]["ledger"] = {
+        "backend": "redis", "redis_url": url}
+    reservation = Reservation.of("chat", SMALL).total
+    try:
+        budgets.deploy(cfg)
+        with budgets.http() as http:
+            served = spend_to_429(http, "acme")
+            proc.kill()
+            proc.wait()
+            proc, _ = start_redis(str(tmp_path), port=port)
+            left = asyncio.run(RedisLedger(url).remaining("acme"))
+            print(f"\nacme spent its 300 tokens/day in {served} requests; Redis, restarted, "
+                  f"says {left} left")
+            assert left["tokens_per_day"] < reservation
+            refused_for_tokens(http, "acme")
+    finally:
+        budgets.deploy(budgets.tenants_cfg)
+        proc.kill()
+
+
+def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets):
+    """Issue 27: a 1,500-token non-stream chat whose client leaves after 2 s was free (the
+    cancel path settled with no usage). Now its engine request is aborted (the replica's
+    engine holds nothing a moment later, long before 1,500 tokens would be generated) and
+    it is charged its reservation (vLLM gives a non-stream's usage only with its answer)."""
+    from ray import serve
+
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 100_000}))
+    body = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
+    reservation = Reservation.of("chat", body).total
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=body, timeout=2.0,
+                      headers={"authorization": f"Bearer {KEYS['acme']}"})
+        left_at = time.monotonic()
+        while (unfinished := replica.stats.remote().result()["engine_unfinished"]) > 0:
+            assert time.monotonic() - left_at < 5, "the engine still runs the abandoned request"
+            time.sleep(0.2)
+        stopped_s = time.monotonic() - left_at
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    probe_reservation = Reservation.of("chat", SMALL).total
+    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
+          f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
+          f"{reservation})")
+    assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header

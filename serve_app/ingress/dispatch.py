@@ -200,11 +200,13 @@ class Dispatcher:
             # take it (e.g. it is on a lost node). A non-stream's head is its whole answer:
             # only the client's timeout applies to that.
             first = await asyncio.wait_for(stream.__anext__(), plan.queue_timeout_s)
-            head: Head = await stream.__anext__() if isinstance(first, Accepted) else first
+            account.accepted = isinstance(first, Accepted)
+            head: Head = await stream.__anext__() if account.accepted else first
         except BaseException as e:
             stream.cancel()
             if not isinstance(e, Exception):  # the client left (CancelledError)
                 raise
+            account.accepted = False  # it fails over: the next candidate may take it
             failure = handle_failure(e)
             if failure is Failure.REQUEST:
                 raise MeshError.of(nested_too_deeply()) from None

@@ -75,6 +75,7 @@ class RequestAccount:
         self.reservation = Reservation()
         self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
         self.replica = ""  # the replica that answered (its x-mesh-replica), for the access log
+        self.accepted = False  # a replica took this non-stream request (wire.Accepted)
         self._slot: tuple[VariantAdmission, Slot] | None = None
         self.finished = False
 
@@ -151,6 +152,11 @@ class RequestAccount:
         latency = time.monotonic() - self.t0
         used = self.reservation.used(usage.prompt_tokens, usage.completion_tokens,
                                      self.streamed_chunks)
+        if self.accepted and error_kind == "client_disconnected" and not any(used):
+            # A non-stream its client abandoned while a replica ran it (the engine request is
+            # aborted). vLLM reports a non-stream's usage only with its answer, so how far it
+            # got is not known here: it is charged its reservation, what its budget admitted.
+            used = (self.reservation.prompt, self.reservation.completion)
         if self._tenant is not None:
             limiter, lease = self._tenant
             limiter.release(lease, sum(used))
