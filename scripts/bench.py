@@ -35,10 +35,11 @@ weights, in one run, starting its own Ray cluster (scripts/bench_adapters.py; 48
 in flight unless --requests / --concurrency say otherwise).
 
 --limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
-against serve_configs/tenants.yaml): (a) the router's asks to the shared counts
-(``TenantLimiter.acquire`` + release against the running mesh's ``SharedTenantCounts`` actor,
-from a Ray driver on this node), p50/p95 ms and asks/s at each concurrency, batched (the
-default) and unbatched (one call per ask) side by side; (b) end to end, TTFT p50 of a
+against serve_configs/tenants.yaml): (a) the router's asks to each ledger backend
+(``TenantLimiter.acquire`` + release from a Ray driver on this node, against the running
+mesh's ``SharedTenantCounts`` actor and against a real redis-server the benchmark starts),
+p50/p95 ms per ask and asks/s (one router's ceiling of limited requests/s) at each
+concurrency, batched (the default) and unbatched (one call per ask) side by side; (b) end to end, TTFT p50 of a
 tenant with limits (acme) against one without (ops), the same load run alternately.
 """
 
@@ -199,10 +200,11 @@ def ratios(mesh: dict, direct: dict) -> dict:
 LIMITED, UNLIMITED = "sk-acme-demo", "sk-mesh-ops-demo"  # tenants.yaml: acme has limits
 
 
-def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | None = None
-                         ) -> dict:
-    """Time ``TenantLimiter.acquire`` + release against the running mesh's shared counts:
-    p50/p95 ms per ask, and asks per second, at ``concurrency`` asks in flight.
+def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | None = None,
+                         redis_url: str | None = None) -> dict:
+    """Time ``TenantLimiter.acquire`` + release against a ledger: the running mesh's actor,
+    or the Redis server at ``redis_url``: p50/p95 ms per ask, and asks per second (the
+    ceiling of one router's limited requests/s), at ``concurrency`` asks in flight.
     ``max_batch`` 1 sends each ask in a call of its own (unbatched)."""
     import ray
 
@@ -215,7 +217,10 @@ def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | No
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     tenant = Tenant(id="bench-limits", api_keys_sha256=["0" * 64],
                     max_concurrent_requests=10**6, tokens_per_minute=10**9)
-    limiter = TenantLimiter(max_batch=max_batch or MAX_BATCH)
+    from serve_app.common.config import LedgerConfig
+    from serve_app.tenancy.ledger import ledger_for
+    config = LedgerConfig(backend="redis", redis_url=redis_url) if redis_url else None
+    limiter = TenantLimiter(shared=lambda: ledger_for(config), max_batch=max_batch or MAX_BATCH)
 
     async def run() -> tuple[list[float], float]:
         times: list[float] = []
@@ -237,28 +242,45 @@ def shared_count_latency(concurrency: int, calls: int = 400, max_batch: int | No
 
 
 def bench_limits(a) -> None:
+    import tempfile
+
+    from serve_app.tools.servers import start_redis
+    redis_dir = tempfile.mkdtemp(prefix="bench-ledger-")
+    redis_proc, redis_url = start_redis(redis_dir)  # a real server, appendonly as shipped
     rows = []
-    for c in a.concurrency:
-        counts = {"unbatched": shared_count_latency(c, calls=a.limit_calls, max_batch=1),
-                  "batched": shared_count_latency(c, calls=a.limit_calls)}
+    try:
+        for c in a.concurrency:
+            rows.append({"concurrency": c, "shared_count": {
+                f"{backend} {kind}": shared_count_latency(
+                    c, calls=a.limit_calls, max_batch=1 if kind == "unbatched" else None,
+                    redis_url=url)
+                for backend, url in (("actor", None), ("redis", redis_url))
+                for kind in ("unbatched", "batched")}})
+    finally:
+        redis_proc.kill()
+    for r in rows:
+        c = r["concurrency"]
         common = dict(base_url=a.mesh_url, model="smollm", requests=a.requests,
                       concurrency=c, max_tokens=a.max_tokens)
         runs = {"limited": [], "unlimited": []}
         for _ in range(2):  # alternate, so drift on this shared host hits both alike
             runs["unlimited"].append(measure("no limits", LoadSpec(api_key=UNLIMITED, **common)))
             runs["limited"].append(measure("with limits", LoadSpec(api_key=LIMITED, **common)))
-        ttft = {k: sum(r["ttft_p50_ms"] for r in v) / len(v) for k, v in runs.items()}
-        rows.append({"concurrency": c, "shared_count": counts, "ttft_p50_ms": ttft})
+        r["ttft_p50_ms"] = {k: sum(x["ttft_p50_ms"] for x in v) / len(v)
+                            for k, v in runs.items()}
     print(f"\ncluster-wide tenant limits: {a.limit_calls} asks to the shared counts per run "
           f"(one router's driver); {a.requests} streamed requests per run, max_tokens "
           f"{a.max_tokens}")
-    print(f"{'conc':>4} {'asks':>10} {'p50':>9} {'p95':>9} {'asks/s':>8}")
+    print(f"{'conc':>4} {'ledger, asks':>16} {'p50':>9} {'p95':>9} {'asks/s':>8}")
     for r in rows:
         for kind, f in r["shared_count"].items():
-            print(f"{r['concurrency']:>4} {kind:>10} {f['p50_ms']:>6.2f} ms {f['p95_ms']:>6.2f} ms "
+            print(f"{r['concurrency']:>4} {kind:>16} {f['p50_ms']:>6.2f} ms {f['p95_ms']:>6.2f} ms "
                   f"{f['per_s']:>8.0f}")
-        ratio = r["shared_count"]["batched"]["per_s"] / r["shared_count"]["unbatched"]["per_s"]
-        print(f"concurrency {r['concurrency']}: batched/unbatched asks/s {ratio:.2f}x")
+        for backend in ("actor", "redis"):
+            counts = r["shared_count"]
+            ratio = counts[f"{backend} batched"]["per_s"] / counts[f"{backend} unbatched"]["per_s"]
+            print(f"concurrency {r['concurrency']}: {backend} batched/unbatched asks/s "
+                  f"{ratio:.2f}x")
     print(f"{'conc':>4} {'TTFT p50 no limits':>19} {'with limits':>12} {'added':>8}")
     for r in rows:
         t = r["ttft_p50_ms"]
