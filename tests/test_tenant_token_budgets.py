@@ -263,3 +263,20 @@ def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets
           f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
           f"{reservation})")
     assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header
+
+
+def test_a_4xx_from_vllm_costs_nothing(budgets):
+    """vLLM's own 400 (a temperature it refuses, after the router reserved for the body)
+    gives every reserved token back: nothing ran."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 100_000}))
+    probe_reservation = Reservation.of("chat", SMALL).total
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        bad = http.post("/v1/chat/completions", json={**SMALL, "temperature": -1},
+                        headers={"authorization": f"Bearer {KEYS['acme']}"})
+        assert bad.status_code == 400, bad.text
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nvLLM's 400: charged {charged} tokens")
+    assert abs(charged) <= 1  # 1: whole-token rounding of the header
