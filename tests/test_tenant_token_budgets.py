@@ -1,7 +1,9 @@
 """Tokens as the unit of tenancy (serve_configs/tenants.yaml): with two router replicas, a
 budget that holds across both routers under concurrent streams, a stream the client abandons
-settling to what it really streamed, and a window that refills on time (token-fair admission:
-test_fairness.py). Budgets are given to globex and acme
+settling to what it really streamed, a non-stream the client abandons charged its
+reservation with its engine request stopped, vLLM's 400 costing nothing, a window that
+refills on time, and the kill drills of both ledger backends (token-fair admission:
+test_fairness.py). The drills come last: they leave acme's day spent. Budgets are given to globex and acme
 here; what they reserve is computed as the router does (:mod:`serve_app.tenancy.token_budget`)."""
 
 from __future__ import annotations
@@ -145,11 +147,11 @@ def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
 
 
 def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
-    """A 400-token stream (reserving 400 + its prompt estimate) that the client leaves after
-    10 chunks is charged its prompt estimate plus the chunks the router relayed, not its
-    reservation."""
+    """A 1,500-token stream (reserving 1,500 + its prompt estimate; long enough not to end by
+    itself within the test's 3 s) that the client leaves after 10 chunks is charged its
+    prompt estimate plus the chunks the router relayed, not its reservation."""
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
-    long = {**STREAM, "max_tokens": 400}
+    long = {**STREAM, "max_tokens": 1500}
     reservation = Reservation.of("chat", long)
     with budgets.http() as http:
         left_before, probe_cost = small(http, "acme")
@@ -164,6 +166,54 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
           f"{reservation.prompt}, reservation {reservation.total})")
     assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
     assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left
+
+
+def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets):
+    """Issue 27: a 1,500-token non-stream chat whose client leaves after 2 s was free (the
+    cancel path settled with no usage). Now its engine request is aborted (the replica's
+    engine holds nothing a moment later, long before 1,500 tokens would be generated) and
+    it is charged its reservation (vLLM gives a non-stream's usage only with its answer)."""
+    from ray import serve
+
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    body = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
+    reservation = Reservation.of("chat", body).total
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=body, timeout=2.0,
+                      headers={"authorization": f"Bearer {KEYS['acme']}"})
+        left_at = time.monotonic()
+        while (unfinished := replica.stats.remote().result()["engine_unfinished"]) > 0:
+            assert time.monotonic() - left_at < 5, "the engine still runs the abandoned request"
+            time.sleep(0.2)
+        stopped_s = time.monotonic() - left_at
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    probe_reservation = Reservation.of("chat", SMALL).total
+    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
+          f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
+          f"{reservation})")
+    assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header
+
+
+def test_a_4xx_from_vllm_costs_nothing(budgets):
+    """vLLM's own 400 (a temperature it refuses, after the router reserved for the body)
+    gives every reserved token back: nothing ran."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    probe_reservation = Reservation.of("chat", SMALL).total
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        bad = http.post("/v1/chat/completions", json={**SMALL, "temperature": -1},
+                        headers={"authorization": f"Bearer {KEYS['acme']}"})
+        assert bad.status_code == 400, bad.text
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nvLLM's 400: charged {charged} tokens")
+    assert abs(charged) <= 1  # 1: whole-token rounding of the header
 
 
 def spend_to_429(http: httpx.Client, tenant: str) -> int:
@@ -232,51 +282,3 @@ def test_a_killed_redis_ledger_comes_back_with_the_budget_spent(budgets, tmp_pat
     finally:
         budgets.deploy(budgets.tenants_cfg)
         proc.kill()
-
-
-def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets):
-    """Issue 27: a 1,500-token non-stream chat whose client leaves after 2 s was free (the
-    cancel path settled with no usage). Now its engine request is aborted (the replica's
-    engine holds nothing a moment later, long before 1,500 tokens would be generated) and
-    it is charged its reservation (vLLM gives a non-stream's usage only with its answer)."""
-    from ray import serve
-
-    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 100_000}))
-    body = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
-    reservation = Reservation.of("chat", body).total
-    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
-    with budgets.http() as http:
-        left_before, probe_cost = small(http, "acme")
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/chat/completions", json=body, timeout=2.0,
-                      headers={"authorization": f"Bearer {KEYS['acme']}"})
-        left_at = time.monotonic()
-        while (unfinished := replica.stats.remote().result()["engine_unfinished"]) > 0:
-            assert time.monotonic() - left_at < 5, "the engine still runs the abandoned request"
-            time.sleep(0.2)
-        stopped_s = time.monotonic() - left_at
-        time.sleep(0.5)  # the router's give-back is sent without waiting
-        left_after, _ = small(http, "acme")
-    probe_reservation = Reservation.of("chat", SMALL).total
-    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
-    print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
-          f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
-          f"{reservation})")
-    assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header
-
-
-def test_a_4xx_from_vllm_costs_nothing(budgets):
-    """vLLM's own 400 (a temperature it refuses, after the router reserved for the body)
-    gives every reserved token back: nothing ran."""
-    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 100_000}))
-    probe_reservation = Reservation.of("chat", SMALL).total
-    with budgets.http() as http:
-        left_before, probe_cost = small(http, "acme")
-        bad = http.post("/v1/chat/completions", json={**SMALL, "temperature": -1},
-                        headers={"authorization": f"Bearer {KEYS['acme']}"})
-        assert bad.status_code == 400, bad.text
-        time.sleep(0.5)  # the router's give-back is sent without waiting
-        left_after, _ = small(http, "acme")
-    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
-    print(f"\nvLLM's 400: charged {charged} tokens")
-    assert abs(charged) <= 1  # 1: whole-token rounding of the header
