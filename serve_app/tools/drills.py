@@ -40,7 +40,8 @@ def _ttft_ms(results: list[RequestResult]) -> list[float]:
 async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, requests: int = 400,
                          max_tokens: int = 16, timeout_s: float = 60, probes: int = 20,
                          probe_max_tokens: int = 4, model: str = "smollm",
-                         queue_timeout_s: float = 30.0, log=print) -> dict[str, Any]:
+                         queue_timeout_s: float = 30.0, log=print,
+                         request_id_prefix: str | None = None) -> dict[str, Any]:
     """Run the drill against ``base_url`` (``http://host:port/v1``); returns its figures.
 
     Returns:
@@ -55,6 +56,7 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
         ``flood_wall_s``, ``sustained_per_s`` (answers / the time of the last answer, s:
         the flood is sent at once), ``goodput_ratio`` (answers / (``sustained_per_s`` x
         ``queue_timeout_s``), the route's admission deadline).
+        ``request_id_prefix``: the flood's ``x-request-id`` prefix (:func:`flood`).
     """
     spec = LoadSpec(base_url=base_url, model=model, api_key=probe_key, requests=probes,
                     max_tokens=probe_max_tokens, prompt="What is the capital of France?",
@@ -67,7 +69,7 @@ async def overload_drill(base_url: str, *, flood_key: str, probe_key: str, reque
     t0 = time.monotonic()
     flood_task = asyncio.create_task(flood(base_url, flood_key, requests=requests,
                                            max_tokens=max_tokens, timeout_s=timeout_s,
-                                           model=model))
+                                           model=model, request_id_prefix=request_id_prefix))
     probe_task = asyncio.create_task(probe(
         LoadSpec(**{**spec.__dict__, "requests": 10**6}), stop))
     answers: list[Answer] = await flood_task

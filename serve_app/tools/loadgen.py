@@ -212,11 +212,14 @@ def _error_code(r: httpx.Response) -> str | None:
 
 async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int = 16,
                 timeout_s: float = 60, model: str = "smollm", streams: int = 0,
-                headers: dict[str, str] | None = None) -> list[Answer]:
+                headers: dict[str, str] | None = None,
+                request_id_prefix: str | None = None) -> list[Answer]:
     """Send ``requests`` chat requests all at once (no retries), the first ``streams`` of
     them streamed, and record how each ended. Uses plain ``httpx`` with the bodies prepared
     up front, so the client's own cost stays small next to the mesh's (a flood must measure
-    the mesh, not the client). ``headers``: extra request headers (e.g. a variant pin)."""
+    the mesh, not the client). ``headers``: extra request headers (e.g. a variant pin);
+    ``request_id_prefix``: request ``i`` sends ``x-request-id: <prefix>-<i>`` (the id in the
+    router's access log)."""
     bodies = [json.dumps({"model": model, "max_tokens": max_tokens, "ignore_eos": True,
                           "stream": i < streams, "user": f"flood-{i}",
                           "messages": [{"role": "user", "content":
@@ -229,14 +232,16 @@ async def flood(base_url: str, api_key: str, *, requests: int, max_tokens: int =
 
         async def one(i: int, body: bytes) -> Answer:
             t0 = time.monotonic()
+            headers_i = ({**headers, "x-request-id": f"{request_id_prefix}-{i}"}
+                         if request_id_prefix else headers)
             try:
                 if i >= streams:
-                    r = await http.post("/chat/completions", content=body, headers=headers)
+                    r = await http.post("/chat/completions", content=body, headers=headers_i)
                     return Answer(r.status_code, time.monotonic() - t0,
                                   r.headers.get("retry-after"), code=_error_code(r),
                                   status_s=time.monotonic() - t0, complete=r.status_code == 200)
                 async with http.stream("POST", "/chat/completions", content=body,
-                                       headers=headers) as r:
+                                       headers=headers_i) as r:
                     status_s = time.monotonic() - t0
                     if r.status_code != 200:
                         await r.aread()
