@@ -56,7 +56,7 @@ class InProcessLedger:
 
 class ActorBackend:
     def __init__(self, tmp_path) -> None:
-        self.store: dict[str, str | None] = {"ledger": None}
+        self.store: dict[str, str] = {}  # tenant id -> JSON, as the GCS keeps it
         self.restart()
 
     def client(self) -> InProcessLedger:
@@ -64,8 +64,7 @@ class ActorBackend:
 
     def restart(self) -> None:
         """The actor dies and Ray starts it again: a new incarnation reads the store."""
-        self.kept = KeptCounts(lambda: self.store["ledger"],
-                               lambda data: self.store.__setitem__("ledger", data))
+        self.kept = KeptCounts(lambda: dict(self.store), self.store.__setitem__)
 
     def stop(self) -> None:
         pass

@@ -5,7 +5,7 @@ each request of a limited tenant and to settle it when it ends. Two backends, ch
 router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerConfig`):
 
 - ``actor`` (the default): one named, detached Ray actor, :class:`SharedTenantCounts`. It
-  writes its token buckets to the Ray GCS key-value store after every call that changed
+  writes the token buckets of each tenant a call changed to the Ray GCS key-value store
   them and reads them back when Ray restarts it, so a crash gives no budget back. The GCS
   itself is lost with the head node unless Ray runs with GCS fault tolerance (an external
   Redis); in-flight counts start from zero in a new incarnation (their requests settle
@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import ray
-from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+from ray.experimental.internal_kv import (_internal_kv_get, _internal_kv_list,
+                                         _internal_kv_put)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.common.logs import get_logger
@@ -40,8 +41,9 @@ logger = get_logger(__name__)
 #: routers of a new version never call an older actor (3: settles across incarnations, kept
 #: in the GCS).
 SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts-3", "model-mesh"
-#: Where the actor keeps its buckets (Ray's internal key-value store, in the GCS).
-KV_KEY, KV_NAMESPACE = b"tenant-ledger", b"model-mesh"
+#: Where the actor keeps its buckets (Ray's internal key-value store, in the GCS): one key
+#: per tenant, the prefix followed by the tenant id.
+KV_PREFIX, KV_NAMESPACE = b"tenant-ledger/", b"model-mesh"
 
 #: A request to count: ``(tenant_id, limits, tokens reserved)``.
 Ask = tuple[str, Limits, int]
@@ -72,36 +74,37 @@ class Ledger(Protocol):
 
 
 class KeptCounts:
-    """A :class:`TenantCounts` kept in a key-value store: its buckets are read back when it
-    starts and written after every call that changed them, before that call answers.
+    """A :class:`TenantCounts` kept in a key-value store, one entry per tenant: its buckets
+    are read back when it starts, and each tenant a call changed is written before that call
+    answers.
 
     ``incarnation`` is new at each start: in-flight counts start from zero then, so a
     release meant for an earlier incarnation settles its tokens but frees no slot.
 
     Args:
-        read: returns what :meth:`_save` last wrote (bytes/str), or None.
-        write: stores a str.
+        read_all: returns every entry written so far, tenant id -> JSON (str or bytes).
+        write: stores one tenant's JSON, ``write(tenant_id, json)``.
     """
 
-    def __init__(self, read: Callable[[], bytes | str | None],
-                 write: Callable[[str], None]) -> None:
+    def __init__(self, read_all: Callable[[], dict[str, bytes | str]],
+                 write: Callable[[str, str], None]) -> None:
         self.counts = TenantCounts(clock=time.time)  # wall clock: a restart may move nodes
         self.incarnation = uuid.uuid4().hex
         self._write = write
-        saved = read()
-        for tenant_id, data in (json.loads(saved) if saved else {}).items():
-            self.counts.load(tenant_id, data)
+        saved = read_all()
+        for tenant_id, data in saved.items():
+            self.counts.load(tenant_id, json.loads(data))
         if saved:
-            logger.info("tenant ledger: buckets of %d tenants read back",
-                        len(self.counts.tenants()))
+            logger.info("tenant ledger: buckets of %d tenants read back", len(saved))
 
-    def _save(self) -> None:
-        self._write(json.dumps({t: self.counts.export(t) for t in self.counts.tenants()}))
+    def _save(self, tenant_ids) -> None:
+        for tenant_id in set(tenant_ids):
+            self._write(tenant_id, json.dumps(self.counts.export(tenant_id)))
 
     def acquire_many(self, asks: list[Ask]) -> list[Answer]:
         """:meth:`TenantCounts.acquire` for each ask, saved before it answers."""
         answers = [(self.incarnation, *self.counts.acquire(*ask)) for ask in asks]
-        self._save()
+        self._save(ask[0] for ask in asks)
         return answers
 
     def release_many(self, releases: list[Release]) -> None:
@@ -109,7 +112,7 @@ class KeptCounts:
         for tenant_id, incarnation, reserved, used in releases:
             self.counts.release(tenant_id, reserved, used,
                                 counted=incarnation == self.incarnation)
-        self._save()
+        self._save(r[0] for r in releases)
 
     def in_flight(self, tenant_id: str) -> int:
         return self.counts.in_flight(tenant_id)
@@ -124,8 +127,15 @@ class SharedTenantCounts(KeptCounts):
     the Ray GCS's key-value store (module docstring)."""
 
     def __init__(self) -> None:
-        super().__init__(lambda: _internal_kv_get(KV_KEY, namespace=KV_NAMESPACE),
-                         lambda data: _internal_kv_put(KV_KEY, data, namespace=KV_NAMESPACE))
+        super().__init__(_read_kept, lambda tenant_id, data: _internal_kv_put(
+            KV_PREFIX + tenant_id.encode(), data, overwrite=True, namespace=KV_NAMESPACE))
+
+
+def _read_kept() -> dict[str, bytes]:
+    """Every tenant the actor kept in the GCS key-value store, id -> JSON."""
+    keys = _internal_kv_list(KV_PREFIX, namespace=KV_NAMESPACE)
+    return {key[len(KV_PREFIX):].decode(): _internal_kv_get(key, namespace=KV_NAMESPACE)
+            for key in keys}
 
 
 class ActorLedger:
