@@ -6,10 +6,10 @@ router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerCo
 
 - ``actor`` (the default): one named, detached Ray actor, :class:`SharedTenantCounts`. It
   writes the token buckets of each tenant a call changed to the Ray GCS key-value store
-  them and reads them back when Ray restarts it, so a crash gives no budget back. The GCS
-  itself is lost with the head node unless Ray runs with GCS fault tolerance (an external
-  Redis); in-flight counts start from zero in a new incarnation (their requests settle
-  their tokens all the same).
+  before that call answers, and reads them back when Ray restarts it, so a crash gives no
+  budget back. The GCS itself is lost with the head node unless Ray runs with GCS fault
+  tolerance (an external Redis); in-flight counts start from zero in a new incarnation
+  (their requests settle their tokens all the same).
 - ``redis``: :class:`~serve_app.tenancy.redis_ledger.RedisLedger`, the counts in a Redis
   server, as Envoy's rate-limit service and LiteLLM keep theirs: survives the whole Ray
   cluster, and in-flight counts are leases that expire should a router die holding one.
