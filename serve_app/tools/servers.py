@@ -23,20 +23,23 @@ class ServerDidNotStart(RuntimeError):
 
 
 def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: str,
-                     timeout_s: float, every_s: float = 1.0) -> None:
-    """Poll ``url`` until it answers 200 while ``proc`` runs.
+                     timeout_s: float, every_s: float = 1.0, ready=None,
+                     errors: tuple[type[Exception], ...] = (httpx.HTTPError,)) -> None:
+    """Poll ``url`` until it answers 200 (or ``ready()`` is true; ``errors`` it may raise
+    mean "not yet") while ``proc`` runs.
 
     Raises:
         ServerDidNotStart: ``proc`` exited, or ``timeout_s`` passed (``proc`` is killed).
     """
+    ready = ready or (lambda: httpx.get(url, timeout=2).status_code == 200)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise ServerDidNotStart(f"{what} exited; see {log_path}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if ready():
                 return
-        except httpx.HTTPError:
+        except errors:
             pass
         if time.monotonic() > deadline:
             proc.kill()
@@ -92,17 +95,7 @@ def start_redis(data_dir: str, port: int | None = None, timeout_s: float = 20.0
                              "--logfile", log_path], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise ServerDidNotStart(f"redis-server exited; see {log_path}")
-        try:
-            if redis.Redis.from_url(url, socket_timeout=1).ping():
-                return proc, url
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise ServerDidNotStart(f"redis-server did not answer on {url} in {timeout_s:.0f} s; "
-                                    f"see {log_path}")
-        time.sleep(0.1)
+    wait_until_ready(proc, url, what="redis-server", log_path=log_path, timeout_s=timeout_s,
+                     every_s=0.1, ready=lambda: redis.Redis.from_url(url, socket_timeout=1).ping(),
+                     errors=(redis.RedisError,))
+    return proc, url
