@@ -60,7 +60,7 @@ class _SharedCalls:
     async def _release_many(self, releases: list[tuple]) -> list[None]:
         # Awaited so that one release call is in flight and the next batch collects; no
         # request waits for it. A settlement the ledger never got leaves the reservation
-        # drawn (the tenant is charged its reservation: never less than it cost).
+        # drawn: the tenant is charged its reservation, whatever the request cost.
         try:
             await self.shared.release_many(releases)
         except Exception as e:  # noqa: BLE001 - a ledger restarting, a Redis unreachable
