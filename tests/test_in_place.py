@@ -174,9 +174,12 @@ def loops() -> list[Loop]:
             Loop("base non-stream", {"model": "smollm", **ask}, OPS)]
 
 
-def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]]) -> list[Loop]:
+def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]],
+         answered_between: bool = False) -> list[Loop]:
     """Apply ``changes`` one after another with ``serve deploy`` (each waits for RUNNING)
-    while the four loops run; returns the loops (their answers and failures)."""
+    while the four loops run; returns the loops (their answers and failures).
+    ``answered_between``: after each change, wait until every loop has had an answer since
+    (a slow engine's loops would otherwise see several changes within one request)."""
     clients, stop = loops(), threading.Event()
     threads = [threading.Thread(target=c.run, args=(mesh.base_url, stop)) for c in clients]
     for t in threads:
@@ -192,6 +195,13 @@ def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]]) -> 
             mesh.deploy(cfg)
             print(f"  change {i:2}: {kind:<28} applied in {time.monotonic() - t0:4.1f} s; "
                   f"answers so far {sum(c.answers for c in clients)}", flush=True)
+            if answered_between:
+                before = [c.answers for c in clients]
+                deadline = time.monotonic() + 120
+                while any(c.answers <= n for c, n in zip(clients, before)):
+                    assert time.monotonic() < deadline, [(c.name, c.failures[:2])
+                                                         for c in clients]
+                    time.sleep(0.2)
     finally:
         stop.set()
         for t in threads:

@@ -351,7 +351,7 @@ def test_in_place_changes_on_the_real_engine_refuse_nothing(engines):
                                           "max_adapters_per_replica", 1)),
         ("adapter version", _adapters({"acme-support": 1, "globex-report": 1})),
     ]
-    clients = soak(engines, cfg, changes)
+    clients = soak(engines, cfg, changes, answered_between=True)
     failures = {c.name: c.failures[:5] for c in clients if c.failures}
     assert not failures, failures
     assert all(c.answers >= len(changes) for c in clients), [(c.name, c.answers)
