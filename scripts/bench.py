@@ -25,6 +25,11 @@ Usage:
   python scripts/bench.py --limits [--concurrency 1 8 64] [--limit-calls 2000]
   python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
   python scripts/bench.py --adapters 16 [--max-resident 4]
+  python scripts/bench.py --sim h100-llama3-8b [--workloads ...] [--router-cost]
+
+--sim PROFILE simulates the mesh at scale (32 replicas, 1,000 adapters; no Ray, no engine):
+the mesh's own replica routing and admission on engines priced by PROFILE, on a virtual
+clock, each policy against Serve's default router in one run (scripts/bench_scale.py).
 
 --sessions compares cache-aware replica routing with Serve's default router on a variant of
 two replicas, in one run, starting its own Ray cluster (scripts/bench_sessions.py).
@@ -348,11 +353,18 @@ def build_parser(description: str | None = __doc__, prog: str | None = None):
                         "its own Ray and mesh)")
     parser.add_argument("--max-resident", type=int, default=4,
                         help="--adapters: max_adapters_per_replica")
+    import bench_scale  # scripts/: --sim's options
+
+    bench_scale.add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None, parser=None) -> None:
     a = (parser or build_parser()).parse_args(argv)
+    if a.sim:
+        import bench_scale
+
+        return bench_scale.run(a)
     if not Path(a.config).is_file():
         raise ScriptError(f"--config {a.config}: no such file")
     if a.adapters:

@@ -252,3 +252,47 @@ def test_conversations_that_share_only_a_system_prompt_spread_over_the_replicas(
     first, _ = route(greedy, keys(SYSTEM, "document 0 " * 150), None, {"a": 0, "b": 0})
     assert route(greedy, keys(SYSTEM, "document 1 " * 150), None, {"a": 0, "b": 0}) == (
         first, "hit")
+
+
+def test_a_holder_whose_batches_hold_max_loras_other_adapters_is_passed_over_for_one_with_a_slot():
+    """vLLM batches at most max_loras adapters: a request for another waits in the engine
+    until one of them drains. The router counts the adapters of its requests in flight."""
+    table = ReplicaAffinity(adapter_imbalance_bound=8)
+    reported = {"a": (["x@v1", "y@v1", "z@v1"], 50.0), "b": ([], 50.0), "c": ([], 50.0)}
+    loads = {"a": 2, "b": 0, "c": 0}
+    for adapter in ("y@v1", "z@v1"):  # a's batches now mix 2 adapters
+        table.record([], None, "a", adapter, at=60.0)
+    max_loras = {"a": 2, "b": 2, "c": 2}
+    choice = table.choose([], None, loads, "x@v1", table.adapter_holders("x@v1", reported),
+                          max_loras)
+    assert choice.decision == "spill" and choice.ranks[0] in (["b"], ["c"])
+    # the adapter a request of it already runs on fits there, whatever else runs
+    table.record([], None, "a", "x@v1", at=61.0)
+    assert table.choose([], None, loads, "x@v1", ["a"], max_loras).ranks[0] == ["a"]
+    # once a y request completes, a has a slot again for an adapter it holds
+    table.completed("a", "y@v1")
+    table.completed("a", "x@v1")
+    assert table.choose([], None, loads, "x@v1", ["a"], max_loras).decision == "adapter"
+    # no max_loras reported: the slot rule does not apply
+    table.record([], None, "a", "y@v1", at=62.0)
+    assert table.choose([], None, loads, "x@v1", ["a"]).ranks[0] == ["a"]
+
+
+def test_a_cold_adapter_is_packed_among_the_replicas_with_a_lora_slot():
+    table = ReplicaAffinity()
+    loads = {"a": 0, "b": 0, "c": 0}
+    first = table.choose([], None, loads, "new@v1", (), {"a": 1, "b": 1, "c": 1}).ranks[0][0]
+    table.record([], None, first, "other@v1")  # its only batch slot is taken
+    second = table.choose([], None, loads, "new@v1", (), {"a": 1, "b": 1, "c": 1})
+    assert second.decision == "new" and second.ranks[0][0] != first
+    table.forget(first)
+    assert first not in table.running
+
+
+def test_the_router_reads_max_loras_from_the_routing_stats():
+    from types import SimpleNamespace
+    from serve_app.ingress.replica_router import reported_max_loras
+    replicas = [SimpleNamespace(replica_id="a", routing_stats={"max_loras": 4, "adapters": []}),
+                SimpleNamespace(replica_id="b", routing_stats={"max_loras": 0}),
+                SimpleNamespace(replica_id="c", routing_stats=None)]
+    assert reported_max_loras(replicas) == {"a": 4}

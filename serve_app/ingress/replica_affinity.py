@@ -26,7 +26,13 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    replica reports its resident set through Serve's ``record_routing_stats``; a replica this
    router sent the adapter to since its last report counts too, as it loads on first use), so
    a batch mixes few adapters and a request seldom waits for a load
-   (:mod:`serve_app.server.lora`);
+   (:mod:`serve_app.server.lora`). *LoRA batch slots*: a vLLM batch mixes at most
+   ``max_loras`` adapters (each replica reports its own), and a request for another one
+   waits inside the engine until one of those has no request left, which under steady
+   traffic takes seconds. So among the holders, those whose requests in flight (from this
+   router: routed and not completed) are on this adapter or on fewer than ``max_loras``
+   adapters go first; when no holder has a slot, the request *spills* to a replica within
+   the adapter bound that has one (a load costs less than the wait);
 4. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
    least-loaded replica's (``adapter_imbalance_bound`` for rule 3); past it the request
    *spills* to the least-loaded replica, which then holds the prefix (or the adapter) too, so
@@ -38,8 +44,9 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
    hashing of the first key, so routers agree and a new replica takes only new prefixes. A
    cold adapter is placed by rendezvous hashing of its name over the replicas within
-   ``adapter_imbalance_bound`` of the least-loaded one, so every router, and every request of
-   a burst that arrives at once, packs it on the same replica.
+   ``adapter_imbalance_bound`` of the least-loaded one (those with a LoRA batch slot for it
+   first), so every router, and every request of a burst that arrives at once, packs it on
+   the same replica.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -154,13 +161,16 @@ class ReplicaAffinity:
         self.conversations: Counter[Hashable] = Counter()  # sessions last served by each
         # (adapter, replica) -> when this router last sent the adapter there
         self._adapter_routes: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
+        # replica -> adapters of the requests this router sent there that are in flight
+        self.running: dict[Hashable, Counter[str]] = {}
 
     def choose(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
-               adapter: str | None = None, adapter_holders: Collection[Hashable] = ()
-               ) -> Choice:
+               adapter: str | None = None, adapter_holders: Collection[Hashable] = (),
+               max_loras: Mapping[Hashable, int] | None = None) -> Choice:
         """Rank ``loads``' replicas for a request with prefix ``keys``, ``session`` and LoRA
         ``adapter`` (``name`` or ``name@vN``; None for the base model), which the replicas in
-        ``adapter_holders`` hold (:meth:`adapter_holders`).
+        ``adapter_holders`` hold (:meth:`adapter_holders`). ``max_loras``: each replica's
+        adapters per batch, as reported (a replica missing from it: no LoRA slot rule).
 
         Raises:
             ValueError: ``loads`` is empty.
@@ -170,23 +180,45 @@ class ReplicaAffinity:
         least = min(loads.values())
         by_load = sorted(loads, key=lambda r: (loads[r], str(r)))
         preferred, decision = self._preferred(keys, session, loads, adapter_holders)
+        near = [r for r in by_load if loads[r] - least <= self.adapter_imbalance_bound]
+        free = [r for r in near if self.lora_slot(r, adapter, max_loras)] if adapter else near
         if preferred:
             bound = self.adapter_imbalance_bound if decision == "adapter" \
                 else self.imbalance_bound
             within = [r for r in preferred if loads[r] - least <= bound]
+            if decision == "adapter" and within:
+                fits = [r for r in within if r in free]
+                if fits:
+                    return Choice([fits, [r for r in by_load if r not in fits]], decision)
+                if free:  # every holder's batches are full of other adapters: load it anew
+                    return self._pack(adapter, free, by_load, "spill")
             if within:
                 return Choice([within, [r for r in by_load if r not in within]], decision)
             spill = [r for r in by_load if loads[r] == least]
             return Choice([spill, [r for r in by_load if r not in spill]], "spill")
         if adapter:  # a cold adapter: the same replica in every router (packed, not spread),
             # among those within the adapter bound, so a burst that arrives at once stays on it
-            near = [r for r in by_load if loads[r] - least <= self.adapter_imbalance_bound]
-            top = min(near, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
-            return Choice([[top], [r for r in by_load if r != top]], "new")
+            return self._pack(adapter, free or near, by_load, "new")
         coolest = [r for r in by_load if loads[r] == least]
         seed = keys[0] if keys else (session or "").encode()
         coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
         return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
+
+    @staticmethod
+    def _pack(adapter: str, among: list[Hashable], by_load: list[Hashable],
+              decision: Decision) -> Choice:
+        """The replica of ``among`` that rendezvous hashing gives ``adapter``, first."""
+        top = min(among, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
+        return Choice([[top], [r for r in by_load if r != top]], decision)
+
+    def lora_slot(self, replica: Hashable, adapter: str | None,
+                  max_loras: Mapping[Hashable, int] | None) -> bool:
+        """Whether a request for ``adapter`` can join ``replica``'s batches now: its
+        requests in flight from this router use this adapter or fewer than its
+        ``max_loras`` adapters (True when it reported none)."""
+        limit = (max_loras or {}).get(replica)
+        running = self.running.get(replica)
+        return not limit or not running or adapter in running or len(running) < limit
 
     def _preferred(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
                    adapter_holders: Collection[Hashable]) -> tuple[list[Hashable], Decision]:
@@ -222,8 +254,10 @@ class ReplicaAffinity:
     def record(self, keys: list[bytes], session: str | None, replica: Hashable,
                adapter: str | None = None, at: float = 0.0) -> None:
         """``replica`` served the request: it now holds its blocks, its session and, from
-        ``at`` (s, the clock of the replicas' reports), its ``adapter``."""
+        ``at`` (s, the clock of the replicas' reports), its ``adapter``, with a request on
+        it in flight until :meth:`completed`."""
         if adapter:
+            self.running.setdefault(replica, Counter())[adapter] += 1
             self._adapter_routes[(adapter, replica)] = at
             self._adapter_routes.move_to_end((adapter, replica))
             while len(self._adapter_routes) > MAX_ADAPTER_ROUTES:
@@ -249,6 +283,14 @@ class ReplicaAffinity:
             while len(self._sessions) > self.max_sessions:
                 self.conversations[self._sessions.popitem(last=False)[1]] -= 1
 
+    def completed(self, replica: Hashable, adapter: str) -> None:
+        """A request on ``adapter`` that :meth:`record` sent to ``replica`` completed."""
+        running = self.running.get(replica)
+        if running and running[adapter] > 0:
+            running[adapter] -= 1
+            if not running[adapter]:
+                del running[adapter]
+
     def forget(self, replica: Hashable) -> None:
         """``replica`` left: drop its blocks and sessions (and nothing else)."""
         for key in [k for k, holders in self._blocks.items() if replica in holders]:
@@ -262,3 +304,4 @@ class ReplicaAffinity:
             del self._adapter_routes[pair]
         self.held.pop(replica, None)
         self.conversations.pop(replica, None)
+        self.running.pop(replica, None)

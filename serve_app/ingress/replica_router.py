@@ -23,7 +23,10 @@ order of pending requests, the rank fall-through, replica-set updates.
 
 Adapter affinity uses Serve's routing-stats channel (``record_routing_stats`` on the replica,
 polled every ``request_routing_stats_period_s``, read here as ``replica.routing_stats``) for
-which adapters each replica holds. Why not Serve's model multiplexing
+which adapters each replica holds and its engine's ``max_loras``; which adapters this router's
+requests in flight use on each replica comes from Serve's ``on_request_routed`` and
+``on_request_completed`` hooks (the LoRA batch-slot rule of
+:mod:`~serve_app.ingress.replica_affinity`). Why not Serve's model multiplexing
 (``@serve.multiplexed`` + ``multiplexed_model_id``): its LRU evicts a model without asking
 whether a request is using it, a request then goes only to replicas that report the model
 (prefix and session affinity could not be combined with it), and the router's load bound
@@ -104,6 +107,13 @@ def affinity_inputs(request: GenerateRequest, block_chars: int
     return prefix_keys(text, adapter, block_chars), request.session, adapter
 
 
+def reported_max_loras(replicas) -> dict[Any, int]:
+    """replica id -> its engine's ``max_loras`` from Serve's routing stats (replicas that
+    have not reported, or run without LoRA, are left out)."""
+    return {r.replica_id: int(r.routing_stats["max_loras"]) for r in replicas
+            if (r.routing_stats or {}).get("max_loras")}
+
+
 def reported_adapters(replicas) -> dict[Any, tuple[list[str], float]]:
     """replica id -> (its resident adapters, report time) from Serve's routing stats
     (``LLMReplica.record_routing_stats``); a replica that has not reported has none."""
@@ -131,6 +141,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         self.affinity, self.block_chars = affinity_settings(kwargs)
         # request id -> ((prefix keys, session, adapter), decision) of its latest attempt
         self._chosen: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
+        # request id -> (replica id, adapter) of a LoRA request routed and not completed
+        self._in_flight: OrderedDict[str, tuple[Any, str]] = OrderedDict()
         self._variant = self._deployment_id.app_name if self._deployment_id else ""
 
     def _request(self, pending) -> GenerateRequest | None:
@@ -150,7 +162,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
         holders = self.affinity.adapter_holders(adapter, reported_adapters(candidate_replicas))
-        choice = self.affinity.choose(keys, session, loads, adapter, holders)
+        choice = self.affinity.choose(keys, session, loads, adapter, holders,
+                                      reported_max_loras(candidate_replicas))
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
@@ -171,8 +184,21 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         keys, session, adapter = inputs
         # time.time(): the clock of the replicas' routing-stats reports ("at")
         self.affinity.record(keys, session, replica_id, adapter, at=time.time())
+        if adapter:
+            request_id = pending_request.metadata.internal_request_id
+            self._completed(request_id)  # routed again (a retry): the first one is over
+            self._in_flight[request_id] = (replica_id, adapter)
+            while len(self._in_flight) > 100_000:  # completions lost: forget the oldest
+                self._completed(next(iter(self._in_flight)))
         if decision is not None:  # None: dropped from the bounded table, counted nowhere
             _decision_counter().inc(1, {"variant": self._variant, "decision": decision})
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._completed(internal_request_id)
+
+    def _completed(self, request_id: str) -> None:
+        if (routed := self._in_flight.pop(request_id, None)) is not None:
+            self.affinity.completed(*routed)
 
     def update_replicas(self, replicas) -> None:
         gone = set(self._replicas) - {r.replica_id for r in replicas}

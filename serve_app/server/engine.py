@@ -34,6 +34,7 @@ class EngineHandle:
     max_lora_rank: int  # 0 when LoRA is off
     max_cpu_loras: int  # LoRAs vLLM keeps loaded (0 when LoRA is off)
     max_num_seqs: int  # requests the engine runs at once
+    max_loras: int  # distinct LoRA adapters in one batch (0 when LoRA is off)
     priority_scheduling: bool  # scheduling_policy "priority": requests carry a priority
 
     @property
@@ -219,4 +220,6 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
                         max_cpu_loras=(vllm_config.lora_config.max_cpu_loras or 0
                                        if vllm_config.lora_config else 0),
                         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                        max_loras=(vllm_config.lora_config.max_loras
+                                   if vllm_config.lora_config else 0),
                         priority_scheduling=vllm_config.scheduler_config.policy == "priority")

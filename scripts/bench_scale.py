@@ -1,0 +1,426 @@
+#!/usr/bin/env python
+"""The mesh at scale, by simulation (``bench.py --sim PROFILE``): the replica-routing and
+admission policies measured on a fleet of simulated engines (:mod:`serve_app.sim.fleet`:
+the mesh's own routing and admission code, engines priced by a profile, on a virtual clock),
+against the same fleet without the feature, in one run. Every figure it prints is simulated
+and says its profile.
+
+Workloads (seeded; :mod:`serve_app.sim.workloads`), open-loop Poisson arrivals:
+
+1. ``many-adapters``: ``--adapter-count`` adapters (1,000) with Zipf popularity on
+   ``--replicas`` (32), ``max_cpu_loras`` 8 and ``max_loras`` 4 per engine. Routers:
+   Serve's default, Serve's multiplexing, the mesh's affinity router, and it with adapter
+   affinity off. Goal: goodput ≥ 2x the default router's, adapter loads per request ≤ 0.05.
+2. ``sessions``: multi-turn conversations, per-tenant system prompts, growing histories.
+   Routers: Serve's default, the mesh's affinity router, and it with prefix affinity off.
+   Goal: TTFT p50 ≤ 0.5x the default router's, prefix-cache hit rate ≥ 0.8 of what the
+   workload allows (one engine with an unbounded cache).
+3. ``tenants``: 8 tenants, one heavy (backlogged at twice the fleet's capacity), under the
+   mesh's admission: token-fair against FIFO. Goal: the light tenants' TTFT p95 ≤ 2x their
+   TTFT p95 on the idle fleet.
+
+Goodput: the highest arrival rate on the grid at which TTFT p95 and TPOT p95 are within the
+SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after ``--warmup-s``.
+Writes PNGs (TTFT p95 against arrival rate per router, TTFT CDFs) to ``--plots`` and the
+figures to ``--json``. ``--router-cost`` times the mesh's replica-routing decision (the
+real code) at 8, 32, ... replicas with 1,000 adapters resident across them.
+
+    python scripts/bench.py --sim h100-llama3-8b [--workloads many-adapters sessions tenants]
+        [--replicas 32] [--adapter-count 1000] [--rates 100 200 400] [--router-cost]
+    python scripts/bench.py --sim cpu-smollm2 --small   # 2 replicas, 8 adapters
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serve_app.ingress.admission import VariantAdmission  # noqa: E402
+from serve_app.observability.stats import percentile  # noqa: E402
+from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest  # noqa: E402
+from serve_app.sim.fleet_routing import make_router  # noqa: E402
+from serve_app.sim.profile import SimProfile, load_profile  # noqa: E402
+from serve_app.sim.virtual_time import run_virtual  # noqa: E402
+from serve_app.sim.workloads import (Sessions, many_adapters, reachable_hit_rate,  # noqa: E402
+                                     tenants)
+
+#: SLOs by profile when none is given: (TTFT p95 s, TPOT p95 s). The GPU one is a common
+#: interactive target for an 8B chat model; the CPU one scales it to a 135M model on 2 cores.
+DEFAULT_SLO = {"h100-llama3-8b": (1.0, 0.05), "cpu-smollm2": (10.0, 0.5)}
+WORKLOADS = ("many-adapters", "sessions", "tenants")
+ROUTERS = {"many-adapters": ("default", "multiplex", "affinity", "affinity-no-adapter"),
+           "sessions": ("default", "affinity", "affinity-no-prefix")}
+
+
+def capacity_rps(profile: SimProfile, replicas: int, limits: EngineLimits,
+                 max_tokens: int) -> float:
+    """Requests/s a fleet decodes with full batches and nothing else to do (an upper bound
+    that sets the rate grid)."""
+    batch = limits.max_num_seqs
+    return replicas * batch / (profile.decode_s(batch) * max_tokens)
+
+
+def summarize(requests: list[FleetRequest], fleet: Fleet, warmup_s: float) -> dict:
+    """Figures of one run over the requests that arrived after ``warmup_s``."""
+    measured = [r for r in requests if r.arrival >= warmup_s]
+    served = [r for r in measured if r.rejected is None]
+    ttft = [r.ttft_s for r in served]
+    tpot = [r.tpot_s for r in served if r.tpot_s is not None]
+    prompt = sum(len(r.prompt_ids) for r in served)
+    span = max((r.done_at for r in served), default=warmup_s) - warmup_s
+    per_replica = [0] * fleet.replicas
+    for r in served:
+        per_replica[r.replica] += 1
+    adapters = {}
+    for r in served:
+        if r.adapter:
+            adapters.setdefault(r.replica, set()).add(r.adapter)
+    return {
+        "requests": len(measured), "rejected": len(measured) - len(served),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+        "tpot_p95_s": percentile(tpot, 95),
+        "tokens_per_s": sum(r.generated for r in served) / span if span > 0 else 0.0,
+        "adapter_loads_per_request": (sum(r.loaded_adapter for r in served) / len(served)
+                                      if served else math.nan),
+        "prefix_hit_rate": sum(r.cached_tokens for r in served) / prompt if prompt else 0.0,
+        "hottest_replica_share": (max(per_replica) * fleet.replicas / len(served)
+                                  if served else math.nan),
+        "adapters_per_replica": (sum(len(s) for s in adapters.values()) / fleet.replicas
+                                 if adapters else 0.0),
+        "ttft_s": sorted(ttft)}
+
+
+def within_slo(s: dict, slo: tuple[float, float]) -> bool:
+    return s["ttft_p95_s"] <= slo[0] and s["tpot_p95_s"] <= slo[1] and not s["rejected"]
+
+
+def goodput(rows: dict[float, dict], slo: tuple[float, float]) -> float:
+    """The highest rate of the grid below which every rate met the SLO (0: none)."""
+    best = 0.0
+    for rate in sorted(rows):
+        if not within_slo(rows[rate], slo):
+            break
+        best = rate
+    return best
+
+
+def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: str,
+             requests: list[FleetRequest], follow_up=None, fairness: str | None = None,
+             seed: int = 0) -> tuple[list[FleetRequest], Fleet]:
+    """One run on a fresh fleet (``fairness``: the mesh's admission in front, ``tokens`` or
+    ``fifo``; None: none)."""
+    async def main():
+        admission = None
+        if fairness:
+            admission = VariantAdmission("sim", queue_timeout_s=30.0, fairness=fairness,
+                                         newcomer_slots=1,
+                                         clock=asyncio.get_running_loop().time)
+            admission.set_capacity(replicas * limits.max_num_seqs)
+        fleet = Fleet(profile, replicas, limits, admission=admission)
+        return await fleet.run(requests, make_router(router, seed), follow_up), fleet
+    return run_virtual(main())
+
+
+def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[float],
+          make_requests, follow_up_for=None) -> dict:
+    """Every router of workload ``name`` at every rate: {router: {rate: summary}}."""
+    out: dict[str, dict[float, dict]] = {}
+    for router in ROUTERS[name]:
+        out[router] = {}
+        for rate in rates:
+            t0 = time.perf_counter()
+            requests, follow_up = make_requests(rate)
+            served, fleet = simulate(profile, a.replicas, limits, router, requests, follow_up)
+            s = summarize(served, fleet, a.warmup_s)
+            if name == "sessions":
+                s["reachable_hit_rate"] = reachable_hit_rate(
+                    [r for r in served if r.arrival >= a.warmup_s], profile.block_size)
+            out[router][rate] = s
+            print(f"[sim {profile.name}] {name} {router:>19} {rate:>7.1f}/s: "
+                  f"TTFT p50 {s['ttft_p50_s']:.3f} s p95 {s['ttft_p95_s']:.3f} s, TPOT p95 "
+                  f"{s['tpot_p95_s'] * 1000:.1f} ms, {s['tokens_per_s']:.0f} tok/s, "
+                  f"loads/req {s['adapter_loads_per_request']:.3f}, prefix hits "
+                  f"{s['prefix_hit_rate']:.2f}, hottest replica x"
+                  f"{s['hottest_replica_share']:.2f} ({time.perf_counter() - t0:.0f} s wall)",
+                  flush=True)
+    return out
+
+
+def _label(profile: SimProfile) -> str:
+    return f"SIMULATED, profile {profile.name}"
+
+
+def bench_many_adapters(a, profile: SimProfile, slo: tuple[float, float]) -> dict:
+    limits = EngineLimits(max_num_seqs=a.max_num_seqs, max_loras=4, max_cpu_loras=8,
+                          max_ongoing_requests=a.max_num_seqs)
+    cap = capacity_rps(profile, a.replicas, limits, 128)
+    rates = a.rates or [round(cap * f, 1) for f in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)]
+
+    def make(rate):
+        return many_adapters(rate, a.duration_s, adapters=a.adapter_count, zipf_s=a.zipf_s,
+                             seed=a.seed), None
+
+    rows = sweep("many-adapters", a, profile, limits, rates, make)
+    g = {router: goodput(r, slo) for router, r in rows.items()}
+    weights = [1 / (k + 1) ** a.zipf_s for k in range(a.adapter_count)]
+    slots = a.replicas * limits.max_cpu_loras
+    bound = sum(weights[slots:]) / sum(weights)
+    at = g["affinity"] or rates[0]
+    loads = rows["affinity"][at]["adapter_loads_per_request"]
+    ratio = g["affinity"] / g["default"] if g["default"] else math.inf
+    print(f"\n[{_label(profile)}] many-adapters: {a.adapter_count} adapters (Zipf s="
+          f"{a.zipf_s:g}), {a.replicas} replicas, max_cpu_loras 8, max_loras 4, "
+          f"max_num_seqs {a.max_num_seqs}; SLO TTFT p95 <= {slo[0]:g} s, TPOT p95 <= "
+          f"{slo[1] * 1000:g} ms")
+    for router, rate in g.items():
+        print(f"  goodput {router:>19}: {rate:g} requests/s")
+    print(f"many-adapters goodput affinity/default {ratio:.2f}x (goal >= 2x): "
+          f"{'met' if ratio >= 2 else 'NOT met'}")
+    print(f"many-adapters adapter loads per request (affinity at {at:g}/s) {loads:.3f} (goal "
+          f"<= 0.05): {'met' if loads <= 0.05 else 'NOT met'}; the workload's bound with "
+          f"{slots} adapter slots in the fleet (every request for an adapter past the "
+          f"{slots} most popular loads it): {bound:.3f}")
+    explain(rows, g, rates, slo)
+    return {"rates": rates, "routers": rows, "goodput": g, "ratio": ratio,
+            "loads_per_request": loads, "loads_bound": bound}
+
+
+def bench_sessions(a, profile: SimProfile, slo: tuple[float, float]) -> dict:
+    limits = EngineLimits(max_num_seqs=a.max_num_seqs, max_ongoing_requests=a.max_num_seqs)
+    probe = Sessions(1.0, 1.0)
+    cap = capacity_rps(profile, a.replicas, limits, probe.max_tokens) / probe.mean_turns()
+    rates = a.rates or [round(cap * f, 2) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3)]
+
+    def make(rate):
+        s = Sessions(rate, a.duration_s, seed=a.seed)
+        return s.requests(), s.follow_up
+
+    rows = sweep("sessions", a, profile, limits, rates, make)
+    g = {router: goodput(r, slo) for router, r in rows.items()}
+    at = g["default"] or rates[0]
+    d, f = rows["default"][at], rows["affinity"][at]
+    ttft_ratio = f["ttft_p50_s"] / d["ttft_p50_s"]
+    hit_share = f["prefix_hit_rate"] / f["reachable_hit_rate"]
+    print(f"\n[{_label(profile)}] sessions: {a.replicas} replicas, conversations of 3-8 "
+          f"turns, 16 system prompts of 512 tokens; rates in conversations/s")
+    for router, rate in g.items():
+        print(f"  goodput {router:>19}: {rate:g} conversations/s")
+    print(f"sessions TTFT p50 affinity/default at {at:g} conversations/s {ttft_ratio:.2f}x "
+          f"(goal <= 0.5x): {'met' if ttft_ratio <= 0.5 else 'NOT met'}")
+    print(f"sessions prefix-cache hit rate {f['prefix_hit_rate']:.2f} of a reachable "
+          f"{f['reachable_hit_rate']:.2f} = {hit_share:.2f} (goal >= 0.8): "
+          f"{'met' if hit_share >= 0.8 else 'NOT met'}")
+    explain(rows, g, rates, slo)
+    return {"rates": rates, "routers": rows, "goodput": g, "ttft_ratio": ttft_ratio,
+            "hit_share": hit_share}
+
+
+def bench_tenants(a, profile: SimProfile) -> dict:
+    limits = EngineLimits(max_num_seqs=a.max_num_seqs,
+                          max_ongoing_requests=math.ceil(a.max_num_seqs * 1.25))
+    replicas = max(1, a.replicas // 4)
+    cap = capacity_rps(profile, replicas, limits, 128)
+    heavy, light = 2 * cap, 0.01 * cap
+
+    def light_of(served):
+        return [r for r in served if r.tenant != "heavy" and r.arrival >= a.warmup_s]
+
+    runs = {}
+    for label, heavy_rate, fairness in (("idle", 0.0, "tokens"), ("token-fair", heavy, "tokens"),
+                                        ("fifo", heavy, "fifo")):
+        requests = tenants(heavy_rate, light, a.duration_s, seed=a.seed)
+        served, _ = simulate(profile, replicas, limits, "affinity", requests,
+                             fairness=fairness, seed=a.seed)
+        lights = light_of(served)
+        ok = [r for r in lights if r.rejected is None]
+        tokens = sum(r.generated for r in served if r.arrival >= a.warmup_s)
+        runs[label] = {"light_ttft_p95_s": percentile([r.ttft_s for r in ok], 95),
+                       "light_rejected": len(lights) - len(ok),
+                       "light_token_share": (sum(r.generated for r in ok) / tokens
+                                             if tokens else 0.0),
+                       "heavy_rejected": sum(1 for r in served if r.tenant == "heavy"
+                                             and r.rejected),
+                       "ttft_s": sorted(r.ttft_s for r in ok)}
+    idle = runs["idle"]["light_ttft_p95_s"]
+    print(f"\n[{_label(profile)}] tenants: {replicas} replicas, heavy tenant at {heavy:.0f}/s "
+          f"(2x capacity), 7 light at {light:.1f}/s each, the mesh's admission "
+          "(queue_timeout_s 30, newcomer_slots 1)")
+    for label, r in runs.items():
+        print(f"  {label:>10}: light TTFT p95 {r['light_ttft_p95_s']:.3f} s "
+              f"(x{r['light_ttft_p95_s'] / idle:.2f} idle), light rejected "
+              f"{r['light_rejected']}, heavy rejected {r['heavy_rejected']}")
+    fair = runs["token-fair"]["light_ttft_p95_s"] / idle
+    print(f"tenants light TTFT p95 token-fair/idle x{fair:.2f} (goal <= 2x): "
+          f"{'met' if fair <= 2 else 'NOT met'}; fifo x"
+          f"{runs['fifo']['light_ttft_p95_s'] / idle:.2f}")
+    return {"replicas": replicas, "runs": runs, "fair_over_idle": fair}
+
+
+def explain(rows: dict, g: dict, rates: list[float], slo: tuple[float, float]) -> None:
+    """Why each router stopped at its goodput, from its own figures at the next rate."""
+    for router, by_rate in rows.items():
+        over = [r for r in rates if r > g[router]]
+        if not over:
+            print(f"  {router}: within the SLO at every rate of the grid")
+            continue
+        s = by_rate[over[0]]
+        why = []
+        if s["ttft_p95_s"] > slo[0]:
+            why.append(f"TTFT p95 {s['ttft_p95_s']:.2f} s")
+        if s["tpot_p95_s"] > slo[1]:
+            why.append(f"TPOT p95 {s['tpot_p95_s'] * 1000:.0f} ms")
+        print(f"  {router} at {over[0]:g}/s: {', '.join(why) or 'rejections'}; hottest "
+              f"replica x{s['hottest_replica_share']:.2f} of a fair share, adapter loads/req "
+              f"{s['adapter_loads_per_request']:.3f}, {s['adapters_per_replica']:.1f} "
+              f"adapters served per replica, prefix hits {s['prefix_hit_rate']:.2f}")
+
+
+def plot(results: dict, profile: SimProfile, slo: tuple[float, float], out: Path
+         ) -> list[Path]:
+    """PNGs: TTFT p95 against arrival rate per router, and TTFT CDFs (each titled as a
+    simulation with its profile)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in ("many-adapters", "sessions"):
+        if name not in results:
+            continue
+        r = results[name]
+        unit = "requests/s" if name == "many-adapters" else "conversations/s"
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for router, by_rate in r["routers"].items():
+            rates = sorted(by_rate)
+            left.plot(rates, [by_rate[x]["ttft_p95_s"] for x in rates], marker="o",
+                      label=f"{router} (goodput {r['goodput'][router]:g})")
+        left.axhline(slo[0], color="grey", linestyle="--", label=f"SLO {slo[0]:g} s")
+        left.set(xlabel=f"arrival rate ({unit}, Poisson)", ylabel="TTFT p95 (s)",
+                 yscale="log", title="TTFT p95 against arrival rate")
+        left.legend(fontsize=8)
+        at = r["goodput"]["default"] or r["rates"][0]
+        for router, by_rate in r["routers"].items():
+            ttft = by_rate[at]["ttft_s"]
+            right.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=router)
+        right.set(xlabel="TTFT (s)", ylabel="share of requests", xscale="log",
+                  title=f"TTFT CDF at {at:g} {unit}")
+        right.legend(fontsize=8)
+        fig.suptitle(f"{name}: {_label(profile)} ({profile.description[:70]})", fontsize=9)
+        fig.tight_layout()
+        path = out / f"sim-{profile.name}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if "tenants" in results:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, run in results["tenants"]["runs"].items():
+            ttft = run["ttft_s"]
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=label)
+        ax.set(xlabel="light tenants' TTFT (s)", ylabel="share of requests", xscale="log",
+               title=f"tenants: {_label(profile)}")
+        ax.legend()
+        fig.tight_layout()
+        path = out / f"sim-{profile.name}-tenants.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) -> list[dict]:
+    """The mesh's replica-routing decision (what ``AffinityRouter.choose_replicas`` and
+    ``on_request_routed`` run per request: routing stats read, prefix keys, adapter holders,
+    the choice, the record), timed with ``time.perf_counter`` on this host, with
+    ``adapters`` adapters resident across ``n`` replicas (8 each, spread), for each ``n``."""
+    import random
+    from types import SimpleNamespace
+
+    from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys
+    from serve_app.ingress.replica_router import reported_adapters
+
+    rng = random.Random(0)
+    reqs = many_adapters(100.0, requests / 100.0, adapters=adapters, seed=1)
+    rows = []
+    for n in sizes:
+        replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats={
+            "adapters": [f"lora-{(i * 8 + j) % adapters}@v1" for j in range(8)], "at": 0.0})
+            for i in range(n)]
+        by_id = {r.replica_id: r for r in replicas}
+        affinity = ReplicaAffinity()
+        times = []
+        for i, req in enumerate(reqs):
+            queue_len = {r.replica_id: rng.randrange(8) for r in replicas}
+            t0 = time.perf_counter()
+            loads = {r.replica_id: queue_len[r.replica_id] for r in replicas}
+            keys = prefix_keys(req.text, req.adapter)
+            holders = affinity.adapter_holders(req.adapter, reported_adapters(replicas))
+            choice = affinity.choose(keys, None, loads, req.adapter, holders)
+            ranks = [[by_id[rid] for rid in rank] for rank in choice.ranks]
+            affinity.record(keys, None, ranks[0][0].replica_id, req.adapter, at=float(i))
+            times.append(time.perf_counter() - t0)
+        rows.append({"replicas": n, "adapters": adapters,
+                     "p50_ms": percentile(times, 50) * 1000,
+                     "p99_ms": percentile(times, 99) * 1000})
+        print(f"[router cost, this host] {n:>5} replicas, {adapters} adapters resident: "
+              f"decision p50 {rows[-1]['p50_ms']:.3f} ms, p99 {rows[-1]['p99_ms']:.3f} ms",
+              flush=True)
+    return rows
+
+
+def run(a) -> None:
+    """The whole benchmark (see the module docstring); ``a``: bench.py's arguments."""
+    profile = load_profile(a.sim)
+    if a.small:
+        a.replicas, a.adapter_count = 2, 8
+    slo = (a.slo_ttft_s or DEFAULT_SLO.get(profile.name, (None,))[0],
+           a.slo_tpot_s or DEFAULT_SLO.get(profile.name, (None, None))[1])
+    if None in slo:
+        raise SystemExit(f"profile {profile.name} has no default SLO: pass --slo-ttft-s and "
+                         "--slo-tpot-s")
+    print(f"[bench --sim] {_label(profile)}: {profile.description}\n  source: "
+          f"{profile.source[:160]}...", flush=True)
+    results: dict = {"profile": profile.name, "slo": slo, "date": time.strftime("%Y-%m-%d")}
+    if "many-adapters" in a.workloads:
+        results["many-adapters"] = bench_many_adapters(a, profile, slo)
+    if "sessions" in a.workloads:
+        results["sessions"] = bench_sessions(a, profile, slo)
+    if "tenants" in a.workloads:
+        results["tenants"] = bench_tenants(a, profile)
+    if a.router_cost is not None:
+        results["router_cost"] = router_cost(a.router_cost or [8, 32, 128, 512, 1000])
+    for path in plot(results, profile, slo, Path(a.plots)):
+        print(f"[bench --sim] wrote {path}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+        print(f"[bench --sim] figures written to {a.json}")
+
+
+def add_arguments(parser) -> None:
+    """``bench.py --sim``'s options."""
+    g = parser.add_argument_group("--sim PROFILE (the mesh at scale, simulated)")
+    g.add_argument("--sim", metavar="PROFILE",
+                   help="simulate a fleet of engines of this profile (serve_app/sim/profiles)")
+    g.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    g.add_argument("--replicas", type=int, default=32, help="replicas (tenants: a quarter)")
+    g.add_argument("--adapter-count", type=int, default=1000)
+    g.add_argument("--zipf-s", type=float, default=1.0, help="adapter popularity exponent")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--rates", type=float, nargs="+", help="arrival rates (default: a grid "
+                   "from the fleet's capacity)")
+    g.add_argument("--duration-s", type=float, default=20.0, help="arrivals per run, s")
+    g.add_argument("--warmup-s", type=float, default=5.0,
+                   help="requests arriving before this are not measured")
+    g.add_argument("--slo-ttft-s", type=float)
+    g.add_argument("--slo-tpot-s", type=float)
+    g.add_argument("--small", action="store_true", help="2 replicas, 8 adapters")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--plots", default="docs/images", help="where the PNGs go")
+    g.add_argument("--router-cost", type=int, nargs="*", metavar="N",
+                   help="time the replica-routing decision at N replicas (default 8 32 128 "
+                   "512 1000)")

@@ -1,0 +1,134 @@
+"""Seeded, reproducible workloads for a simulated fleet (:mod:`serve_app.sim.fleet`), with
+open-loop (Poisson) arrivals.
+
+* :func:`many_adapters`: requests for ``adapters`` LoRA adapters whose popularity follows
+  Zipf's law (the k-th most popular is asked for in proportion to 1/k^s), each prompt its
+  own (no shared prefix).
+* :class:`Sessions`: multi-turn conversations: each starts with its tenant's system prompt;
+  every turn resends the history (the earlier turns' user messages and answers) plus a new
+  user message, a think time after the last answer. Conversations arrive at a Poisson rate.
+* :func:`tenants`: one heavy tenant sending more than the fleet can serve and light tenants
+  at a trickle.
+
+Token ids stand for text: a prompt's text (what the replica router hashes) is its ids as
+4-hex-digit words, so a shared prefix of tokens is a shared prefix of text and a block of
+``block_chars`` 128 is 32 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from serve_app.sim.fleet import FleetRequest
+from serve_app.sim.prefix_cache import PrefixCache
+
+VOCAB = 65_536
+
+
+def as_text(ids: tuple[int, ...]) -> str:
+    """The text a prompt of token ``ids`` stands for (4 hex digits a token)."""
+    return "".join(f"{t:04x}" for t in ids)
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(VOCAB) for _ in range(n))
+
+
+def poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[float]:
+    """Arrival times (s) of a Poisson process of ``rate`` per s over ``duration_s``."""
+    times, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def many_adapters(rate: float, duration_s: float, *, adapters: int = 1000,
+                  zipf_s: float = 1.0, prompt_tokens: int = 256, max_tokens: int = 128,
+                  seed: int = 0) -> list[FleetRequest]:
+    """Requests at ``rate``/s for ``duration_s`` s, each for adapter ``lora-<k>@v1`` with k
+    drawn from Zipf(``zipf_s``) over ``adapters``."""
+    rng = random.Random(seed)
+    weights = [1 / (k + 1) ** zipf_s for k in range(adapters)]
+    times = poisson_times(rng, rate, duration_s)
+    picks = rng.choices(range(adapters), weights=weights, k=len(times))
+    out = []
+    for t, k in zip(times, picks):
+        ids = _tokens(rng, prompt_tokens)
+        out.append(FleetRequest(t, ids, max_tokens, as_text(ids), adapter=f"lora-{k}@v1"))
+    return out
+
+
+@dataclass
+class Sessions:
+    """Conversations arriving at ``rate`` per s for ``duration_s`` s (see the module
+    docstring); ``requests()`` gives their first turns, ``follow_up`` the next turn of one
+    that finished (for :meth:`Fleet.run`)."""
+
+    rate: float
+    duration_s: float
+    tenants: int = 16
+    system_tokens: int = 512
+    user_tokens: int = 64
+    max_tokens: int = 128
+    turns: tuple[int, int] = (3, 8)
+    think_s: float = 3.0
+    seed: int = 0
+    _left: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.system = [_tokens(self.rng, self.system_tokens) for _ in range(self.tenants)]
+
+    def requests(self) -> list[FleetRequest]:
+        out = []
+        for i, t in enumerate(poisson_times(self.rng, self.rate, self.duration_s)):
+            session = f"conv-{i}"
+            self._left[session] = self.rng.randint(*self.turns) - 1
+            ids = self.system[self.rng.randrange(self.tenants)] + _tokens(self.rng,
+                                                                         self.user_tokens)
+            out.append(FleetRequest(t, ids, self.max_tokens, as_text(ids), session=session))
+        return out
+
+    def follow_up(self, done: FleetRequest) -> FleetRequest | None:
+        if not self._left.get(done.session):
+            return None
+        self._left[done.session] -= 1
+        rng = random.Random(f"{self.seed}/{done.session}/{len(done.prompt_ids)}")
+        ids = done.prompt_ids + _tokens(rng, done.generated) + _tokens(rng, self.user_tokens)
+        return FleetRequest(done.done_at + rng.expovariate(1 / self.think_s), ids,
+                            self.max_tokens, as_text(ids), session=done.session)
+
+    def mean_turns(self) -> float:
+        return sum(self.turns) / 2
+
+
+def tenants(heavy_rate: float, light_rate: float, duration_s: float, *, light: int = 7,
+            prompt_tokens: int = 256, max_tokens: int = 128, seed: int = 0
+            ) -> list[FleetRequest]:
+    """Tenant ``heavy`` at ``heavy_rate``/s and ``light`` tenants ``light-<i>`` at
+    ``light_rate``/s each, for ``duration_s`` s (a ``heavy_rate`` of 0 gives the light
+    tenants alone: their idle figures)."""
+    rng = random.Random(seed)
+    out = []
+    for tenant, rate in [("heavy", heavy_rate)] + [(f"light-{i}", light_rate)
+                                                    for i in range(light)]:
+        for t in poisson_times(rng, rate, duration_s) if rate > 0 else []:
+            ids = _tokens(rng, prompt_tokens)
+            out.append(FleetRequest(t, ids, max_tokens, as_text(ids), tenant=tenant))
+    return sorted(out, key=lambda r: r.arrival)
+
+
+def reachable_hit_rate(requests: list[FleetRequest], block_size: int) -> float:
+    """Share of the prompt tokens of ``requests`` a single engine with an unbounded prefix
+    cache would find cached (their arrival order, whole blocks, per adapter): the most
+    any routing can get from this workload."""
+    cache = PrefixCache(10**12, block_size)
+    lora = {}
+    hits = total = 0
+    for r in sorted(requests, key=lambda r: r.arrival):
+        key = lora.setdefault(r.adapter, len(lora)) if r.adapter else 0
+        hits += cache.insert(r.prompt_ids, key)
+        total += len(r.prompt_ids)
+    return hits / total if total else 0.0

@@ -1,0 +1,122 @@
+"""The simulated fleet of ``bench.py --sim`` (serve_app/sim/fleet.py, fleet_routing.py,
+workloads.py, virtual_time.py): exact times on a virtual clock, Serve's routers as the
+baseline, and one smoke run of the benchmark at small size. No Ray, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serve_app.observability.stats import percentile
+from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest
+from serve_app.sim.fleet_routing import make_router
+from serve_app.sim.profile import load_profile
+from serve_app.sim.virtual_time import run_virtual
+from serve_app.sim.workloads import Sessions, many_adapters, reachable_hit_rate
+from serve_app.common.paths import REPO_ROOT
+
+H100 = load_profile("h100-llama3-8b")
+
+
+def serve(requests, replicas=1, router="default", limits=None, follow_up=None):
+    async def main():
+        fleet = Fleet(H100, replicas, limits or EngineLimits())
+        return await fleet.run(requests, make_router(router), follow_up), fleet
+    return run_virtual(main())
+
+
+def test_virtual_time_jumps_to_each_timer_and_a_deadlock_raises():
+    async def sleeps():
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(asyncio.sleep(3600), asyncio.sleep(0.25))
+        return loop.time()
+
+    assert run_virtual(sleeps()) == pytest.approx(3600)
+
+    async def stuck():
+        await asyncio.Event().wait()
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run_virtual(stuck())
+
+
+def test_a_request_on_an_idle_replica_takes_its_prefill_step_then_one_decode_step_a_token():
+    [r], _ = serve([FleetRequest(1.0, tuple(range(256)), 4)])
+    first = H100.step_s(batch=1, prefill_tokens=256, adapters=0, prefill_lengths=[256])
+    assert r.ttft_s == pytest.approx(first)
+    assert r.generated == 4
+    assert r.tpot_s == pytest.approx(H100.decode_s(1))
+
+
+def test_past_max_ongoing_requests_a_request_waits_in_the_router_until_a_slot_frees():
+    limits = EngineLimits(max_ongoing_requests=2)
+    reqs = [FleetRequest(0.0, (i,) * 32, 8) for i in range(3)]
+    done, _ = serve(reqs, limits=limits)
+    first_two_done = max(r.done_at for r in done[:2])
+    assert done[2].first_token_at > first_two_done - 1e-9
+    assert all(r.ttft_s < done[2].ttft_s for r in done[:2])
+
+
+def test_requests_that_wait_on_one_adapter_load_share_it():
+    reqs = [FleetRequest(0.0, (i,) * 32, 4, adapter="a@v1") for i in range(3)]
+    done, fleet = serve(reqs)
+    assert fleet.pool[0].loads == 1 and sum(r.loaded_adapter for r in done) == 1
+    assert all(r.ttft_s >= H100.adapter_load_s for r in done)
+
+
+def test_workloads_are_seeded_and_sessions_grow_their_history():
+    a = many_adapters(50, 10, adapters=100, seed=3)
+    b = many_adapters(50, 10, adapters=100, seed=3)
+    assert [(r.arrival, r.adapter) for r in a] == [(r.arrival, r.adapter) for r in b]
+    popular = sum(r.adapter == "lora-0@v1" for r in a) / len(a)
+    assert popular > 0.1  # Zipf s=1 over 100: the first is asked for ~19 % of the time
+    s = Sessions(2.0, 10.0, turns=(3, 3))
+    firsts = s.requests()
+    done, _ = serve(firsts, replicas=2, follow_up=s.follow_up)
+    assert len(done) == 3 * len(firsts)
+    conv = [r for r in done if r.session == firsts[0].session]
+    assert [len(r.prompt_ids) for r in conv] == [576, 576 + 128 + 64, 576 + 2 * (128 + 64)]
+    assert 0.5 < reachable_hit_rate(done, H100.block_size) < 1
+
+
+def test_adapter_affinity_loads_less_and_answers_sooner_than_serves_default_router():
+    """4 replicas, 24 adapters, 8 resident and 2 per batch on each (every adapter fits in
+    the fleet, not on one replica): the mesh's router (packing adapters, with LoRA batch
+    slots) against power of two choices, the same requests."""
+    limits = EngineLimits(max_num_seqs=16, max_loras=2, max_cpu_loras=8,
+                          max_ongoing_requests=16)
+    reqs = many_adapters(20, 20, adapters=24, seed=1)
+    figures = {}
+    for router in ("default", "affinity"):
+        done, fleet = serve(reqs, replicas=4, router=router, limits=limits)
+        late = [r for r in done if r.arrival >= 5]
+        figures[router] = (sum(r.loaded_adapter for r in late) / len(late),
+                           percentile([r.ttft_s for r in late], 95))
+    print(figures)
+    assert figures["affinity"][0] < 0.5 * figures["default"][0]
+    assert figures["affinity"][1] < 0.5 * figures["default"][1]
+
+
+def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
+    """The CI smoke run of ``bench.py --sim`` (2 replicas, 8 adapters; the full-size run is
+    out of CI: docs/scale.md)."""
+    out = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--sim", "h100-llama3-8b", "--small",
+         "--rates", "5", "20", "--duration-s", "8", "--warmup-s", "2",
+         "--plots", str(tmp_path), "--json", str(tmp_path / "sim.json"),
+         "--router-cost", "8"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SIMULATED, profile h100-llama3-8b" in out.stdout
+    figures = json.loads((tmp_path / "sim.json").read_text())
+    assert set(figures["many-adapters"]["goodput"]) == {
+        "default", "multiplex", "affinity", "affinity-no-adapter"}
+    assert figures["sessions"]["hit_share"] > 0
+    assert figures["tenants"]["fair_over_idle"] > 0
+    assert figures["router_cost"][0]["replicas"] == 8
+    for name in ("many-adapters", "sessions", "tenants"):
+        assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000
