@@ -26,6 +26,7 @@ Usage:
   python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
   python scripts/bench.py --adapters 16 [--max-resident 4]
   python scripts/bench.py --sim h100-llama3-8b [--workloads ...] [--router-cost]
+  python scripts/bench.py --router-throughput [--requests 600] [--concurrency 32]
 
 --sim PROFILE simulates the mesh at scale (32 replicas, 1,000 adapters; no Ray, no engine):
 the mesh's own replica routing and admission on engines priced by PROFILE, on a virtual
@@ -353,6 +354,11 @@ def build_parser(description: str | None = __doc__, prog: str | None = None):
                         "its own Ray and mesh)")
     parser.add_argument("--max-resident", type=int, default=4,
                         help="--adapters: max_adapters_per_replica")
+    parser.add_argument("--router-throughput", action="store_true",
+                        help="CPU per request of the router replica, the proxy and the "
+                        "replicas on a real mesh of simulated engines (scripts/bench_router.py;"
+                        " starts its own Ray and mesh; --config default tenants.yaml)")
+    parser.add_argument("--model", default="smollm", help="--router-throughput: the route")
     import bench_scale  # scripts/: --sim's options
 
     bench_scale.add_arguments(parser)
@@ -365,6 +371,15 @@ def main(argv: list[str] | None = None, parser=None) -> None:
         import bench_scale
 
         return bench_scale.run(a)
+    if a.router_throughput:
+        import bench_router
+
+        if a.config == "serve_configs/local.yaml":  # the default of the other modes
+            a.config = "serve_configs/tenants.yaml"
+        a.requests = a.requests if a.requests != 32 else 600
+        a.concurrency = a.concurrency[0] if a.concurrency != [1, 8, 32] else 32
+        a.max_tokens = a.max_tokens if a.max_tokens != 64 else 16
+        return bench_router.run(a)
     if not Path(a.config).is_file():
         raise ScriptError(f"--config {a.config}: no such file")
     if a.adapters:

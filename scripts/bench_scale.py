@@ -15,12 +15,12 @@ Workloads (seeded; :mod:`serve_app.sim.workloads`), open-loop Poisson arrivals:
    Routers: Serve's default, the mesh's affinity router, and it with prefix affinity off.
    Goal: TTFT p50 ≤ 0.5x the default router's, prefix-cache hit rate ≥ 0.8 of what the
    workload allows (one engine with an unbounded cache).
-3. ``tenants``: 8 tenants, one heavy (backlogged at twice the fleet's capacity), under the
+3. ``tenants``: 8 tenants, one heavy (backlogged at 1.25x the fleet's capacity), under the
    mesh's admission: token-fair against FIFO. Goal: the light tenants' TTFT p95 ≤ 2x their
    TTFT p95 on the idle fleet.
 
-Goodput: the highest arrival rate on the grid at which TTFT p95 and TPOT p95 are within the
-SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after ``--warmup-s``.
+Goodput: the highest arrival rate (the grid, then 3 bisections) at which TTFT p95 and TPOT
+p95 are within the SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after ``--warmup-s``.
 Writes PNGs (TTFT p95 against arrival rate per router, TTFT CDFs) to ``--plots`` and the
 figures to ``--json``. ``--router-cost`` times the mesh's replica-routing decision (the
 real code) at 8, 32, ... replicas with 1,000 adapters resident across them.
@@ -35,30 +35,33 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.ingress.admission import VariantAdmission  # noqa: E402
+from serve_app.ingress.admission import Slot, VariantAdmission  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest  # noqa: E402
 from serve_app.sim.fleet_routing import make_router  # noqa: E402
 from serve_app.sim.profile import SimProfile, load_profile  # noqa: E402
 from serve_app.sim.virtual_time import run_virtual  # noqa: E402
-from serve_app.sim.workloads import (Sessions, many_adapters, reachable_hit_rate,  # noqa: E402
-                                     tenants)
+from serve_app.sim.workloads import (ClosedLoop, SessionQueue, Sessions,  # noqa: E402
+                                     many_adapters, reachable_hit_rate, tenants)
 
 #: SLOs by profile when none is given: (TTFT p95 s, TPOT p95 s). The GPU one is a common
 #: interactive target for an 8B chat model; the CPU one scales it to a 135M model on 2 cores.
 DEFAULT_SLO = {"h100-llama3-8b": (1.0, 0.05), "cpu-smollm2": (10.0, 0.5)}
 WORKLOADS = ("many-adapters", "sessions", "tenants")
+#: Bisections of the arrival rate past the grid's last rate within the SLO.
+REFINE_STEPS = 3
 ROUTERS = {"many-adapters": ("default", "multiplex", "affinity", "affinity-no-adapter"),
            "sessions": ("default", "affinity", "affinity-no-prefix")}
 
 
 def capacity_rps(profile: SimProfile, replicas: int, limits: EngineLimits,
-                 max_tokens: int) -> float:
+                 max_tokens: float) -> float:
     """Requests/s a fleet decodes with full batches and nothing else to do (an upper bound
     that sets the rate grid)."""
     batch = limits.max_num_seqs
@@ -92,6 +95,11 @@ def summarize(requests: list[FleetRequest], fleet: Fleet, warmup_s: float) -> di
                                   if served else math.nan),
         "adapters_per_replica": (sum(len(s) for s in adapters.values()) / fleet.replicas
                                  if adapters else 0.0),
+        "adapters_in_engines": statistics.fmean(
+            [n for at, n, _ in fleet.adapters_in_flight if at >= warmup_s] or [0]),
+        "distinct_adapters_in_flight": statistics.fmean(
+            [d for at, _, d in fleet.adapters_in_flight if at >= warmup_s] or [0]),
+        "lora_batch_slots": fleet.replicas * fleet.limits.max_loras,
         "ttft_s": sorted(ttft)}
 
 
@@ -100,7 +108,7 @@ def within_slo(s: dict, slo: tuple[float, float]) -> bool:
 
 
 def goodput(rows: dict[float, dict], slo: tuple[float, float]) -> float:
-    """The highest rate of the grid below which every rate met the SLO (0: none)."""
+    """The highest rate measured below which every rate met the SLO (0: none)."""
     best = 0.0
     for rate in sorted(rows):
         if not within_slo(rows[rate], slo):
@@ -127,12 +135,15 @@ def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: s
 
 
 def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[float],
-          make_requests, follow_up_for=None) -> dict:
-    """Every router of workload ``name`` at every rate: {router: {rate: summary}}."""
+          make_requests, slo: tuple[float, float]) -> dict:
+    """Every router of workload ``name`` at every rate of the grid, then
+    :data:`REFINE_STEPS` bisections between its last rate within the SLO and the next:
+    {router: {rate: summary}}."""
     out: dict[str, dict[float, dict]] = {}
     for router in ROUTERS[name]:
-        out[router] = {}
-        for rate in rates:
+        out[router] = by_rate = {}
+
+        def measure(rate: float) -> dict:
             t0 = time.perf_counter()
             requests, follow_up = make_requests(rate)
             served, fleet = simulate(profile, a.replicas, limits, router, requests, follow_up)
@@ -140,7 +151,6 @@ def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[f
             if name == "sessions":
                 s["reachable_hit_rate"] = reachable_hit_rate(
                     [r for r in served if r.arrival >= a.warmup_s], profile.block_size)
-            out[router][rate] = s
             print(f"[sim {profile.name}] {name} {router:>19} {rate:>7.1f}/s: "
                   f"TTFT p50 {s['ttft_p50_s']:.3f} s p95 {s['ttft_p95_s']:.3f} s, TPOT p95 "
                   f"{s['tpot_p95_s'] * 1000:.1f} ms, {s['tokens_per_s']:.0f} tok/s, "
@@ -148,8 +158,24 @@ def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[f
                   f"{s['prefix_hit_rate']:.2f}, hottest replica x"
                   f"{s['hottest_replica_share']:.2f} ({time.perf_counter() - t0:.0f} s wall)",
                   flush=True)
-    return out
+            by_rate[rate] = s
+            return s
 
+        for rate in rates:
+            measure(rate)
+        lo = goodput(by_rate, slo)
+        above = [r for r in sorted(by_rate) if r > lo]
+        if above and lo:
+            hi = above[0]
+            for _ in range(REFINE_STEPS):
+                mid = round((lo + hi) / 2, 1)
+                if mid in by_rate:
+                    break
+                if within_slo(measure(mid), slo):
+                    lo = mid
+                else:
+                    hi = mid
+    return out
 
 def _label(profile: SimProfile) -> str:
     return f"SIMULATED, profile {profile.name}"
@@ -165,12 +191,12 @@ def bench_many_adapters(a, profile: SimProfile, slo: tuple[float, float]) -> dic
         return many_adapters(rate, a.duration_s, adapters=a.adapter_count, zipf_s=a.zipf_s,
                              seed=a.seed), None
 
-    rows = sweep("many-adapters", a, profile, limits, rates, make)
+    rows = sweep("many-adapters", a, profile, limits, rates, make, slo)
     g = {router: goodput(r, slo) for router, r in rows.items()}
     weights = [1 / (k + 1) ** a.zipf_s for k in range(a.adapter_count)]
     slots = a.replicas * limits.max_cpu_loras
     bound = sum(weights[slots:]) / sum(weights)
-    at = g["affinity"] or rates[0]
+    at = g["affinity"] or rates[0]  # affinity ran it
     loads = rows["affinity"][at]["adapter_loads_per_request"]
     ratio = g["affinity"] / g["default"] if g["default"] else math.inf
     print(f"\n[{_label(profile)}] many-adapters: {a.adapter_count} adapters (Zipf s="
@@ -185,7 +211,7 @@ def bench_many_adapters(a, profile: SimProfile, slo: tuple[float, float]) -> dic
           f"<= 0.05): {'met' if loads <= 0.05 else 'NOT met'}; the workload's bound with "
           f"{slots} adapter slots in the fleet (every request for an adapter past the "
           f"{slots} most popular loads it): {bound:.3f}")
-    explain(rows, g, rates, slo)
+    explain(rows, g, slo)
     return {"rates": rates, "routers": rows, "goodput": g, "ratio": ratio,
             "loads_per_request": loads, "loads_bound": bound}
 
@@ -193,16 +219,16 @@ def bench_many_adapters(a, profile: SimProfile, slo: tuple[float, float]) -> dic
 def bench_sessions(a, profile: SimProfile, slo: tuple[float, float]) -> dict:
     limits = EngineLimits(max_num_seqs=a.max_num_seqs, max_ongoing_requests=a.max_num_seqs)
     probe = Sessions(1.0, 1.0)
-    cap = capacity_rps(profile, a.replicas, limits, probe.max_tokens) / probe.mean_turns()
+    cap = capacity_rps(profile, a.replicas, limits, sum(probe.max_tokens) / 2) / probe.mean_turns()
     rates = a.rates or [round(cap * f, 2) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3)]
 
     def make(rate):
         s = Sessions(rate, a.duration_s, seed=a.seed)
         return s.requests(), s.follow_up
 
-    rows = sweep("sessions", a, profile, limits, rates, make)
+    rows = sweep("sessions", a, profile, limits, rates, make, slo)
     g = {router: goodput(r, slo) for router, r in rows.items()}
-    at = g["default"] or rates[0]
+    at = compared_at(rates, g["default"])
     d, f = rows["default"][at], rows["affinity"][at]
     ttft_ratio = f["ttft_p50_s"] / d["ttft_p50_s"]
     hit_share = f["prefix_hit_rate"] / f["reachable_hit_rate"]
@@ -215,7 +241,7 @@ def bench_sessions(a, profile: SimProfile, slo: tuple[float, float]) -> dict:
     print(f"sessions prefix-cache hit rate {f['prefix_hit_rate']:.2f} of a reachable "
           f"{f['reachable_hit_rate']:.2f} = {hit_share:.2f} (goal >= 0.8): "
           f"{'met' if hit_share >= 0.8 else 'NOT met'}")
-    explain(rows, g, rates, slo)
+    explain(rows, g, slo)
     return {"rates": rates, "routers": rows, "goodput": g, "ttft_ratio": ttft_ratio,
             "hit_share": hit_share}
 
@@ -225,7 +251,7 @@ def bench_tenants(a, profile: SimProfile) -> dict:
                           max_ongoing_requests=math.ceil(a.max_num_seqs * 1.25))
     replicas = max(1, a.replicas // 4)
     cap = capacity_rps(profile, replicas, limits, 128)
-    heavy, light = 2 * cap, 0.01 * cap
+    heavy, light = 1.25 * cap, 0.01 * cap
 
     def light_of(served):
         return [r for r in served if r.tenant != "heavy" and r.arrival >= a.warmup_s]
@@ -240,6 +266,10 @@ def bench_tenants(a, profile: SimProfile) -> dict:
         ok = [r for r in lights if r.rejected is None]
         tokens = sum(r.generated for r in served if r.arrival >= a.warmup_s)
         runs[label] = {"light_ttft_p95_s": percentile([r.ttft_s for r in ok], 95),
+                       "light_router_wait_p95_s": percentile(
+                           [r.routed_at - r.arrival for r in ok], 95),
+                       "light_engine_ttft_p50_s": percentile(
+                           [r.first_token_at - r.routed_at for r in ok], 50),
                        "light_rejected": len(lights) - len(ok),
                        "light_token_share": (sum(r.generated for r in ok) / tokens
                                              if tokens else 0.0),
@@ -248,11 +278,13 @@ def bench_tenants(a, profile: SimProfile) -> dict:
                        "ttft_s": sorted(r.ttft_s for r in ok)}
     idle = runs["idle"]["light_ttft_p95_s"]
     print(f"\n[{_label(profile)}] tenants: {replicas} replicas, heavy tenant at {heavy:.0f}/s "
-          f"(2x capacity), 7 light at {light:.1f}/s each, the mesh's admission "
+          f"(1.25x capacity: backlogged), 7 light at {light:.1f}/s each, the mesh's admission "
           "(queue_timeout_s 30, newcomer_slots 1)")
     for label, r in runs.items():
         print(f"  {label:>10}: light TTFT p95 {r['light_ttft_p95_s']:.3f} s "
-              f"(x{r['light_ttft_p95_s'] / idle:.2f} idle), light rejected "
+              f"(x{r['light_ttft_p95_s'] / idle:.2f} idle; in the router p95 "
+              f"{r['light_router_wait_p95_s'] * 1000:.0f} ms, in the engine p50 "
+              f"{r['light_engine_ttft_p50_s'] * 1000:.0f} ms), light rejected "
               f"{r['light_rejected']}, heavy rejected {r['heavy_rejected']}")
     fair = runs["token-fair"]["light_ttft_p95_s"] / idle
     print(f"tenants light TTFT p95 token-fair/idle x{fair:.2f} (goal <= 2x): "
@@ -261,10 +293,15 @@ def bench_tenants(a, profile: SimProfile) -> dict:
     return {"replicas": replicas, "runs": runs, "fair_over_idle": fair}
 
 
-def explain(rows: dict, g: dict, rates: list[float], slo: tuple[float, float]) -> None:
+def compared_at(rates: list[float], rate: float) -> float:
+    """The grid's (every router ran it) highest rate up to ``rate``, else its lowest."""
+    return max([r for r in rates if r <= rate], default=min(rates))
+
+
+def explain(rows: dict, g: dict, slo: tuple[float, float]) -> None:
     """Why each router stopped at its goodput, from its own figures at the next rate."""
     for router, by_rate in rows.items():
-        over = [r for r in rates if r > g[router]]
+        over = [r for r in sorted(by_rate) if r > g[router]]
         if not over:
             print(f"  {router}: within the SLO at every rate of the grid")
             continue
@@ -277,7 +314,10 @@ def explain(rows: dict, g: dict, rates: list[float], slo: tuple[float, float]) -
         print(f"  {router} at {over[0]:g}/s: {', '.join(why) or 'rejections'}; hottest "
               f"replica x{s['hottest_replica_share']:.2f} of a fair share, adapter loads/req "
               f"{s['adapter_loads_per_request']:.3f}, {s['adapters_per_replica']:.1f} "
-              f"adapters served per replica, prefix hits {s['prefix_hit_rate']:.2f}")
+              f"adapters served per replica, {s['adapters_in_engines']:.0f} adapters with a "
+              f"request in the engines ({s['distinct_adapters_in_flight']:.0f} distinct; the "
+              f"fleet's LoRA batch slots: {s['lora_batch_slots']}), prefix hits "
+              f"{s['prefix_hit_rate']:.2f}")
 
 
 def plot(results: dict, profile: SimProfile, slo: tuple[float, float], out: Path
@@ -304,7 +344,7 @@ def plot(results: dict, profile: SimProfile, slo: tuple[float, float], out: Path
         left.set(xlabel=f"arrival rate ({unit}, Poisson)", ylabel="TTFT p95 (s)",
                  yscale="log", title="TTFT p95 against arrival rate")
         left.legend(fontsize=8)
-        at = r["goodput"]["default"] or r["rates"][0]
+        at = compared_at(r["rates"], r["goodput"]["default"])
         for router, by_rate in r["routers"].items():
             ttft = by_rate[at]["ttft_s"]
             right.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=router)
@@ -373,6 +413,59 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
     return rows
 
 
+def affinity_table_memory(replicas: int = 1000) -> float:
+    """MiB one router's :class:`ReplicaAffinity` holds at its LRU bounds (``MAX_BLOCKS`` block
+    keys, ``MAX_SESSIONS`` sessions, ``MAX_ADAPTER_ROUTES`` adapter routes) over ``replicas``
+    replicas (tracemalloc)."""
+    import tracemalloc
+
+    from serve_app.ingress.replica_affinity import (MAX_ADAPTER_ROUTES, MAX_BLOCKS,
+                                                    MAX_SESSIONS, ReplicaAffinity)
+
+    tracemalloc.start()
+    table = ReplicaAffinity()
+    for i in range(MAX_BLOCKS):
+        table.record([i.to_bytes(8, "big")], f"s{i}" if i < MAX_SESSIONS else None,
+                     i % replicas, f"lora-{i % MAX_ADAPTER_ROUTES}@v1" if i < MAX_ADAPTER_ROUTES
+                     else None)
+    held = tracemalloc.get_traced_memory()[0] / 2**20
+    tracemalloc.stop()
+    print(f"[router memory, this host] the affinity table at its bounds over {replicas} "
+          f"replicas: {held:.0f} MiB", flush=True)
+    return held
+
+
+def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) -> list[dict]:
+    """The mesh's admission (:class:`VariantAdmission`, token-fair) per request with
+    ``depth`` requests queued: one ``enter`` (queued) and one ``release`` (which grants the
+    head of the queue), timed on this host."""
+    rows = []
+    for depth in depths:
+        async def main():
+            adm = VariantAdmission("sim", queue_timeout_s=1e9, fairness="tokens",
+                                   newcomer_slots=1, clock=asyncio.get_running_loop().time)
+            adm.set_capacity(64, full_batch_service_s=1.0)
+            slots, pending = [], []
+            for i in range(64 + 16 + depth):  # the engines' slots and headroom, then a queue
+                ticket = adm.enter(0, True, f"t{i % tenants_n}", 100.0)
+                (slots if isinstance(ticket, Slot) else pending).append(ticket)
+            times = []
+            for i in range(samples):
+                t0 = time.perf_counter()
+                pending.append(adm.enter(0, True, f"t{i % tenants_n}", 100.0))
+                adm.release(slots.pop(0), 100.0, 1.0)
+                times.append(time.perf_counter() - t0)
+                slots += [w.future.result() for w in pending if w.future.done()]
+                pending = [w for w in pending if not w.future.done()]
+            return times
+        times = run_virtual(main())
+        rows.append({"queued": depth, "p50_ms": percentile(times, 50) * 1000,
+                     "p99_ms": percentile(times, 99) * 1000})
+        print(f"[admission cost, this host] {depth:>6} queued: enter + release p50 "
+              f"{rows[-1]['p50_ms']:.3f} ms, p99 {rows[-1]['p99_ms']:.3f} ms", flush=True)
+    return rows
+
+
 def run(a) -> None:
     """The whole benchmark (see the module docstring); ``a``: bench.py's arguments."""
     profile = load_profile(a.sim)
@@ -392,8 +485,12 @@ def run(a) -> None:
         results["sessions"] = bench_sessions(a, profile, slo)
     if "tenants" in a.workloads:
         results["tenants"] = bench_tenants(a, profile)
+    if a.trust:
+        results["trust"] = trust()
     if a.router_cost is not None:
         results["router_cost"] = router_cost(a.router_cost or [8, 32, 128, 512, 1000])
+        results["admission_cost"] = admission_cost([0, 100, 1000, 5000])
+        results["affinity_table_mib"] = affinity_table_memory()
     for path in plot(results, profile, slo, Path(a.plots)):
         print(f"[bench --sim] wrote {path}")
     if a.json:
@@ -401,12 +498,69 @@ def run(a) -> None:
         print(f"[bench --sim] figures written to {a.json}")
 
 
+#: Runs of real vLLM engines on this host (docs/benchmarks.md), replayed on this host's
+#: profile by ``--trust``: (name, the command and date, replicas, router, the load, engine
+#: limits (serve_configs/affinity.yaml's), the real tokens/s and TTFT p50 s).
+AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
+                               max_num_batched_tokens=2048, max_ongoing_requests=64)
+K16 = tuple(f"copy-{i}@v1" for i in range(16))
+ADAPTERS_CMD = "bench.py --adapters 16 --requests 32 --max-tokens 32 (2026-12-01)"
+SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
+                "--max-tokens 16 (2026-12-02)")
+TRUST_RUNS = [
+    ("base-only, 1 replica", ADAPTERS_CMD, 1, "default",
+     lambda: ClosedLoop(32, 8, 35, 32), 31.4, 1.709),
+    ("base-only, 2 replicas", ADAPTERS_CMD, 2, "default",
+     lambda: ClosedLoop(32, 8, 35, 32), 16.9, 1.862),
+    ("K=16 adapters, affinity", ADAPTERS_CMD, 2, "affinity",
+     lambda: ClosedLoop(32, 8, 35, 32, K16), 7.3, 17.759),
+    ("K=16 adapters, default", ADAPTERS_CMD, 2, "default",
+     lambda: ClosedLoop(32, 8, 35, 32, K16), 7.7, 18.333),
+    ("sessions, affinity", SESSIONS_CMD, 2, "affinity",
+     lambda: SessionQueue(24, 4, 1500, 4, 16), 4.9, 2.220),
+    ("sessions, default", SESSIONS_CMD, 2, "default",
+     lambda: SessionQueue(24, 4, 1500, 4, 16), 3.9, 2.992),
+]
+#: Two engines on this 2-core host each run at 16.9/31.4 of one alone (base-only, the rows
+#: above): the profile is of one engine with both cores, so 2-replica runs take every
+#: duration x this (fitted from the base-only rows, so those are no test of it).
+SHARED_CORES_SCALE = 31.4 / 16.9
+
+
+def trust() -> list[dict]:
+    """Each run of :data:`TRUST_RUNS` on the sim (profile ``cpu-smollm2``; 2 replicas at
+    :data:`SHARED_CORES_SCALE`) beside the real figures: tokens/s and TTFT p50 (sessions:
+    over the turns after the first, as that benchmark reports)."""
+    rows = []
+    for name, cmd, replicas, router, load, real_tps, real_ttft in TRUST_RUNS:
+        scale = SHARED_CORES_SCALE if replicas > 1 else 1.0
+        profile = load_profile("cpu-smollm2").scaled(scale)
+        work = load()
+        served, _ = simulate(profile, replicas, AFFINITY_LIMITS, router, work.requests(),
+                             work.follow_up)
+        later = [r for r in served if not isinstance(work, SessionQueue)
+                 or len(r.prompt_ids) > work.prefix_tokens]
+        span = max(r.done_at for r in served) - min(r.arrival for r in served)
+        tps = sum(r.generated for r in served) / span
+        ttft = percentile([r.ttft_s for r in later], 50)
+        rows.append({"run": name, "source": cmd, "time_scale": round(scale, 3),
+                     "tokens_per_s": {"real": real_tps, "sim": round(tps, 2),
+                                      "error": round(tps / real_tps - 1, 3)},
+                     "ttft_p50_s": {"real": real_ttft, "sim": round(ttft, 3),
+                                    "error": round(ttft / real_ttft - 1, 3)}})
+        print(f"[trust, cpu-smollm2 x{scale:.2f}] {name:>24}: tokens/s real {real_tps:5.1f} "
+              f"sim {tps:5.1f} ({tps / real_tps - 1:+.0%}); TTFT p50 real {real_ttft:6.2f} s "
+              f"sim {ttft:6.2f} s ({ttft / real_ttft - 1:+.0%})", flush=True)
+    return rows
+
+
 def add_arguments(parser) -> None:
     """``bench.py --sim``'s options."""
     g = parser.add_argument_group("--sim PROFILE (the mesh at scale, simulated)")
     g.add_argument("--sim", metavar="PROFILE",
                    help="simulate a fleet of engines of this profile (serve_app/sim/profiles)")
-    g.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    g.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="which to run (none: only --trust or --router-cost)")
     g.add_argument("--replicas", type=int, default=32, help="replicas (tenants: a quarter)")
     g.add_argument("--adapter-count", type=int, default=1000)
     g.add_argument("--zipf-s", type=float, default=1.0, help="adapter popularity exponent")
@@ -421,6 +575,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--small", action="store_true", help="2 replicas, 8 adapters")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--plots", default="docs/images", help="where the PNGs go")
+    g.add_argument("--trust", action="store_true", help="replay this host's real-engine "
+                   "benchmark runs (2 replicas, 16 adapters; sessions) on its sim profile")
     g.add_argument("--router-cost", type=int, nargs="*", metavar="N",
                    help="time the replica-routing decision at N replicas (default 8 32 128 "
                    "512 1000)")

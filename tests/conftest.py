@@ -21,7 +21,7 @@ import yaml
 from serve_app.release.deploy import deploy, replica_ids, serve_status
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_env import SERVE_ENV
-from serve_app.common.serve_configs import REPLICA_IMPORT_PATH, load_yaml
+from serve_app.common.serve_configs import load_yaml, on_sim_engine
 from serve_app.tools.servers import free_port
 
 CONFIGS = REPO_ROOT / "serve_configs"
@@ -45,13 +45,7 @@ TEST_SIM_ARGS = {"profile": "cpu-smollm2", "time_scale": 0.25, "start_s": 0,
 def on_engine(cfg: dict[str, Any], engine: str, **sim: Any) -> dict[str, Any]:
     """``cfg`` with every variant application on ``engine`` (``sim``: with
     :data:`TEST_SIM_ARGS` updated by ``sim``; ``vllm``: as shipped)."""
-    cfg = copy.deepcopy(cfg)
-    if engine == "sim":
-        for app in cfg.get("applications", []):
-            if app.get("import_path") == REPLICA_IMPORT_PATH:
-                app["args"] = {**app["args"], "engine": "sim",
-                               "sim": {**TEST_SIM_ARGS, **app["args"].get("sim", {}), **sim}}
-    return cfg
+    return on_sim_engine(cfg, TEST_SIM_ARGS, **sim) if engine == "sim" else copy.deepcopy(cfg)
 
 
 class Mesh:

@@ -7,6 +7,8 @@ user_config and the variant applications, so the CLI, tests and scripts share on
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def on_sim_engine(cfg: dict[str, Any], defaults: dict[str, Any] | None = None, **sim: Any
+                  ) -> dict[str, Any]:
+    """A copy of Serve config ``cfg`` with every variant application on the simulated engine
+    (tests and benchmarks only): ``args.engine: sim`` and ``args.sim`` = ``defaults``, then
+    the variant's own ``args.sim``, then ``sim``."""
+    cfg = copy.deepcopy(cfg)
+    for app in cfg.get("applications", []):
+        if app.get("import_path") == REPLICA_IMPORT_PATH:
+            app["args"] = {**app["args"], "engine": "sim",
+                           "sim": {**(defaults or {}), **app["args"].get("sim", {}), **sim}}
+    return cfg
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class FleetRequest:
     tenant: str = ""
     # filled in by the fleet
     replica: int = -1
+    routed_at: float | None = None  # when it left the router (admission and routing done)
     first_token_at: float | None = None
     done_at: float | None = None
     generated: int = 0
@@ -126,6 +127,11 @@ class FleetReplica:
 
     def has_room(self) -> bool:
         return self.in_flight < self.limits.max_ongoing_requests
+
+    def adapters_in_use(self) -> set[str]:
+        """Adapters a request waiting or running in the engine uses."""
+        ids = self.scheduler.loras_in_use()
+        return {name for name, i in self.resident.items() if i in ids}
 
     def report(self) -> list[str]:
         """The resident adapters (what ``LLMReplica.record_routing_stats`` reports)."""
@@ -235,6 +241,7 @@ class Fleet:
         loop = asyncio.get_running_loop()
         self.pool = [FleetReplica(i, self.profile, self.limits) for i in range(self.replicas)]
         self.reports: dict[int, tuple[list[str], float]] = {}
+        self.adapters_in_flight: list[tuple[float, int, int]] = []
         self._report()
         router = route_with(self)
         self._pending: list[tuple[FleetRequest, asyncio.Future]] = []
@@ -284,6 +291,7 @@ class Fleet:
             else:
                 replica.in_flight += 1
             req.replica = replica.index
+            req.routed_at = asyncio.get_running_loop().time()
             try:
                 await replica.serve(req, request_id)
             finally:
@@ -307,6 +315,9 @@ class Fleet:
     def _report(self) -> None:
         now = asyncio.get_running_loop().time()
         self.reports = {r.index: (r.report(), now) for r in self.pool}
+        # (when, adapters with a request in an engine summed over the replicas, distinct)
+        held = [r.adapters_in_use() for r in self.pool]
+        self.adapters_in_flight.append((now, sum(map(len, held)), len(set().union(*held))))
 
     async def _reporting(self) -> None:
         while True:

@@ -10,6 +10,10 @@ open-loop (Poisson) arrivals.
 * :func:`tenants`: one heavy tenant sending more than the fleet can serve and light tenants
   at a trickle.
 
+Output lengths are uniform in ``max_tokens`` (32 to 224 by default, mean 128; requests run
+with ``ignore_eos``): with one length for all, requests that start in one step end in one
+step, and the whole fleet frees its slots in waves, which no real traffic does.
+
 Token ids stand for text: a prompt's text (what the replica router hashes) is its ids as
 4-hex-digit words, so a shared prefix of tokens is a shared prefix of text and a block of
 ``block_chars`` 128 is 32 tokens.
@@ -44,9 +48,14 @@ def poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[fl
     return times
 
 
+#: Output lengths, tokens: (least, most), uniform.
+MAX_TOKENS = (32, 224)
+
+
 def many_adapters(rate: float, duration_s: float, *, adapters: int = 1000,
-                  zipf_s: float = 1.0, prompt_tokens: int = 256, max_tokens: int = 128,
-                  seed: int = 0) -> list[FleetRequest]:
+                  zipf_s: float = 1.0, prompt_tokens: int = 256,
+                  max_tokens: tuple[int, int] = MAX_TOKENS, seed: int = 0
+                  ) -> list[FleetRequest]:
     """Requests at ``rate``/s for ``duration_s`` s, each for adapter ``lora-<k>@v1`` with k
     drawn from Zipf(``zipf_s``) over ``adapters``."""
     rng = random.Random(seed)
@@ -56,7 +65,8 @@ def many_adapters(rate: float, duration_s: float, *, adapters: int = 1000,
     out = []
     for t, k in zip(times, picks):
         ids = _tokens(rng, prompt_tokens)
-        out.append(FleetRequest(t, ids, max_tokens, as_text(ids), adapter=f"lora-{k}@v1"))
+        out.append(FleetRequest(t, ids, rng.randint(*max_tokens), as_text(ids),
+                                adapter=f"lora-{k}@v1"))
     return out
 
 
@@ -71,7 +81,7 @@ class Sessions:
     tenants: int = 16
     system_tokens: int = 512
     user_tokens: int = 64
-    max_tokens: int = 128
+    max_tokens: tuple[int, int] = MAX_TOKENS
     turns: tuple[int, int] = (3, 8)
     think_s: float = 3.0
     seed: int = 0
@@ -88,7 +98,8 @@ class Sessions:
             self._left[session] = self.rng.randint(*self.turns) - 1
             ids = self.system[self.rng.randrange(self.tenants)] + _tokens(self.rng,
                                                                          self.user_tokens)
-            out.append(FleetRequest(t, ids, self.max_tokens, as_text(ids), session=session))
+            out.append(FleetRequest(t, ids, self.rng.randint(*self.max_tokens), as_text(ids),
+                                    session=session))
         return out
 
     def follow_up(self, done: FleetRequest) -> FleetRequest | None:
@@ -98,14 +109,14 @@ class Sessions:
         rng = random.Random(f"{self.seed}/{done.session}/{len(done.prompt_ids)}")
         ids = done.prompt_ids + _tokens(rng, done.generated) + _tokens(rng, self.user_tokens)
         return FleetRequest(done.done_at + rng.expovariate(1 / self.think_s), ids,
-                            self.max_tokens, as_text(ids), session=done.session)
+                            rng.randint(*self.max_tokens), as_text(ids), session=done.session)
 
     def mean_turns(self) -> float:
         return sum(self.turns) / 2
 
 
 def tenants(heavy_rate: float, light_rate: float, duration_s: float, *, light: int = 7,
-            prompt_tokens: int = 256, max_tokens: int = 128, seed: int = 0
+            prompt_tokens: int = 256, max_tokens: tuple[int, int] = MAX_TOKENS, seed: int = 0
             ) -> list[FleetRequest]:
     """Tenant ``heavy`` at ``heavy_rate``/s and ``light`` tenants ``light-<i>`` at
     ``light_rate``/s each, for ``duration_s`` s (a ``heavy_rate`` of 0 gives the light
@@ -116,7 +127,8 @@ def tenants(heavy_rate: float, light_rate: float, duration_s: float, *, light: i
                                                     for i in range(light)]:
         for t in poisson_times(rng, rate, duration_s) if rate > 0 else []:
             ids = _tokens(rng, prompt_tokens)
-            out.append(FleetRequest(t, ids, max_tokens, as_text(ids), tenant=tenant))
+            out.append(FleetRequest(t, ids, rng.randint(*max_tokens), as_text(ids),
+                                    tenant=tenant))
     return sorted(out, key=lambda r: r.arrival)
 
 
@@ -132,3 +144,79 @@ def reachable_hit_rate(requests: list[FleetRequest], block_size: int) -> float:
         hits += cache.insert(r.prompt_ids, key)
         total += len(r.prompt_ids)
     return hits / total if total else 0.0
+
+
+@dataclass
+class ClosedLoop:
+    """The load of the mesh's own benchmarks (``serve_app.tools.loadgen``): ``total``
+    requests, ``clients`` in flight, each client sending its next request when its last one
+    ends; request i asks for ``adapters[i % len(adapters)]`` (None: the base model). One
+    prompt of ``prompt_tokens`` for all, as the load generator sends."""
+
+    total: int
+    clients: int
+    prompt_tokens: int
+    max_tokens: int
+    adapters: tuple[str | None, ...] = (None,)
+
+    def __post_init__(self) -> None:
+        self._sent = 0
+        self.prompt = _tokens(random.Random(0), self.prompt_tokens)
+
+    def _next(self, at: float) -> FleetRequest | None:
+        if self._sent >= self.total:
+            return None
+        adapter = self.adapters[self._sent % len(self.adapters)]
+        self._sent += 1
+        return FleetRequest(at, self.prompt, self.max_tokens, as_text(self.prompt),
+                            adapter=adapter)
+
+    def requests(self) -> list[FleetRequest]:
+        return [r for r in (self._next(0.0) for _ in range(self.clients)) if r]
+
+    def follow_up(self, done: FleetRequest) -> FleetRequest | None:
+        return self._next(done.done_at)
+
+
+@dataclass
+class SessionQueue:
+    """``bench.py --sessions``' load: ``sessions`` conversations of ``turns`` turns, each a
+    ``system_tokens`` system prompt of one of ``tenants`` and a document of its own
+    (``prefix_tokens`` in all), then a question; ``in_flight`` requests at once, taking turns
+    first come first served (a session that finishes a turn queues its next behind the
+    others)."""
+
+    sessions: int
+    turns: int
+    prefix_tokens: int
+    in_flight: int
+    max_tokens: int
+    tenants: int = 4
+    system_tokens: int = 200
+    question_tokens: int = 12
+
+    def __post_init__(self) -> None:
+        rng = random.Random(0)
+        systems = [_tokens(rng, self.system_tokens) for _ in range(self.tenants)]
+        self._queue = [FleetRequest(0.0, ids, self.max_tokens, as_text(ids), session=f"s{s}")
+                       for s in range(self.sessions)
+                       for ids in [systems[s % self.tenants] + _tokens(
+                           rng, self.prefix_tokens - self.system_tokens)]]
+        self._turn = {f"s{s}": 1 for s in range(self.sessions)}
+
+    def requests(self) -> list[FleetRequest]:
+        first, self._queue = self._queue[:self.in_flight], self._queue[self.in_flight:]
+        return first
+
+    def follow_up(self, done: FleetRequest) -> FleetRequest | None:
+        if self._turn[done.session] < self.turns:
+            self._turn[done.session] += 1
+            rng = random.Random(f"{done.session}/{self._turn[done.session]}")
+            ids = done.prompt_ids + _tokens(rng, done.generated + self.question_tokens)
+            self._queue.append(FleetRequest(0.0, ids, self.max_tokens, as_text(ids),
+                                            session=done.session))
+        if not self._queue:
+            return None
+        nxt = self._queue.pop(0)
+        nxt.arrival = done.done_at
+        return nxt
