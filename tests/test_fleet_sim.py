@@ -79,7 +79,11 @@ def test_workloads_are_seeded_and_sessions_grow_their_history():
     done, _ = serve(firsts, replicas=2, follow_up=s.follow_up)
     assert len(done) == 3 * len(firsts)
     conv = [r for r in done if r.session == firsts[0].session]
-    assert [len(r.prompt_ids) for r in conv] == [576, 576 + 128 + 64, 576 + 2 * (128 + 64)]
+    # each turn resends the last prompt, its answer and a new user message of 64 tokens
+    assert len(conv[0].prompt_ids) == 512 + 64
+    for last, turn in zip(conv, conv[1:]):
+        assert turn.prompt_ids[:len(last.prompt_ids)] == last.prompt_ids
+        assert len(turn.prompt_ids) == len(last.prompt_ids) + last.generated + 64
     assert 0.5 < reachable_hit_rate(done, H100.block_size) < 1
 
 
@@ -108,7 +112,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
         [sys.executable, "scripts/bench.py", "--sim", "h100-llama3-8b", "--small",
          "--rates", "5", "20", "--duration-s", "8", "--warmup-s", "2",
          "--plots", str(tmp_path), "--json", str(tmp_path / "sim.json"),
-         "--router-cost", "8"],
+         "--router-cost", "8", "--trust"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SIMULATED, profile h100-llama3-8b" in out.stdout
@@ -118,5 +122,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     assert figures["sessions"]["hit_share"] > 0
     assert figures["tenants"]["fair_over_idle"] > 0
     assert figures["router_cost"][0]["replicas"] == 8
+    assert {row["run"] for row in figures["trust"]} >= {"K=16 adapters, affinity",
+                                                         "sessions, default"}
     for name in ("many-adapters", "sessions", "tenants"):
         assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000
