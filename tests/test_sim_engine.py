@@ -114,8 +114,10 @@ def test_prefix_cache_hits_leading_full_blocks_per_adapter_and_evicts_lru():
     assert cache.insert([1, 2, 3, 4, 5]) == 0
     assert cache.lookup([1, 2, 3, 4, 9]) == 4 and cache.lookup([1, 2, 9, 9]) == 2
     assert cache.lookup([1, 2, 3, 4], lora=7) == 0  # other adapter, other KV
-    cache.insert([7, 7, 8, 8])  # 4 blocks in a cache of 3: the oldest goes
-    assert cache.lookup([1, 2, 3, 4]) == 0
+    cache.insert([7, 7, 8, 8])  # 4 blocks in a cache of 3: the oldest prompt's tail goes
+    assert cache.lookup([1, 2, 3, 4]) == 2  # first (vLLM frees a request's blocks tail first)
+    cache.insert([9, 9, 6, 6])
+    assert cache.lookup([1, 2]) == 0 and cache.lookup([9, 9, 6, 6]) == 4
 
 
 def scheduler(**kw) -> SimScheduler:

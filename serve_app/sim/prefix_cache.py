@@ -2,7 +2,8 @@
 
 As vLLM's automatic prefix caching does, a block's key is the hash of the block before it,
 its tokens and the LoRA adapter (the same tokens under another adapter are other KV values),
-so a prompt hits the longest run of leading full blocks already computed.
+so a prompt hits the longest run of leading full blocks already computed; and of one
+prompt's blocks, the tail ones are evicted first.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ class PrefixCache:
         """Compute (or touch) the prompt's full blocks; returns the tokens that were cached
         before this call."""
         cached = self.lookup(prompt_ids, lora)
-        for key in block_keys(prompt_ids, self.block_size, lora):
+        # Tail blocks first, so the head of the prompt is the most recently used: eviction
+        # takes a sequence's tail before its head, as vLLM frees a request's blocks in
+        # reverse order (vllm/v1/core/single_type_kv_cache_manager.py, free()); a cached
+        # tail is no use without its head.
+        for key in reversed(block_keys(prompt_ids, self.block_size, lora)):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.capacity:
