@@ -9,7 +9,8 @@ on the simulated engine at ``time_scale`` 0.01 (an engine that costs ~nothing, s
 the proxy and the client have the cores). Sends ``--requests`` streamed chats at
 ``--concurrency`` (``--max-tokens`` each) and reads the CPU time (user + system, psutil) each
 Serve process spent meanwhile: the router replica (``MeshRouter``), the HTTP proxy and the
-variant replicas. CPU seconds per request are what the host's sharing changes least (the
+variant replicas, less what each spends idle (its polls, measured for 10 s first, per
+second of the load). CPU seconds per request are what the host's sharing changes least (the
 wall-clock is shared with the client on these 2 cores), so the ceiling of one router replica
 on one core is 1 / (its CPU s per request).
 
@@ -32,6 +33,8 @@ from serve_app.release.deploy import deploy
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize
 from serve_app.tools.servers import start_local_ray
 
+#: Seconds the processes' idle CPU is measured for (subtracted from the load's).
+IDLE_S = 10.0
 #: The demo tenant with limits on tenants.yaml: every request asks the ledger, as a limited
 #: tenant's does; the limits are lifted far above the load (:func:`lifted`).
 API_KEY, TENANT = "sk-initech-demo", "initech"
@@ -90,11 +93,16 @@ def run(a) -> None:
                         concurrency=a.concurrency, max_tokens=a.max_tokens, api_key=API_KEY)
         asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": 32})))  # warm up
         roles = serve_processes()
+        # what each process spends with no request (polls, metrics), per second, to subtract
+        idle0 = {role: cpu_s(pids) for role, pids in roles.items()}
+        time.sleep(IDLE_S)
+        idle = {role: (cpu_s(pids) - idle0[role]) / IDLE_S for role, pids in roles.items()}
         before = {role: cpu_s(pids) for role, pids in roles.items()}
         t0 = time.monotonic()
         results = asyncio.run(run_load(spec))
         wall = time.monotonic() - t0
-        spent = {role: cpu_s(pids) - before[role] for role, pids in roles.items()}
+        spent = {role: cpu_s(pids) - before[role] - idle[role] * wall
+                 for role, pids in roles.items()}
         rss = {role: max(psutil.Process(p).memory_info().rss for p in pids) / 2**20
                for role, pids in roles.items()}
     finally:
