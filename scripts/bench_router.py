@@ -21,6 +21,7 @@ on one core is 1 / (its CPU s per request).
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +29,11 @@ from pathlib import Path
 import psutil
 import yaml
 
-from serve_app.common.serve_configs import load_yaml, on_sim_engine
-from serve_app.release.deploy import deploy
-from serve_app.tools.loadgen import LoadSpec, run_load, summarize
-from serve_app.tools.servers import start_local_ray
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serve_app.common.serve_configs import load_yaml, on_sim_engine  # noqa: E402
+from serve_app.release.deploy import deploy  # noqa: E402
+from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
+from serve_app.tools.servers import start_local_ray  # noqa: E402
 
 #: Seconds the processes' idle CPU is measured for (subtracted from the load's).
 IDLE_S = 10.0
@@ -118,3 +120,12 @@ def run(a) -> None:
         print(f"  {role:>10} ({len(roles[role])} processes): {per:6.2f} ms CPU per request"
               f" -> {1000 / per if per else float('inf'):6.0f} requests/s per core; resident "
               f"memory {rss[role]:.0f} MiB (largest process)")
+
+
+if __name__ == "__main__":  # the same as bench.py --router-throughput ...
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+    from serve_app.tools.script_args import run as run_script
+
+    run_script(lambda: bench.main(["--router-throughput", *sys.argv[1:]], bench.build_parser(
+        __doc__ + "\nOptions are bench.py's.", prog="bench_router.py")))

@@ -496,8 +496,9 @@ def run(a) -> None:
             results["affinity_table_mib"] = affinity_table_memory()
     for path in plot(results, profile, slo, Path(a.plots)):
         print(f"[bench --sim] wrote {path}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+    if a.json:  # every figure but the per-request TTFTs (the plots have them)
+        Path(a.json).write_text(json.dumps(_without(results, "ttft_s"), indent=1,
+                                           default=str))
         print(f"[bench --sim] figures written to {a.json}")
 
 
@@ -557,6 +558,12 @@ def trust() -> list[dict]:
     return rows
 
 
+def _without(value, key: str):
+    if isinstance(value, dict):
+        return {k: _without(v, key) for k, v in value.items() if k != key}
+    return [_without(v, key) for v in value] if isinstance(value, list) else value
+
+
 def add_arguments(parser) -> None:
     """``bench.py --sim``'s options."""
     g = parser.add_argument_group("--sim PROFILE (the mesh at scale, simulated)")
@@ -584,3 +591,15 @@ def add_arguments(parser) -> None:
     g.add_argument("--router-cost", type=int, nargs="*", metavar="N",
                    help="time the replica-routing decision at N replicas (default 8 32 128 "
                    "512 1000)")
+
+
+if __name__ == "__main__":  # the same as bench.py --sim ...
+    import bench
+    from serve_app.tools.script_args import run as run_script
+
+    argv = sys.argv[1:]
+    if "--sim" not in argv and not any(a.startswith("--sim=") for a in argv):
+        argv = ["--sim", "h100-llama3-8b", *argv]  # bench.py --sim's run, this profile
+    run_script(lambda: bench.main(argv, bench.build_parser(
+        __doc__ + "\nOptions are bench.py's; --sim is h100-llama3-8b when not given.",
+        prog="bench_scale.py")))
