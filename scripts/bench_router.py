@@ -103,7 +103,7 @@ def run(a) -> None:
         t0 = time.monotonic()
         results = asyncio.run(run_load(spec))
         wall = time.monotonic() - t0
-        spent = {role: cpu_s(pids) - before[role] - idle[role] * wall
+        spent = {role: max(0.0, cpu_s(pids) - before[role] - idle[role] * wall)
                  for role, pids in roles.items()}
         rss = {role: max(psutil.Process(p).memory_info().rss for p in pids) / 2**20
                for role, pids in roles.items()}
