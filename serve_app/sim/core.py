@@ -40,7 +40,8 @@ from serve_app.common.logs import get_logger
 from serve_app.common.paths import model_identity
 from serve_app.sim.answers import AnswerBook
 from serve_app.sim.profile import SimProfile
-from serve_app.sim.scheduler import LENGTH, SimRequest, SimScheduler, Step, Token
+from serve_app.sim.scheduler import (LENGTH, SimRequest, SimScheduler, Step, Token,
+                                     evict_idle_lru)
 
 logger = get_logger(__name__)
 
@@ -146,12 +147,7 @@ class SimEngineCore(EngineCoreClient):
             raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank "
                              f"{self.max_lora_rank}.")
         await asyncio.sleep(self.profile.adapter_load_s)
-        in_use = self.scheduler.loras_in_use()
-        while len(self.loras) >= self.max_cpu_loras:
-            victim = next((i for i in self.loras if i not in in_use), None)
-            if victim is None:
-                break
-            del self.loras[victim]
+        evict_idle_lru(self.loras, self.max_cpu_loras - 1, self.scheduler.loras_in_use())
         self.loras[lora_request.lora_int_id] = lora_request
         return True
 

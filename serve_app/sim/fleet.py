@@ -28,6 +28,7 @@ that apart, on the real decision code).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from serve_app.ingress.admission import (Rejected, VariantAdmission, request_size,
                                          service_cost)
 from serve_app.sim.profile import SimProfile
-from serve_app.sim.scheduler import SimRequest, SimScheduler
+from serve_app.sim.scheduler import SimRequest, SimScheduler, evict_idle_lru
 
 
 @dataclass
@@ -163,12 +164,8 @@ class FleetReplica:
             req.loaded_adapter = True
             self.loads += 1
             await asyncio.sleep(self.profile.adapter_load_s)
-            in_use = self.scheduler.loras_in_use()
-            while len(self.resident) >= self.limits.max_cpu_loras:
-                victim = next((n for n, i in self.resident.items() if i not in in_use), None)
-                if victim is None:
-                    break
-                del self.resident[victim]
+            evict_idle_lru(self.resident, self.limits.max_cpu_loras - 1,
+                           self.adapters_in_use())
             self.resident[name] = self._ids.setdefault(name, len(self._ids) + 1)
             self._loading.pop(name).set_result(None)
         else:
@@ -247,7 +244,7 @@ class Fleet:
         self._pending: list[tuple[FleetRequest, asyncio.Future]] = []
         done: list[FleetRequest] = []
         tasks: set[asyncio.Task] = set()
-        ids = iter(range(10**12))
+        ids = itertools.count()
 
         async def one(req: FleetRequest) -> None:
             await asyncio.sleep(max(0.0, req.arrival - loop.time()))
@@ -283,13 +280,11 @@ class Fleet:
                 req.rejected = e.reason
                 return
         try:
-            replica = router.choose(req, self.pool)
+            replica = self._take(router, req)
             if replica is None:  # every replica is full: wait for one, first come first
                 waiter = asyncio.get_running_loop().create_future()
                 self._pending.append((req, waiter))
-                replica = await waiter  # its slot is taken already
-            else:
-                replica.in_flight += 1
+                replica = await waiter
             req.replica = replica.index
             req.routed_at = asyncio.get_running_loop().time()
             try:
@@ -302,14 +297,21 @@ class Fleet:
                                        request_size(req.generated) if req.generated else None)
             self._route_pending(router)
 
+    def _take(self, router: Router, req: FleetRequest) -> FleetReplica | None:
+        """The replica ``router`` chooses for ``req``, with its slot taken (None: none has
+        room)."""
+        replica = router.choose(req, self.pool)
+        if replica is not None:
+            replica.in_flight += 1
+        return replica
+
     def _route_pending(self, router: Router) -> None:
         while self._pending:
             req, waiter = self._pending[0]
-            replica = router.choose(req, self.pool)
+            replica = self._take(router, req)  # taken now, before the waiter runs
             if replica is None:
                 return
             self._pending.pop(0)
-            replica.in_flight += 1  # taken now, before the waiter runs
             waiter.set_result(replica)
 
     def _report(self) -> None:

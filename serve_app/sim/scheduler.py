@@ -19,6 +19,8 @@ What it honours, as vLLM's v1 scheduler does:
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 
 from serve_app.sim.answers import AnswerBook
@@ -72,6 +74,17 @@ class Token:
     first: bool
     finish: str | None
     stop_reason: int | None = None
+
+
+def evict_idle_lru(loras: OrderedDict, keep: int, in_use: Collection[Hashable]) -> None:
+    """Drop the least recently used entries of ``loras`` (adapter -> anything, least recent
+    first) whose adapter is not ``in_use`` until at most ``keep`` remain, as vLLM's LRU
+    adapter cache does; adapters in use are never dropped (then more may remain)."""
+    while len(loras) > keep:
+        victim = next((key for key in loras if key not in in_use), None)
+        if victim is None:
+            break
+        del loras[victim]
 
 
 class SimScheduler:

@@ -39,6 +39,12 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(VOCAB) for _ in range(n))
 
 
+def next_turn(done: FleetRequest, rng: random.Random, user_tokens: int) -> tuple[int, ...]:
+    """The prompt of a conversation's next turn: ``done``'s prompt, its answer and a new user
+    message of ``user_tokens`` (token ids drawn from ``rng``)."""
+    return done.prompt_ids + _tokens(rng, done.generated + user_tokens)
+
+
 def poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[float]:
     """Arrival times (s) of a Poisson process of ``rate`` per s over ``duration_s``."""
     times, t = [], rng.expovariate(rate)
@@ -107,7 +113,7 @@ class Sessions:
             return None
         self._left[done.session] -= 1
         rng = random.Random(f"{self.seed}/{done.session}/{len(done.prompt_ids)}")
-        ids = done.prompt_ids + _tokens(rng, done.generated) + _tokens(rng, self.user_tokens)
+        ids = next_turn(done, rng, self.user_tokens)
         return FleetRequest(done.done_at + rng.expovariate(1 / self.think_s), ids,
                             rng.randint(*self.max_tokens), as_text(ids), session=done.session)
 
@@ -212,7 +218,7 @@ class SessionQueue:
         if self._turn[done.session] < self.turns:
             self._turn[done.session] += 1
             rng = random.Random(f"{done.session}/{self._turn[done.session]}")
-            ids = done.prompt_ids + _tokens(rng, done.generated + self.question_tokens)
+            ids = next_turn(done, rng, self.question_tokens)
             self._queue.append(FleetRequest(0.0, ids, self.max_tokens, as_text(ids),
                                             session=done.session))
         if not self._queue:
