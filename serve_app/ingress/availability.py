@@ -36,6 +36,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
 from serve_app.common.failures import replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.common.shared_task import start_shared_task
 from serve_app.common.wire import CALIBRATION_TOKENS, ReplicaInfo
 from serve_app.control.resident_policy import POLICY_FUNCTION
 
@@ -132,7 +133,7 @@ class VariantAvailability:
         if time.monotonic() - self._refreshed_at < max_age_s:
             return
         self._refreshing_status = status or self._running is None
-        task = self._refreshing = asyncio.get_running_loop().create_task(self._refresh(status))
+        task = self._refreshing = start_shared_task(self._refresh(status))
         try:
             await asyncio.shield(task)
         finally:

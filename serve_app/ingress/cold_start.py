@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
+from serve_app.common.shared_task import start_shared_task
 from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
 from serve_app.ingress.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
 
@@ -115,7 +116,7 @@ class ColdStarts:
             if self.admission_for is not None:
                 self.admission_for(application).expect_start(
                     self.availability.first_replica_slots(application))
-            task = asyncio.get_running_loop().create_task(self._wake(application))
+            task = start_shared_task(self._wake(application))  # the herd's, not the first's
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no warnings
             self._wakes[application] = task
         return task

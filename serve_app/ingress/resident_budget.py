@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
+from serve_app.common.shared_task import start_shared_task
 
 logger = get_logger(__name__)
 
@@ -128,8 +129,7 @@ class ResidentBudget:
                     f"{a} {self.why_kept(a)}" for a in resident))
             # Out of routing now, before any other request can pick it.
             self.availability.evicting.add(victim)
-            task = asyncio.get_running_loop().create_task(
-                self._evict(victim, application, send=not stopping))
+            task = start_shared_task(self._evict(victim, application, send=not stopping))
             self._evictions[victim] = task
             task.add_done_callback(lambda t: self._evictions.get(victim) is t
                                    and self._evictions.pop(victim))

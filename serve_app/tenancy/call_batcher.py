@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from serve_app.common.shared_task import start_shared_task
+
 #: Most items in one call (keeps one call's time on the actor short).
 MAX_BATCH = 256
 
@@ -39,7 +41,7 @@ class CallBatcher:
         self._pending.append((item, future))
         if not self._sending:
             self._sending = True
-            asyncio.ensure_future(self._drain())
+            start_shared_task(self._drain())  # not a child of the submitting request
         return future
 
     async def _drain(self) -> None:
