@@ -8,6 +8,7 @@ running on the default ports is not disturbed.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from pathlib import Path
@@ -109,6 +110,25 @@ class Mesh:
 
     def replica_ids(self, app: str, deployment: str) -> set[str]:
         return replica_ids(self.dashboard, app, deployment)
+
+    def router_access(self, prefix: str, expected: int, where=lambda entry: True,
+                      timeout_s: float = 15) -> list[dict[str, Any]]:
+        """The router replicas' access-log entries (request_id, tenant, status, ttft_ms,
+        queue_ms, latency_ms, error...) of the requests whose ``x-request-id`` starts with
+        ``prefix + "-"`` and that ``where`` accepts; waits until ``expected`` are written
+        (each is written as its request ends)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = []
+            for path in self.serve_logs.glob("replica_mesh_MeshRouter_*.log"):
+                for line in open(path):
+                    if f'"request_id": "{prefix}-' in line and " access {" in line:
+                        entry = json.loads(line[line.index(" access {") + 8:])
+                        found += [entry] if where(entry) else []
+            if len(found) >= expected or time.monotonic() > deadline:
+                assert len(found) == expected, (len(found), expected)
+                return found
+            time.sleep(0.5)
 
     def all_replica_ids(self) -> dict[str, set[str]]:
         """Replica ids of every application's deployments (restart checks)."""

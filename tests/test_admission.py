@@ -393,6 +393,41 @@ def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
     run(main())
 
 
+def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
+    """A light tenant that sends its next request as its last one ends keeps its slot
+    (anticipation_s), instead of losing it to the heavy tenant's queue; a tenant that does
+    not come back holds it only that long, and one served more than those waiting keeps
+    nothing."""
+    async def main():
+        clock = Clock()
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=1,
+                             anticipation_s=0.05, clock=clock)
+        q.set_capacity(6, full_batch_service_s=1.0)  # 5 for tenants with requests in flight
+        heavy = [await q.acquire(0, True, "heavy", 100.0) for _ in range(2)]
+        light = [await q.acquire(0, True, "light", 1.0)]  # lifted to the heavy one's 200
+        heavy.append(await q.acquire(0, True, "heavy", 100.0))  # 300: ahead of it now
+        light.append(await q.acquire(0, True, "light", 1.0))
+        waiting = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        await settle()
+        q.release(light.pop(), cost=1.0)
+        await settle()
+        assert not waiting.done()  # the slot is the light tenant's for 50 ms
+        light.append(await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1))
+        assert q.in_flight == 5 and not waiting.done()
+        q.release(light.pop(), cost=1.0)  # this time the light tenant does not come back
+        clock.t += 0.05
+        await asyncio.sleep(0.06)  # the timer gives the slot to the queue
+        assert waiting.done() and q.in_flight == 5
+        heavy.append(waiting.result())
+        # The heavy tenant, served more than the light one waiting, keeps nothing.
+        late = asyncio.create_task(q.acquire(0, True, "light", 1.0))
+        await settle()
+        q.release(heavy.pop(), cost=100.0)
+        await settle()
+        assert late.done()
+    run(main())
+
+
 def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
     from serve_app.ingress.admission import request_size
 

@@ -11,15 +11,17 @@ import sys
 
 import pytest
 
+from serve_app.ingress.admission import VariantAdmission
 from serve_app.observability.stats import percentile
 from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest
 from serve_app.sim.fleet_routing import make_router
 from serve_app.sim.profile import load_profile
 from serve_app.sim.virtual_time import run_virtual
-from serve_app.sim.workloads import Sessions, many_adapters, reachable_hit_rate
+from serve_app.sim.workloads import ClosedLoop, Sessions, many_adapters, reachable_hit_rate
 from serve_app.common.paths import REPO_ROOT
 
 H100 = load_profile("h100-llama3-8b")
+CPU = load_profile("cpu-smollm2").scaled(0.25)  # as the integration tests run it
 
 
 def serve(requests, replicas=1, router="default", limits=None, follow_up=None):
@@ -103,6 +105,66 @@ def test_adapter_affinity_loads_less_and_answers_sooner_than_serves_default_rout
     print(figures)
     assert figures["affinity"][0] < 0.5 * figures["default"][0]
     assert figures["affinity"][1] < 0.5 * figures["default"][1]
+
+
+def light_behind_heavy(fairness: str, heavy_clients: int = 16) -> list[FleetRequest]:
+    """test_fairness.py's scene on the virtual clock (this host's profile at the suite's
+    time_scale 0.25, one replica of ``max_num_seqs`` 8): a heavy tenant keeps
+    ``heavy_clients`` 64-token requests going, a light tenant sends 40 8-token requests one
+    at a time from 3 s on; the light tenant's requests as served."""
+    heavy = ClosedLoop(total=10**6, clients=heavy_clients, prompt_tokens=33, max_tokens=64)
+    light = ClosedLoop(total=40, clients=1, prompt_tokens=33, max_tokens=8)
+    light.prompt = light.prompt[::-1]  # its own prompt: nothing cached from the heavy one
+    first_light = light.requests()
+    for r in first_light:
+        r.arrival, r.tenant = 3.0, "light"
+    heavy_first = heavy.requests() if heavy_clients else []
+    for r in heavy_first:
+        r.tenant = "heavy"
+    lights = []
+
+    def follow_up(done: FleetRequest) -> FleetRequest | None:
+        source = light if done.tenant == "light" else heavy
+        if done.tenant == "light":
+            lights.append(done)
+        elif len(lights) == light.total:
+            return None  # the light tenant is done: so is the run
+        nxt = source.follow_up(done)
+        if nxt is not None:
+            nxt.tenant = done.tenant
+        return nxt
+
+    async def main():
+        admission = VariantAdmission("sim", fairness=fairness, newcomer_slots=1,
+                                     clock=asyncio.get_running_loop().time)
+        admission.set_capacity(8)
+        fleet = Fleet(CPU, 1, EngineLimits(max_num_seqs=8, max_ongoing_requests=10),
+                      admission=admission)
+        await fleet.run(heavy_first + first_light, make_router("affinity"), follow_up)
+    run_virtual(main())
+    return lights
+
+
+def test_token_fair_admission_adds_no_wait_and_the_engine_step_is_what_remains():
+    """The light tenant of test_fairness.py, exact: token-fair admission starts each light
+    request at once (0 s in the router; FIFO: behind the heavy tenant's queue). What is
+    left of its TTFT is the engine's: the rest of the step in progress, then its own step
+    of a full batch, with the heavy tenant's new prefills in either; that alone is about
+    2x its idle TTFT on this profile at p95, so the issue's goal (p95 <= 2x idle) is not
+    met by admission (printed; docs/scale.md)."""
+    idle = percentile([r.ttft_s for r in light_behind_heavy("tokens", heavy_clients=0)], 95)
+    fair, fifo = light_behind_heavy("tokens"), light_behind_heavy("fifo")
+    assert len(fair) == len(fifo) == 40
+    assert max(r.routed_at - r.arrival for r in fair) == 0.0
+    assert percentile([r.routed_at - r.arrival for r in fifo], 50) > 1.0
+    full_step = CPU.step_s(batch=8, prefill_tokens=33, adapters=0, prefill_lengths=[33])
+    floor = (full_step + CPU.decode_s(8)) / idle  # the step in progress, then its own
+    ratio = percentile([r.ttft_s for r in fair], 95) / idle
+    print(f"\nlight TTFT p95 token-fair {ratio:.2f}x idle ({idle * 1000:.0f} ms), p50 "
+          f"{percentile([r.ttft_s for r in fair], 50) / idle:.2f}x; a full step in progress "
+          f"then its own: {floor:.2f}x; FIFO {percentile([r.ttft_s for r in fifo], 95) / idle:.0f}x")
+    assert floor > 1.9  # why the goal cannot be met by any order here (a change to the
+    # profile that moves this changes what the test above can show)
 
 
 def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import statistics
-import time
 import uuid
 
 import pytest
@@ -97,7 +95,8 @@ def test_refusals_at_arrival_come_within_a_second_at_ci_size(tenants):
                                    queue_timeout_s=5, request_id_prefix=prefix))
     tenants.deploy(tenants.tenants_cfg)
     arrival = sum(n for code, n in f["refused_by_code"].items() if code in ARRIVAL_CODES)
-    decided = router_latencies_ms(tenants, prefix, ARRIVAL_CODES, arrival)
+    decided = [e["latency_ms"] for e in tenants.router_access(
+        prefix, arrival, where=lambda e: e["error"] in ARRIVAL_CODES)]
     print("\n" + "\n".join(format_figures("CI-size burst, 5 s queue", f)))
     print(f"CI-size burst, 5 s queue: the router decided its {len(decided)} arrival refusals "
           f"in p50 {percentile(decided, 50):.0f} ms, p95 {percentile(decided, 95):.0f} ms "
@@ -110,25 +109,6 @@ def test_refusals_at_arrival_come_within_a_second_at_ci_size(tenants):
     # Decided at arrival, not after waiting in the queue: the client has them well before
     # the queue's deadline.
     assert f["arrival_refusal_p95_ms"] < 5000 / 2, f
-
-
-def router_latencies_ms(mesh, prefix: str, codes, expected: int, timeout_s: float = 15
-                        ) -> list[float]:
-    """The ``latency_ms`` of the router's access-log lines for the requests whose id starts
-    with ``prefix`` and whose error is one of ``codes``; waits until ``expected`` are there."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = []
-        for path in mesh.serve_logs.glob("replica_mesh_MeshRouter_*.log"):
-            for line in open(path):
-                if f'"request_id": "{prefix}-' in line and " access {" in line:
-                    entry = json.loads(line[line.index(" access {") + 8:])
-                    if entry["error"] in codes:
-                        found.append(entry["latency_ms"])
-        if len(found) >= expected or time.monotonic() > deadline:
-            assert len(found) == expected, (len(found), expected)
-            return found
-        time.sleep(0.5)
 
 
 async def _arrive_behind(base_url: str) -> tuple[list, list]:

@@ -31,6 +31,11 @@ class Admission(Strict):
         newcomer_slots: engine slots of each variant that a tenant with requests in flight
             may not take, so another tenant's request starts at once (with ``fairness:
             tokens``; 0: none).
+        anticipation_s: how long the slot a tenant's request frees stays its own, s, when
+            that tenant has had less service than the tenants waiting (with ``fairness:
+            tokens``): a client that sends its next request when the last one ends keeps
+            its share instead of losing each slot to the queue in the moment between the
+            two (anticipatory scheduling; 0: off).
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
@@ -38,6 +43,7 @@ class Admission(Strict):
     max_queued_per_slot: float | None = Field(default=None, ge=0)
     fairness: Literal["tokens", "fifo"] = "tokens"
     newcomer_slots: int = Field(default=1, ge=0)
+    anticipation_s: float = Field(default=0.05, ge=0, le=5)
 
 
 class RolloutGates(Strict):

@@ -57,6 +57,15 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   next, but each waits for a running one to end (a long stream: many seconds), and vLLM does
   not preempt a running request to make room. The cost is one engine slot of
   ``max_num_seqs`` while only one tenant is busy.
+- **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s,
+  with ``fairness: tokens`` and tenants configured): when a request ends and its tenant
+  has had less service than a tenant waiting, its slot stays that tenant's for
+  ``anticipation_s``. A client that sends its next request when the last one ends (most
+  do) would otherwise lose the slot to the queue in the moment between the two and wait
+  for another request to end: measured on the simulated engine, a light tenant keeping 4
+  requests going waited 0.4-1.7 s per request in the router and got 28-32 % of the service
+  against a heavy tenant's 16. Anticipatory scheduling, as disks do it (Iyer and Druschel,
+  "Anticipatory scheduling", SOSP 2001): a slot idles at most ``anticipation_s``.
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`). While a
   variant starts from zero, requests that wait for it queue here with the slots its first
@@ -180,15 +189,19 @@ class VariantAdmission:
             within ``queue_timeout_s`` (see :attr:`max_queued`).
         newcomer_slots: engine slots a tenant with requests in flight may not take (see the
             module docstring); applies with ``fairness: tokens`` to named tenants.
+        anticipation_s: how long a freed slot stays its tenant's, s (see the module
+            docstring); with ``fairness: tokens``, named tenants.
         headroom: see :data:`HEADROOM`.
         clock: ``time.monotonic`` (tests pass a fake).
     """
 
     def __init__(self, variant: str, *, queue_timeout_s: float = 30.0, reserved_slots: int = 0,
                  max_queued_per_slot: float | None = None, fairness: str = "tokens",
-                 newcomer_slots: int = 0, headroom: float = HEADROOM,
-                 clock=time.monotonic) -> None:
+                 newcomer_slots: int = 0, anticipation_s: float = 0.0,
+                 headroom: float = HEADROOM, clock=time.monotonic) -> None:
         self.newcomer_slots = newcomer_slots
+        self.anticipation_s = anticipation_s
+        self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
         self.variant = variant
         self.headroom = headroom
         self.queue_timeout_s = queue_timeout_s
@@ -210,8 +223,9 @@ class VariantAdmission:
 
     def configure(self, *, queue_timeout_s: float, reserved_slots: int,
                   max_queued_per_slot: float | None, fairness: str = "tokens",
-                  newcomer_slots: int = 0) -> None:
+                  newcomer_slots: int = 0, anticipation_s: float = 0.0) -> None:
         self.newcomer_slots = newcomer_slots
+        self.anticipation_s = anticipation_s
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
@@ -308,8 +322,33 @@ class VariantAdmission:
             else w.size
 
     def may_start(self, top: bool, tenant: str) -> bool:
-        """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`)."""
-        return self.in_flight < self.tenant_slots(top, tenant)
+        """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`; the
+        slots kept for other tenants are taken)."""
+        return self.in_flight + self._kept_for_others(tenant) < self.tenant_slots(top, tenant)
+
+    def _kept_for_others(self, tenant: str) -> int:
+        if not self._kept:
+            return 0
+        now = self._clock()
+        self._kept = [(t, until) for t, until in self._kept if until > now]
+        return sum(1 for t, _ in self._kept if t != tenant)
+
+    def _keep(self, tenant: str) -> None:
+        """Keep the slot ``tenant``'s request just freed for it (``anticipation_s``) when it
+        has had less service than a tenant waiting and has no request of its own waiting
+        (that one takes the slot at once)."""
+        if not (self.anticipation_s > 0 and self._newcomer_rule(tenant)):
+            return
+        waiting = self._waiting()
+        mine = self.service.get(tenant, 0.0)
+        if any(w.tenant == tenant for w in waiting) or not any(
+                not w.held and self.service.get(w.tenant, 0.0) > mine for w in waiting):
+            return
+        self._kept.append((tenant, self._clock() + self.anticipation_s))
+        try:  # then the slot goes to the queue
+            asyncio.get_running_loop().call_later(self.anticipation_s, self._grant)
+        except RuntimeError:  # no loop (a unit test's direct call): the next decision sees it
+            pass
 
     @property
     def queued(self) -> int:
@@ -457,6 +496,7 @@ class VariantAdmission:
             held = (self._clock() - slot.granted_at) / max(1e-3, size)
             self._full_samples += 1  # the first ones replace the start-up measure quickly
             self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
+        self._keep(slot.tenant)
         self._grant()
         self._shed_late()
 
@@ -496,6 +536,9 @@ class VariantAdmission:
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
     def _start(self, tenant: str, cost: float, now: float, size: float = 1.0) -> Slot:
+        kept = next((i for i, (t, _) in enumerate(self._kept) if t == tenant), None)
+        if kept is not None:
+            del self._kept[kept]  # it takes the slot kept for it
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost

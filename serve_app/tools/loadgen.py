@@ -56,6 +56,9 @@ class LoadSpec:
     # If set, request i sends the OpenAI `user` field f"{user_prefix}{i}": each request is a
     # new caller for the sticky split (without it, callers of one tenant share a variant).
     user_prefix: str | None = None
+    # If set, request i sends `x-request-id: {request_id_prefix}-{i}` (the id in the router's
+    # access log).
+    request_id_prefix: str | None = None
     timeout_s: float = 180  # per request
     # If set: request i asks for mix[i % len(mix)] = (model, api_key) instead of model and
     # api_key: a multi-tenant mix (e.g. two tenants' adapters and the base model).
@@ -63,9 +66,10 @@ class LoadSpec:
 
 
 async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | None = None,
-                     model: str | None = None) -> RequestResult:
-    """Send one streaming chat request (``model``, default ``spec.model``) and account for
-    it; never raises."""
+                     model: str | None = None, request_id: str | None = None
+                     ) -> RequestResult:
+    """Send one streaming chat request (``model``, default ``spec.model``; ``request_id``:
+    its ``x-request-id``) and account for it; never raises."""
     t0 = time.monotonic()
     res = RequestResult(ok=False, status=0, started_at=t0)
     pieces: list[str] = []
@@ -74,7 +78,9 @@ async def stream_one(client: openai.AsyncOpenAI, spec: LoadSpec, user: str | Non
             model=model or spec.model, messages=[{"role": "user", "content": spec.prompt}],
             max_tokens=spec.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            extra_headers=spec.headers, **({"user": user} if user else {}))
+            extra_headers={**spec.headers, **({"x-request-id": request_id} if request_id
+                                              else {})},
+            **({"user": user} if user else {}))
         res.status, res.variant = raw.status_code, raw.headers.get("x-mesh-variant")
         stream = raw.parse()
         async for chunk in stream:
@@ -122,7 +128,10 @@ async def run_load(spec: LoadSpec, stop: threading.Event | None = None,
                 return
             user = f"{spec.user_prefix}{i}" if spec.user_prefix is not None else None
             model, key = mix[i % len(mix)]
-            results.append(await stream_one(clients[key], spec, user=user, model=model))
+            request_id = (f"{spec.request_id_prefix}-{i}" if spec.request_id_prefix is not None
+                          else None)
+            results.append(await stream_one(clients[key], spec, user=user, model=model,
+                                            request_id=request_id))
 
     try:
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
