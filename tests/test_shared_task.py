@@ -20,15 +20,17 @@ class Recorder:
     """Stands for the tenant ledger: a call that takes a while, and what it has recorded."""
 
     def __init__(self) -> None:
+        self.started: list[str] = []
         self.recorded: list[str] = []
 
     async def record(self, items: list[str]) -> list[None]:
+        self.started += items
         await asyncio.sleep(0.5)
         self.recorded += items
         return [None] * len(items)
 
-    def seen(self) -> list[str]:
-        return self.recorded
+    def seen(self) -> tuple[list[str], list[str]]:
+        return self.started, self.recorded
 
 
 @ray.remote(num_cpus=0)
@@ -54,11 +56,19 @@ class Requester:
 
 
 def recorded_after_cancel(requester, recorder, item: str, shared: bool) -> list[str]:
+    """Whether ``item``'s call, running in the recorder when its request is cancelled,
+    completes."""
     ref = requester.request.remote(item, shared)
-    time.sleep(0.2)  # the request has started its call
+    deadline = time.monotonic() + 30
+    while item not in ray.get(recorder.seen.remote())[0]:  # until the call runs
+        assert time.monotonic() < deadline, "the request's call did not start"
+        time.sleep(0.05)
     ray.cancel(ref)  # recursive, as Serve cancels a request whose client left
-    time.sleep(1.5)  # the call takes 0.5 s
-    return ray.get(recorder.seen.remote())
+    settled = time.monotonic() + 5  # a call that survives is recorded 0.5 s after it began
+    while item not in (recorded := ray.get(recorder.seen.remote())[1]) \
+            and time.monotonic() < settled:
+        time.sleep(0.1)
+    return recorded
 
 
 def test_a_shared_tasks_ray_calls_outlive_the_cancelled_request_that_started_it(mesh):

@@ -162,7 +162,9 @@ def main() -> None:
         def leave(signum, _frame) -> None:
             raise SystemExit(128 + signum)
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # before Prometheus starts
+        # Before Prometheus starts. SIGINT too: a shell that starts a job in the background
+        # (`... &`) has it ignored, and Python then leaves it ignored (no KeyboardInterrupt).
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, leave)
         proc = None
         try:
@@ -174,8 +176,6 @@ def main() -> None:
             print(f"[prometheus] pid {proc.pid}, {url}; Ctrl-C or SIGTERM to this script "
                   "stops it", flush=True)
             return proc.wait()
-        except KeyboardInterrupt:
-            return 130
         finally:
             if proc is not None:
                 stop(proc)
