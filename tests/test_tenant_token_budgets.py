@@ -1,7 +1,8 @@
 """Tokens as the unit of tenancy (serve_configs/tenants.yaml): with two router replicas, a
 budget that holds across both routers under concurrent streams, a stream the client abandons
 settling to what it really streamed, a non-stream the client abandons charged its
-reservation with its engine request stopped, vLLM's 400 costing nothing, a window that
+reservation with its engine request stopped, vLLM's 400 costing nothing, an engine death
+charging what streamed and the refusals until its replacement nothing, a window that
 refills on time, and the kill drills of both ledger backends (token-fair admission:
 test_fairness.py). The drills come last: they leave acme's day spent. Budgets are given to globex and acme
 here; what they reserve is computed as the router does (:mod:`serve_app.tenancy.token_budget`)."""
@@ -214,6 +215,51 @@ def test_a_4xx_from_vllm_costs_nothing(budgets):
     charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
     print(f"\nvLLM's 400: charged {charged} tokens")
     assert abs(charged) <= 1  # 1: whole-token rounding of the header
+
+
+def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothing(budgets):
+    """Issue 27, through the router: acme's 400-token stream loses its engine after 10
+    events (``LLMReplica.kill_engine``: the simulated core dies as vLLM's EngineCore does)
+    and is charged its prompt estimate plus the events relayed (vLLM sends no usage then);
+    each request sent until Serve has replaced the replica is refused before any byte and
+    costs nothing. The bucket after the first request served again says so."""
+    from ray import serve
+
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    body = {**STREAM, "max_tokens": 400}
+    prompt = Reservation.of("chat", body).prompt
+    probe_reservation = Reservation.of("chat", SMALL).total
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    headers = {"authorization": f"Bearer {KEYS['acme']}"}
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        events, content, last = 0, 0, ""
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                last = line or last
+                if line.startswith("data: {"):
+                    events += 1
+                    content += '"content":"' in line and '"content":""' not in line
+                    if events == 10:
+                        replica.kill_engine.remote().result()
+        assert last == "data: [DONE]"
+        refused, t0 = [], time.monotonic()
+        while True:  # until Serve has replaced the replica
+            r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+            if r.status_code == 200:
+                break
+            refused.append(r.status_code)
+            assert r.status_code == 503 and time.monotonic() - t0 < 120, r.text
+            time.sleep(0.5)
+        left_after = int(r.headers["x-ratelimit-remaining-tokens"])
+    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
+          f"the client; charged {charged} (prompt estimate {prompt}); {len(refused)} "
+          f"requests refused meanwhile ({set(refused)})")
+    assert content < 400  # the stream was cut
+    assert prompt + content <= charged + 1  # +1: whole-token rounding of the header
+    assert charged <= prompt + events + 1  # what the router relayed, nothing for the 503s
 
 
 def spend_to_429(http: httpx.Client, tenant: str) -> int:
