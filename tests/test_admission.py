@@ -409,22 +409,34 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
         light.append(await q.acquire(0, True, "light", 1.0))
         waiting = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
         await settle()
-        q.release(light.pop(), cost=1.0)
+        q.release(light.pop(), cost=1.0, size=1.0)
         await settle()
         assert not waiting.done()  # the slot is the light tenant's for 50 ms
         light.append(await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1))
         assert q.in_flight == 5 and not waiting.done()
-        q.release(light.pop(), cost=1.0)  # this time the light tenant does not come back
-        clock.t += 0.05
-        await asyncio.sleep(0.06)  # the timer gives the slot to the queue
+        q.release(light.pop(), cost=1.0, size=1.0)  # this time its client does not come back
+        await asyncio.sleep(0.06)  # the timer gives the slot to the queue (the test's clock
+        # stands still: the timer ends the keep whatever the clocks say)
         assert waiting.done() and q.in_flight == 5
         heavy.append(waiting.result())
         # The heavy tenant, served more than the light one waiting, keeps nothing.
         late = asyncio.create_task(q.acquire(0, True, "light", 1.0))
         await settle()
-        q.release(heavy.pop(), cost=100.0)
+        q.release(heavy.pop(), cost=100.0, size=1.0)
         await settle()
         assert late.done()
+        # Served less than one tenant waiting but more than another: nothing is kept, the
+        # least served goes next.
+        q.release(heavy.pop(), cost=100.0, size=1.0)  # nobody waits: nothing kept
+        new = await q.acquire(0, True, "new", 1.0)  # a newcomer: 5 in flight
+        q.service["new"] = 50.0  # served least of all
+        more_heavy = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        more_new = asyncio.create_task(q.acquire(0, True, "new", 1.0))
+        await settle()
+        assert not more_heavy.done() and not more_new.done() and new.tenant == "new"
+        q.release(light.pop(), cost=1.0, size=1.0)  # light: above new, below heavy
+        await settle()
+        assert more_new.done() and not more_heavy.done()
     run(main())
 
 

@@ -136,6 +136,7 @@ def light_behind_heavy(fairness: str, heavy_clients: int = 16) -> list[FleetRequ
 
     async def main():
         admission = VariantAdmission("sim", fairness=fairness, newcomer_slots=1,
+                                     anticipation_s=0.05,  # the router's defaults
                                      clock=asyncio.get_running_loop().time)
         admission.set_capacity(8)
         fleet = Fleet(CPU, 1, EngineLimits(max_num_seqs=8, max_ongoing_requests=10),

@@ -32,8 +32,8 @@ class Admission(Strict):
             may not take, so another tenant's request starts at once (with ``fairness:
             tokens``; 0: none).
         anticipation_s: how long the slot a tenant's request frees stays its own, s, when
-            that tenant has had less service than the tenants waiting (with ``fairness:
-            tokens``): a client that sends its next request when the last one ends keeps
+            that tenant would be served next (less service than the tenants waiting; with
+            ``fairness: tokens``): a client that sends its next request when the last one ends keeps
             its share instead of losing each slot to the queue in the moment between the
             two (anticipatory scheduling; 0: off).
     """

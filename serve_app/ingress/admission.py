@@ -59,7 +59,8 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   ``max_num_seqs`` while only one tenant is busy.
 - **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s,
   with ``fairness: tokens`` and tenants configured): when a request ends and its tenant
-  has had less service than a tenant waiting, its slot stays that tenant's for
+  would be served next (less service than every tenant waiting at the best priority
+  waiting, none better than its own), its slot stays that tenant's for
   ``anticipation_s``. A client that sends its next request when the last one ends (most
   do) would otherwise lose the slot to the queue in the moment between the two and wait
   for another request to end: measured on the simulated engine, a light tenant keeping 4
@@ -176,6 +177,8 @@ class Slot:
     charged: float = 0.0  # service charged at the start (its reservation)
     size: float = 1.0  # request_size of its reservation
     released: bool = False
+    priority: int = 0
+    top: bool = True
 
 
 class VariantAdmission:
@@ -330,25 +333,39 @@ class VariantAdmission:
         if not self._kept:
             return 0
         now = self._clock()
-        self._kept = [(t, until) for t, until in self._kept if until > now]
+        self._kept = [k for k in self._kept if k[1] > now]
         return sum(1 for t, _ in self._kept if t != tenant)
 
-    def _keep(self, tenant: str) -> None:
-        """Keep the slot ``tenant``'s request just freed for it (``anticipation_s``) when it
-        has had less service than a tenant waiting and has no request of its own waiting
-        (that one takes the slot at once)."""
-        if not (self.anticipation_s > 0 and self._newcomer_rule(tenant)):
+    def _keep(self, slot: Slot) -> None:
+        """Keep the slot ``slot``'s request just freed for its tenant's next request
+        (``anticipation_s``) when that tenant would be served next: it has had less service
+        than every tenant waiting at the best priority waiting, none waiting has a better
+        priority than it, none of its own requests waits (that one takes the slot at once),
+        and it may use the slot."""
+        tenant = slot.tenant
+        if not (self.anticipation_s > 0 and tenant and self.fairness == "tokens"
+                and self.capacity is not None):
             return
-        waiting = self._waiting()
+        waiting = [w for w in self._waiting() if not w.held]
+        if not waiting or any(w.tenant == tenant for w in waiting) \
+                or self.in_flight >= self.tenant_slots(slot.top, tenant):
+            return
+        best = min(w.priority for w in waiting)
         mine = self.service.get(tenant, 0.0)
-        if any(w.tenant == tenant for w in waiting) or not any(
-                not w.held and self.service.get(w.tenant, 0.0) > mine for w in waiting):
+        if best < slot.priority or any(self.service.get(w.tenant, 0.0) <= mine
+                                       for w in waiting if w.priority == best):
             return
-        self._kept.append((tenant, self._clock() + self.anticipation_s))
-        try:  # then the slot goes to the queue
-            asyncio.get_running_loop().call_later(self.anticipation_s, self._grant)
+        kept = (tenant, self._clock() + self.anticipation_s)
+        self._kept.append(kept)
+        try:  # then the slot goes to the queue, whatever the clocks' rounding
+            asyncio.get_running_loop().call_later(self.anticipation_s, self._expire, kept)
         except RuntimeError:  # no loop (a unit test's direct call): the next decision sees it
             pass
+
+    def _expire(self, kept: tuple[str, float]) -> None:
+        if kept in self._kept:
+            self._kept.remove(kept)
+        self._grant()
 
     @property
     def queued(self) -> int:
@@ -417,7 +434,7 @@ class VariantAdmission:
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
-                return self._start(tenant, cost, now, size)
+                return self._start(tenant, cost, now, size, priority, top)
             wait_s = self._estimate(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
@@ -496,7 +513,8 @@ class VariantAdmission:
             held = (self._clock() - slot.granted_at) / max(1e-3, size)
             self._full_samples += 1  # the first ones replace the start-up measure quickly
             self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
-        self._keep(slot.tenant)
+        if size is not None:  # it ended as requests do: its client may send the next one
+            self._keep(slot)
         self._grant()
         self._shed_late()
 
@@ -535,14 +553,15 @@ class VariantAdmission:
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
-    def _start(self, tenant: str, cost: float, now: float, size: float = 1.0) -> Slot:
-        kept = next((i for i, (t, _) in enumerate(self._kept) if t == tenant), None)
+    def _start(self, tenant: str, cost: float, now: float, size: float = 1.0,
+               priority: int = 0, top: bool = True) -> Slot:
+        kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
-            del self._kept[kept]  # it takes the slot kept for it
+            self._kept.remove(kept)  # it takes the slot kept for it
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost
-        return Slot(now, tenant, cost, size)
+        return Slot(now, tenant, cost, size, priority=priority, top=top)
 
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
@@ -558,7 +577,7 @@ class VariantAdmission:
             if chosen is None:
                 return
             chosen.future.set_result(self._start(chosen.tenant, chosen.cost, self._clock(),
-                                                 chosen.size))
+                                                 chosen.size, chosen.priority, chosen.top))
         self._prune()
 
     def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
