@@ -25,6 +25,7 @@ import pytest
 
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import serve_status
+from serve_app.tenancy.token_budget import Reservation
 from serve_app.tools import prometheus
 from serve_app.tools.drills import herd_table
 from serve_app.tools.loadgen import flood
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.integration
 OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of the config
 AUTH = {"authorization": f"Bearer {OPS_KEY}"}
 CANARY = "smollm-v2"
+STABLE = "smollm-v1"  # always on
 #: Serve's autoscaling for the module: zero after ~look_back + delay of no requests.
 SHORT = {"metrics_interval_s": 1, "look_back_period_s": 3, "downscale_delay_s": 5,
          "upscale_delay_s": 0, "max_replicas": 2}  # 2: "one replica started" can fail
@@ -62,11 +64,15 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
     raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
+#: :func:`chat`'s body with its defaults.
+CHAT_BODY = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+             "temperature": 0, "max_tokens": 8}
+
+
 def chat(http: httpx.Client, *, pin: str | None = None, user: str | None = None,
          max_tokens: int = 8, model: str = "smollm", **extra) -> httpx.Response:
     headers = {**AUTH, **({"x-mesh-variant": pin} if pin else {})}
-    body = {"model": model, "messages": [{"role": "user", "content": "What is 2 + 2?"}],
-            "temperature": 0, "max_tokens": max_tokens, **extra}
+    body = {**CHAT_BODY, "model": model, "max_tokens": max_tokens, **extra}
     if user:
         body["user"] = user
     return http.post("/v1/chat/completions", json=body, headers=headers, timeout=300)
@@ -244,8 +250,14 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     its engine fails at start). The held request gets 503 ``cold_start_failed`` with the
     engine's reason once the controller reports the failed start, not at
     ``cold_start_timeout_s``; the next request, during the back-off, gets the same 503 at
-    once with a Retry-After; the budget's view no longer counts it as starting."""
+    once with a Retry-After; the budget's view no longer counts it as starting. Issue 27's
+    settlement through the router: with a ``tokens_per_day`` budget, both refused requests
+    (each reserved before it was held) cost nothing: the bucket before and after, read from
+    the answers of the warm variant around them, differs by what those answers cost."""
     cfg = copy.deepcopy(sleepy.sleepy_cfg)
+    router = cfg["applications"][0]["deployments"][0]["user_config"]
+    # 1,000 a day: about 40 tokens a request, a refill of 0.5 tokens over the test's ~45 s
+    next(t for t in router["tenants"] if t["id"] == "ops")["tokens_per_day"] = 1000
     broken = copy.deepcopy(next(a for a in cfg["applications"] if a["name"] == CANARY))
     broken["name"] = BROKEN
     if sleepy.engine == "sim":
@@ -261,6 +273,7 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
         with sleepy.http() as http:
             wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(BROKEN, {}).get(
                 "state") == "zero", 30, "the router sees the broken variant at zero")
+            before, t_before = chat(http, pin=STABLE), time.monotonic()
             t0 = time.monotonic()
             first = chat(http, pin=BROKEN)
             took = time.monotonic() - t0
@@ -268,6 +281,7 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
             again = chat(http, pin=BROKEN)
             again_s = time.monotonic() - t1
             state = http.get("/health").json()["scale_to_zero"].get(BROKEN, {})
+            after, t_after = chat(http, pin=STABLE), time.monotonic()
     finally:
         sleepy.deploy(sleepy.sleepy_cfg)
     print(f"\n[failed start] 503 after {took:.1f} s: {first.json()['error']['message']}")
@@ -282,6 +296,16 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     assert took < route_timeout / 2, took  # the controller's report, not the timeout
     assert again_s < 1.0, again_s
     assert state.get("state") == "failed", state  # not "starting": out of the budget
+    # What the tenant was charged between the two answers of the warm variant: the first
+    # one's usage (its reservation is given back down to it), nothing for the two refusals.
+    reserved = Reservation.of("chat", CHAT_BODY).total
+    charged = (int(before.headers["x-ratelimit-remaining-tokens"])
+               + reserved - before.json()["usage"]["total_tokens"]
+               - int(after.headers["x-ratelimit-remaining-tokens"]) - reserved)
+    refill = (t_after - t_before) * 1000 / 86400
+    print(f"[failed start] the two refused requests charged {charged} tokens (the bucket "
+          f"refilled {refill:.1f} meanwhile)")
+    assert -1 - refill <= charged <= 1  # 1: whole-token rounding of the header
 
 
 # -- the resident budget (serve_configs/resident_budget.yaml) ---------------------------------
