@@ -65,8 +65,9 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   do) would otherwise lose the slot to the queue in the moment between the two and wait
   for another request to end: measured on the simulated engine, a light tenant keeping 4
   requests going waited 0.4-1.7 s per request in the router and got 28-32 % of the service
-  against a heavy tenant's 16 (43-46 % with this rule). Anticipatory scheduling, as disks do it (Iyer and Druschel,
-  "Anticipatory scheduling", SOSP 2001): a slot idles at most ``anticipation_s``.
+  against a heavy tenant's 16 (43-46 % with this rule). Anticipatory scheduling, as disks
+  do it (Iyer and Druschel, "Anticipatory scheduling", SOSP 2001): a slot idles at most
+  ``anticipation_s``.
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`). While a
   variant starts from zero, requests that wait for it queue here with the slots its first
