@@ -168,6 +168,19 @@ def test_token_fair_admission_adds_no_wait_and_the_engine_step_is_what_remains()
     # profile that moves this changes what the test above can show)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 26's goal, not reachable by any admission order on this profile: the light "
+    "request starts at once (0 s in the router, the test above), and the step in progress "
+    "plus its own step of a full batch alone take 2.05x its idle TTFT; measured 2.42x at p95. "
+    "Strict: if the mesh ever meets the goal, this fails and the marker must go."))
+def test_the_light_tenants_ttft_p95_is_within_2x_its_idle_ttft():
+    """Issue 26's goal for test_fairness.py's scene, on the virtual clock where it is exact
+    (on the real mesh the host's fixed overhead dilutes the ratio either way)."""
+    idle = percentile([r.ttft_s for r in light_behind_heavy("tokens", heavy_clients=0)], 95)
+    fair = percentile([r.ttft_s for r in light_behind_heavy("tokens")], 95)
+    assert fair <= 2 * idle, (fair, idle)
+
+
 def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     """The CI smoke run of ``bench.py --sim`` (2 replicas, 8 adapters; the full-size run is
     out of CI: docs/scale.md)."""

@@ -32,6 +32,7 @@ from serve_app.tools.loadgen import flood
 from serve_app.tools.servers import free_port
 
 from test_observability import dashboard
+from test_tenant_token_budgets import charged_between
 from test_traffic_safety import metric_total, wait_for_metric
 
 pytestmark = pytest.mark.integration
@@ -299,9 +300,9 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     # What the tenant was charged between the two answers of the warm variant: the first
     # one's usage (its reservation is given back down to it), nothing for the two refusals.
     reserved = Reservation.of("chat", CHAT_BODY).total
-    charged = (int(before.headers["x-ratelimit-remaining-tokens"])
-               + reserved - before.json()["usage"]["total_tokens"]
-               - int(after.headers["x-ratelimit-remaining-tokens"]) - reserved)
+    charged = charged_between(int(before.headers["x-ratelimit-remaining-tokens"]), reserved,
+                              before.json()["usage"]["total_tokens"],
+                              int(after.headers["x-ratelimit-remaining-tokens"]), reserved)
     refill = (t_after - t_before) * 1000 / 86400
     print(f"[failed start] the two refused requests charged {charged} tokens (the bucket "
           f"refilled {refill:.1f} meanwhile)")

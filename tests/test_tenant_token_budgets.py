@@ -88,6 +88,14 @@ def small(http: httpx.Client, tenant: str) -> tuple[int, int]:
     return int(r.headers["x-ratelimit-remaining-tokens"]), usage["total_tokens"]
 
 
+def charged_between(left_before: int, reserved_before: int, cost_before: int,
+                    left_after: int, reserved_after: int) -> int:
+    """Tokens charged between two answers of a limited tenant, from their
+    ``x-ratelimit-remaining-tokens`` (each read after its own reservation): the first
+    answer's reservation is settled down to its cost, the second's is still held."""
+    return left_before + (reserved_before - cost_before) - left_after - reserved_after
+
+
 def test_a_window_refills_on_time(budgets):
     """tokens_per_minute 600 (10 tokens/s): 1-token requests until the budget is spent,
     then 429 tokens_exhausted with Retry-After; after that many seconds the same request
@@ -160,9 +168,9 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
         assert r["status"] == 200
         time.sleep(3)  # the router sees the disconnect and settles
         left_after, _ = small(http, "acme")
-    # left_after = left_before + the probe's refund - the abandoned cost - a probe's reservation
     probe_reservation = Reservation.of("chat", SMALL).total
-    abandoned = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    abandoned = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                                probe_reservation)
     print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt estimate "
           f"{reservation.prompt}, reservation {reservation.total})")
     assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
@@ -193,7 +201,8 @@ def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets
         time.sleep(0.5)  # the router's give-back is sent without waiting
         left_after, _ = small(http, "acme")
     probe_reservation = Reservation.of("chat", SMALL).total
-    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
     print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
           f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
           f"{reservation})")
@@ -212,7 +221,8 @@ def test_a_4xx_from_vllm_costs_nothing(budgets):
         assert bad.status_code == 400, bad.text
         time.sleep(0.5)  # the router's give-back is sent without waiting
         left_after, _ = small(http, "acme")
-    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
     print(f"\nvLLM's 400: charged {charged} tokens")
     assert abs(charged) <= 1  # 1: whole-token rounding of the header
 
@@ -253,7 +263,8 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
             assert r.status_code == 503 and time.monotonic() - t0 < 120, r.text
             time.sleep(0.5)
         left_after = int(r.headers["x-ratelimit-remaining-tokens"])
-    charged = left_before + (probe_reservation - probe_cost) - left_after - probe_reservation
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
     print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
           f"the client; charged {charged} (prompt estimate {prompt}); {len(refused)} "
           f"requests refused meanwhile ({set(refused)})")
