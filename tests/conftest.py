@@ -108,6 +108,12 @@ class Mesh:
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=120)
 
+    def metrics_text(self) -> str:
+        """The cluster's Prometheus exposition (Ray's metrics export port). Generous timeout:
+        the page grows to megabytes over the suite (every config's label values) and Ray's
+        agent writes it on one core."""
+        return httpx.get(self.metrics_url, timeout=60).text
+
     def replica_ids(self, app: str, deployment: str) -> set[str]:
         return replica_ids(self.dashboard, app, deployment)
 

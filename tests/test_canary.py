@@ -144,7 +144,7 @@ def test_metrics_per_route_and_variant(canary):
               'ray_mesh_completion_tokens_total', 'ray_mesh_time_to_first_token_seconds',
               'ray_mesh_request_latency_seconds_bucket']
     while True:
-        text = httpx.get(canary.metrics_url, timeout=10).text
+        text = canary.metrics_text()
         if all(w in text for w in wanted):
             break
         assert time.monotonic() < deadline, [w for w in wanted if w not in text]

@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -19,9 +20,11 @@ from serve_app.sim.profile import load_profile
 from serve_app.sim.virtual_time import run_virtual
 from serve_app.sim.workloads import ClosedLoop, Sessions, many_adapters, reachable_hit_rate
 from serve_app.common.paths import REPO_ROOT
+from serve_app.common.wire import CALIBRATION_TOKENS
 
 H100 = load_profile("h100-llama3-8b")
 CPU = load_profile("cpu-smollm2").scaled(0.25)  # as the integration tests run it
+LIMITS = EngineLimits(max_num_seqs=8, max_ongoing_requests=10)  # smollm-v1 in the configs
 
 
 def serve(requests, replicas=1, router="default", limits=None, follow_up=None):
@@ -179,6 +182,70 @@ def test_the_light_tenants_ttft_p95_is_within_2x_its_idle_ttft():
     idle = percentile([r.ttft_s for r in light_behind_heavy("tokens", heavy_clients=0)], 95)
     fair = percentile([r.ttft_s for r in light_behind_heavy("tokens")], 95)
     assert fair <= 2 * idle, (fair, idle)
+
+
+def burst_with_probe(flood: int) -> tuple[list[FleetRequest], list[FleetRequest]]:
+    """test_overload.py's drill on the virtual clock (tenants.yaml's smollm-v1: one replica
+    of ``max_num_seqs`` 8, ``queue_timeout_s`` 30, ``reserved_slots`` 1, the router's
+    defaults; priorities off): ``flood`` 16-token requests of the batch tenant at once, and
+    acme's 4-token probe one after another from the same moment for 40 s (20 requests when
+    there is no flood). Admission starts from the replica's start-up measure of a full batch,
+    as the router does. Returns (the flood's requests, the probe's), as served or refused."""
+    flood_reqs = ClosedLoop(total=flood, clients=flood, prompt_tokens=33, max_tokens=16)
+    probe = ClosedLoop(total=10**6 if flood else 20, clients=1, prompt_tokens=20,
+                       max_tokens=4)
+    probe.prompt = probe.prompt[::-1]
+    first = flood_reqs.requests() + probe.requests()
+    for r in first:
+        r.tenant = "batch" if r.max_tokens == 16 else "acme"
+
+    def follow_up(done: FleetRequest) -> FleetRequest | None:
+        if done.tenant == "batch" or done.done_at > 40:
+            return None
+        nxt = probe.follow_up(done)
+        if nxt is not None:
+            nxt.tenant = "acme"
+        return nxt
+
+    async def main():
+        # LLMReplica's start-up measure: a full batch of CALIBRATION_TOKENS-token requests
+        batch = ClosedLoop(total=8, clients=8, prompt_tokens=8, max_tokens=CALIBRATION_TOKENS)
+        measured = await Fleet(CPU, 1, LIMITS).run(batch.requests(), make_router("default"))
+        admission = VariantAdmission("sim", queue_timeout_s=30, reserved_slots=1,
+                                     newcomer_slots=1, anticipation_s=0.05,
+                                     clock=asyncio.get_running_loop().time)
+        admission.set_capacity(8, max(r.done_at for r in measured))
+        return await Fleet(CPU, 1, LIMITS, admission=admission).run(
+            first, make_router("default"), follow_up)
+    done = run_virtual(main())
+    return [r for r in done if r.tenant == "batch"], [r for r in done if r.tenant == "acme"]
+
+
+def test_a_burst_of_400_gets_what_the_engine_can_do_and_the_probe_keeps_its_ttft():
+    """Issue 28's overload goals, exact (test_overload.py runs the drill on the real mesh,
+    where the flood's own client shares the 2 cores with the router): the answers are at
+    least 80 % of what the engine sustained x queue_timeout_s (the time of the last answer
+    / 30 s, as ``serve_app.tools.drills`` reckons it); every refusal comes before the
+    deadline; the probe is served throughout, its TTFT p50 within 3x idle."""
+    _, idle = burst_with_probe(0)
+    flood, probes = burst_with_probe(400)
+    answered = [r for r in flood if r.rejected is None]
+    refused = [r for r in flood if r.rejected is not None]
+    goodput = max(r.done_at for r in answered) / 30
+    idle_p50 = percentile([r.ttft_s for r in idle], 50)
+    during = [r.ttft_s for r in probes if r.arrival > 0]
+    refused_after = percentile([r.refused_at - r.arrival for r in refused], 95)
+    print(f"\n[simulated: cpu-smollm2 x0.25, virtual clock] flood of 400: {len(answered)} "
+          f"answered, refused {len(refused)} ({dict(Counter(r.rejected for r in refused))}) "
+          f"p95 {refused_after:.1f} s after arrival; goodput {goodput:.2f}; probe TTFT p50 "
+          f"idle {idle_p50 * 1000:.0f} ms, during the flood "
+          f"{percentile(during, 50) * 1000:.0f} ms over {len(during)} requests")
+    assert refused and goodput >= 0.8
+    assert all(r.generated == 16 for r in answered)
+    assert all(r.done_at is None for r in refused)  # refused before running
+    assert refused_after < 30
+    assert all(r.rejected is None for r in probes) and len(during) >= 3
+    assert percentile(during, 50) <= 3 * idle_p50
 
 
 def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):

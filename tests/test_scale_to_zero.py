@@ -113,7 +113,7 @@ def sleepy(mesh):
     canary["deployments"][0]["autoscaling_config"].update(SHORT)
     mesh.deploy(cfg)
     mesh.sleepy_cfg = cfg
-    proc, mesh.sleepy_prometheus = prometheus.start(free_port(), scrape_interval_s=2)
+    proc, mesh.sleepy_prometheus = prometheus.start(free_port())  # 5 s, as shipped
     yield mesh
     proc.terminate()
     proc.wait(timeout=30)
@@ -404,4 +404,5 @@ def test_the_dashboards_scale_to_zero_panels_have_data(budget):
     queries = build.queries({build.SCALE_TO_ZERO_ROW})
     assert len(queries) == 6
     missing = prometheus.without_data(budget.sleepy_prometheus, queries, 60, every_s=2)
-    assert not missing, f"panels without data: {missing}"
+    assert not missing, (f"panels without data: {missing}; failing scrapes: "
+                         f"{prometheus.target_errors(budget.sleepy_prometheus)}")

@@ -35,7 +35,7 @@ def safety(mesh):
 
 def metric_total(mesh, name: str, **labels: str) -> float:
     """Sum of a Ray-exported series over the lines that carry ``labels``."""
-    text = httpx.get(mesh.metrics_url, timeout=10).text
+    text = mesh.metrics_text()
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):

@@ -37,8 +37,9 @@ def serve_cli() -> str:
 
 
 def serve_status(dashboard: str = DEFAULT_DASHBOARD) -> dict[str, Any]:
-    """The dashboard's Serve status document (applications, deployments, replicas)."""
-    r = httpx.get(f"{dashboard}/api/serve/applications/", timeout=10)
+    """The dashboard's Serve status document (applications, deployments, replicas). 30 s:
+    the dashboard is one Python process, slow to answer while a node's cores are busy."""
+    r = httpx.get(f"{dashboard}/api/serve/applications/", timeout=30)
     r.raise_for_status()
     return r.json()
 

@@ -62,7 +62,8 @@ class FleetRequest:
     generated: int = 0
     cached_tokens: int = 0
     loaded_adapter: bool = False
-    rejected: str | None = None
+    rejected: str | None = None  # admission's reason (``Rejected.reason``)
+    refused_at: float | None = None  # when admission refused it
 
     def fresh(self) -> FleetRequest:
         """This request as a workload gave it, without what a run filled in."""
@@ -277,7 +278,7 @@ class Fleet:
                 slot = await self.admission.acquire(0, True, req.tenant, cost,
                                                     request_size(req.max_tokens))
             except Rejected as e:
-                req.rejected = e.reason
+                req.rejected, req.refused_at = e.reason, asyncio.get_running_loop().time()
                 return
         try:
             replica = self._take(router, req)

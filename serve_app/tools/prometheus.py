@@ -115,6 +115,14 @@ def without_data(url: str, queries: list[tuple[str, str]], timeout_s: float,
     return sorted(missing)
 
 
+def target_errors(url: str) -> list[str]:
+    """Why scrapes fail: ``"<scrape url>: <last error>"`` for each active target that is not
+    up (``/api/v1/targets``); empty when every target is scraped."""
+    body = httpx.get(f"{url}/api/v1/targets", params={"state": "active"}, timeout=30).json()
+    return [f"{t['scrapeUrl']}: {t.get('lastError') or t['health']}"
+            for t in body["data"]["activeTargets"] if t["health"] != "up"]
+
+
 def query_range(url: str, promql: str, start: float, end: float, step_s: float
                 ) -> list[dict[str, Any]]:
     """A range query (``/api/v1/query_range``): one ``{"metric", "values"}`` per series.
