@@ -235,12 +235,14 @@ def pytest_collection_modifyitems(config, items):
 
 # -- per-module durations, and the time budget of the default tier ------------------------------
 
-#: The default tier's goal: 25 minutes, set-up included (issue 26). Not met on this 2-core
-#: host yet (27-33 minutes measured): the summary says by how much on every run.
+#: The default tier's goal: 25 minutes, set-up included (issue 26). Not met on 2-core hosts
+#: yet (the same tests took 1,191-2,382 s, host to host and day to day): the summary says
+#: by how much on every run.
 TEST_GOAL_S = 1500
-#: Seconds past which the run fails (``MESH_TEST_BUDGET_S``; 0: none): 45 minutes, half of
-#: CI's hard limit, so a regression fails here before CI cuts the run off.
-TEST_BUDGET_S = float(os.environ.get("MESH_TEST_BUDGET_S", "2700"))
+#: Seconds past which the run fails (``MESH_TEST_BUDGET_S``; 0: none): 60 minutes, two
+#: thirds of CI's hard limit, so a regression fails here before CI cuts the run off, and
+#: above the slowest host measured (2,382 s in CI), so a slow day is not a failure.
+TEST_BUDGET_S = float(os.environ.get("MESH_TEST_BUDGET_S", "3600"))
 _module_seconds: dict[str, float] = {}
 #: Deployments whose replicas a test's deploy replaced (an engine start each).
 RESTARTS: list[str] = []
