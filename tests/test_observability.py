@@ -57,7 +57,11 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return build.queries(but={build.SCALE_TO_ZERO_ROW})
 
 
-def observed_config(base):
+def observed_config(base, routed_before: bool):
+    """canary.yaml with the module's tenants, adapters and rollout. ``routed_before``: the
+    router's handle to smollm-v1 was made by test_replica_routing, through the affinity
+    router, and keeps it whatever smollm-v1's config says (Serve makes a handle's request
+    router once): the replica-routing panel has data without a replica restart."""
     cfg = copy.deepcopy(base)
     router = cfg["applications"][0]["deployments"][0]["user_config"]
     router["tenants"] = TENANTS
@@ -69,17 +73,17 @@ def observed_config(base):
     for app in cfg["applications"][1:]:
         app["deployments"][0]["user_config"]["adapters"] = [{"name": "acme-support",
                                                              "version": 1}]
-    # The replica router's panel: smollm-v1 through the affinity router (one replica: its
-    # decisions are "single"), as in the whole suite, where test_replica_routing ran first.
-    cfg["applications"][1]["deployments"][0]["request_router_config"] = copy.deepcopy(
-        AFFINITY_ROUTER)
+    if not routed_before:  # alone: smollm-v1 through the affinity router (one replica: its
+        # decisions are "single"), as in the whole suite (a restart: a code version change)
+        cfg["applications"][1]["deployments"][0]["request_router_config"] = copy.deepcopy(
+            AFFINITY_ROUTER)
     return cfg
 
 
 @pytest.fixture(scope="module")
 def observed(mesh):
     base = mesh.config("canary.yaml")
-    mesh.deploy(observed_config(base))
+    mesh.deploy(observed_config(base, routed_before=hasattr(mesh, "affinity_cfg")))
     proc, url = prometheus.start(free_port())  # 5 s, as shipped
     mesh.prometheus = url
     yield mesh
