@@ -195,9 +195,11 @@ def burst_with_probe(flood: int) -> tuple[list[FleetRequest], list[FleetRequest]
     probe = ClosedLoop(total=10**6 if flood else 20, clients=1, prompt_tokens=20,
                        max_tokens=4)
     probe.prompt = probe.prompt[::-1]
-    first = flood_reqs.requests() + probe.requests()
-    for r in first:
-        r.tenant = "batch" if r.max_tokens == 16 else "acme"
+    first = []
+    for tenant, load in (("batch", flood_reqs), ("acme", probe)):
+        for r in load.requests():
+            r.tenant = tenant
+            first.append(r)
 
     def follow_up(done: FleetRequest) -> FleetRequest | None:
         if done.tenant == "batch" or done.done_at > 40:

@@ -32,7 +32,7 @@ from serve_app.tools.loadgen import flood
 from serve_app.tools.servers import free_port
 
 from test_observability import dashboard
-from test_tenant_token_budgets import charged_between
+from test_tenant_token_budgets import charged_between, day_refill
 from test_traffic_safety import metric_total, wait_for_metric
 
 pytestmark = pytest.mark.integration
@@ -258,7 +258,8 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     cfg = copy.deepcopy(sleepy.sleepy_cfg)
     router = cfg["applications"][0]["deployments"][0]["user_config"]
     # 1,000 a day: about 40 tokens a request, a refill of 0.5 tokens over the test's ~45 s
-    next(t for t in router["tenants"] if t["id"] == "ops")["tokens_per_day"] = 1000
+    per_day = 1000
+    next(t for t in router["tenants"] if t["id"] == "ops")["tokens_per_day"] = per_day
     broken = copy.deepcopy(next(a for a in cfg["applications"] if a["name"] == CANARY))
     broken["name"] = BROKEN
     if sleepy.engine == "sim":
@@ -303,7 +304,7 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     charged = charged_between(int(before.headers["x-ratelimit-remaining-tokens"]), reserved,
                               before.json()["usage"]["total_tokens"],
                               int(after.headers["x-ratelimit-remaining-tokens"]), reserved)
-    refill = (t_after - t_before) * 1000 / 86400
+    refill = day_refill(per_day, t_after - t_before)
     print(f"[failed start] the two refused requests charged {charged} tokens (the bucket "
           f"refilled {refill:.1f} meanwhile)")
     assert -1 - refill <= charged <= 1  # 1: whole-token rounding of the header

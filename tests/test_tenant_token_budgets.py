@@ -96,6 +96,12 @@ def charged_between(left_before: int, reserved_before: int, cost_before: int,
     return left_before + (reserved_before - cost_before) - left_after - reserved_after
 
 
+def day_refill(tokens_per_day: int, seconds: float) -> float:
+    """Tokens a ``tokens_per_day`` bucket gets back over ``seconds`` (a credit that the
+    charge read between two answers does not see)."""
+    return seconds * tokens_per_day / 86400
+
+
 def test_a_window_refills_on_time(budgets):
     """tokens_per_minute 600 (10 tokens/s): 1-token requests until the budget is spent,
     then 429 tokens_exhausted with Retry-After; after that many seconds the same request
@@ -237,7 +243,8 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
 
     # 1,000 a day: the stream's reservation (~460) and two probes fit; it refills 0.7 tokens a
     # minute, allowed for below (the wait for Serve's new replica took a minute in CI).
-    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 1000}))
+    per_day = 1000
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": per_day}))
     body = {**STREAM, "max_tokens": 400}
     prompt = Reservation.of("chat", body).prompt
     probe_reservation = Reservation.of("chat", SMALL).total
@@ -266,7 +273,7 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
             assert r.status_code == 503 and time.monotonic() - t0 < 120, r.text
             time.sleep(0.5)
         left_after = int(r.headers["x-ratelimit-remaining-tokens"])
-        refill = (time.monotonic() - t_before) * 1000 / 86400
+        refill = day_refill(per_day, time.monotonic() - t_before)
     charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
                               probe_reservation)
     print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
