@@ -4,6 +4,7 @@ answers are faked): running replicas, admission slots, adapters, a redeploy's bu
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -112,9 +113,17 @@ def test_admission_sees_a_new_replica_before_it_answers_the_poll(monkeypatch):
     """A variant that just started: the status says it runs while its serving_info answer
     is still on its way. The router's admission hears of it at once (capacity unknown, so a
     request goes to Serve's handle), not after the answer: a request in between got 503
-    no_healthy_variant in 60 ms on a single-variant route."""
-    apps = {"v1": app("RUNNING", 0)}
+    no_healthy_variant in 60 ms on a single-variant route; and not after the deployment
+    details that a new status makes it read (full20: two 503s in the 20 ms such a read took
+    as a deploy ended)."""
+    apps = {"v1": app("DEPLOYING", 0)}
     answer = asyncio.Event()
+    details_read = threading.Event()
+
+    def slow_details():
+        details_read.wait(10)
+        return {"applications": {}}
+    monkeypatch.setattr(availability, "serve_details", slow_details)
 
     class Slow(FakeHandle):
         async def _remote(self):
@@ -126,12 +135,16 @@ def test_admission_sees_a_new_replica_before_it_answers_the_poll(monkeypatch):
                             on_refresh=lambda: seen.append(v.slots("v1")))
 
     async def main():
+        details_read.set()
         await v.refresh()
-        apps["v1"] = app("RUNNING", 1)
+        details_read.clear()
+        apps["v1"] = app("RUNNING", 1)  # a new status: the details are read again
         poll = asyncio.ensure_future(v.refresh())
         while not v.running("v1"):  # the status is read in a thread
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         assert seen[-1] is None and v.is_available("v1")  # running; slots not known yet
+        details_read.set()
         answer.set()
         await poll
     asyncio.run(main())
@@ -349,3 +362,24 @@ def test_a_variant_deployed_again_under_a_deleted_ones_name_starts_from_nothing(
 
     asyncio.run(main())
     assert v.running("v1") == 0 and "v1" not in v.info
+
+
+def test_a_deploy_applied_between_two_polls_is_still_read(monkeypatch):
+    """A `serve deploy` that gives a variant ``min_replicas: 0`` in place can start and end
+    between two status polls: every status reads RUNNING before and after. Its new last
+    deploy time makes the view read the deployment details again; else the router would go
+    on polling the variant as always on, and each poll would wake it (full20's herd test)."""
+    details = {"applications": {}}
+    monkeypatch.setattr(availability, "serve_details", lambda: details)
+    apps = {"v1": SimpleNamespace(status="RUNNING", last_deployed_time_s=100.0,
+                                  deployments={})}
+    v = view(monkeypatch, apps, {})
+    asyncio.run(v.refresh())
+    assert v.scales_to_zero == set()
+    details = {"applications": {"v1": {"deployments": {"LLMReplica": {"deployment_config": {
+        "autoscaling_config": {"min_replicas": 0, "max_replicas": 1}}}}}}}
+    asyncio.run(v.refresh())  # the same deploy: the details are not read again
+    assert v.scales_to_zero == set()
+    apps["v1"].last_deployed_time_s = 160.0  # deployed again; RUNNING all along
+    asyncio.run(v.refresh())
+    assert v.scales_to_zero == {"v1"}

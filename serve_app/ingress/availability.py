@@ -92,7 +92,10 @@ class VariantAvailability:
         self._refreshing_status = False  # the refresh under way asks the controller
         self._task: asyncio.Task | None = None
         self.scales_to_zero: set[str] = set()  # apps whose LLMReplica has min_replicas 0
-        self._statuses: dict[str, str] | None = None  # app -> status when details were read
+        # app -> (status, last deploy time) when details were last read: every `serve deploy`
+        # moves the time, even one Serve applies in place between two status polls
+        self._deploys_read: dict[str, tuple[str, float]] | None = None
+        self._deploys: dict[str, tuple[str, float]] = {}
         self._starting: dict[str, int] = {}  # app -> STARTING replicas
         self._replica_count: dict[str, int] = {}  # app -> replicas in any state (STOPPING too)
         self._app_status: dict[str, str] = {}
@@ -163,6 +166,9 @@ class VariantAvailability:
                                    for name, app in serve_status.applications.items()}
             self._app_status = {name: getattr(app.status, "value", str(app.status))
                                 for name, app in serve_status.applications.items()}
+            self._deploys = {name: (self._app_status[name],
+                                    getattr(app, "last_deployed_time_s", 0.0))
+                             for name, app in serve_status.applications.items()}
             self._start_errors = {name: error for name, app in serve_status.applications.items()
                                   if (error := self._start_error(app))[0]}
             for gone in [a for a in {*self._lost_until, *self._missed, *self.info}
@@ -173,9 +179,12 @@ class VariantAvailability:
                 for known in (self._lost_until, self._lost_replica, self._missed, self.info,
                               self.adapters):
                     known.pop(gone, None)
+            if self.on_refresh is not None:  # admission sees new replica counts at once: not
+                # only after the replicas' serving_info answers below, nor after the details
+                # read next (else a request meanwhile finds a variant available to the view
+                # and without slots in admission: 503 no_healthy_variant)
+                self.on_refresh()
             await self._read_autoscaling()
-            if self.on_refresh is not None:  # admission sees new replica counts at once, not
-                self.on_refresh()  # only after the replicas' serving_info answers below
         self._update_states()
         # Not a sleeper that is idle or being evicted: a call that reaches its handle just
         # after its replica stopped would wake it.
@@ -202,16 +211,16 @@ class VariantAvailability:
             self.on_refresh()
 
     async def _read_autoscaling(self) -> None:
-        """After a deploy (the applications or their statuses changed), learn which variants
-        scale to zero from the controller's deployment details."""
-        if self._app_status == self._statuses:
+        """After a deploy (an application's status or last deploy time changed), learn which
+        variants scale to zero from the controller's deployment details."""
+        if self._deploys == self._deploys_read:
             return
         try:
             details = await asyncio.to_thread(serve_details)
         except Exception as e:  # keep the last view; the next status poll tries again
             logger.warning("could not read Serve deployment details: %s", e)
             return
-        self._statuses = dict(self._app_status)
+        self._deploys_read = dict(self._deploys)
         zero, evictable = set(), set()
         for name, app in (details.get("applications") or {}).items():
             engine_args = ((app.get("deployed_app_config") or {}).get("args") or {}).get(
