@@ -495,3 +495,38 @@ def test_a_reservation_beyond_the_context_moves_a_counter_by_one_context_at_most
     lifted_to, service = run(main())
     assert lifted_to == charge <= 2 * 2048 + 100
     assert service["poisoner"] == 0
+
+
+def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured():
+    """A cold start holds what its first replica can start within queue_timeout_s by the
+    start-up measure. When the warm engine proves slower (here 4 s a request, not 1 s), the
+    held requests keep their places until their cold_start_timeout_s would have ended: a held
+    stream has had its 200 and must not be shed in-band (full20's herd: 6 of 46 were)."""
+    async def main():
+        clock = Clock()
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=2, clock=clock)
+        q.set_capacity(0, full_batch_service_s=1.0)
+        q.expect_start(2)  # 2 + 0.9 x 2 s x 2 / 1 s = 5.6: five of size 1 held
+        tickets = [q.enter(0, True, hold_s=60) for _ in range(5)]
+        with pytest.raises(Rejected):
+            q.enter(0, True, hold_s=60)
+        held = [asyncio.create_task(q.wait(t)) for t in tickets]
+        clock.t += 5  # the replica is warm 5 s later
+        q.set_capacity(2, full_batch_service_s=1.0)
+        await settle()
+        assert [t.done() for t in held] == [True, True, False, False, False]
+        clock.t += 4  # the first request took 4 s while the variant was full: at 4 s each,
+        q.release(held[0].result(), size=1.0)  # the last two would start past warm + 2 s
+        await settle()
+        assert [t.done() for t in held] == [True, True, True, False, False]  # none shed
+        assert not any(t.exception() for t in held if t.done())
+        # A request that came after the start is admitted by the slower measure: not now.
+        with pytest.raises(Rejected) as e:
+            await q.acquire(0, True)
+        assert e.value.reason == "overloaded"
+        for i in (1, 2, 3):
+            q.release(held[i].result(), size=1.0)
+            await settle()
+        q.release((await held[4]), size=1.0)
+        assert q.in_flight == 0
+    run(main())

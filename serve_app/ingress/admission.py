@@ -77,7 +77,10 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   rest get 503 ``overloaded`` at once, before any byte. A held
   request waits at most ``cold_start_timeout_s`` for the replica (``cold_start_timeout``);
   once it is warm, held requests get its slots in the queue's order (priority, then
-  token-fair), no more at a time than it takes, and their ``queue_timeout_s`` starts then.
+  token-fair), no more at a time than it takes, and each may wait ``queue_timeout_s`` from
+  then or until its ``cold_start_timeout_s`` ends, whichever is later: what was held was
+  counted on the start-up measure, and an engine slower than measured (a 2-core host
+  under a second herd) must not shed held streams, whose 200 went out, in-band.
   A start that fails ends every held request (``cold_start_failed``, with the reason).
 
 Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
@@ -240,7 +243,8 @@ class VariantAdmission:
         """Slots of the variant now (``max_num_seqs`` x running replicas; None: unknown) and
         its replicas' start-up measure of a full batch (s; 0: none), which ``service_s``
         is until the variant has been full. Slots after a cold start release the held
-        requests (their ``queue_timeout_s`` starts now)."""
+        requests (each waits ``queue_timeout_s`` from now, or to the end of its hold if
+        later)."""
         self.capacity = slots
         if not self._full_samples:
             self.service_s = full_batch_service_s or PRIOR_SERVICE_S
@@ -248,8 +252,8 @@ class VariantAdmission:
             self.starting_slots = 0
             deadline = self._clock() + self.queue_timeout_s
             for w in self._waiting():
-                if w.held:
-                    w.held, w.deadline = False, deadline
+                if w.held:  # see the module docstring: kept until its hold would have ended
+                    w.held, w.deadline = False, max(deadline, w.deadline)
         self._grant()
 
     # -- cold starts ----------------------------------------------------------------------------
