@@ -393,6 +393,30 @@ def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
     run(main())
 
 
+def test_a_newcomer_in_its_slot_leaves_the_busy_tenants_theirs():
+    """A newcomer's request runs in the slot kept for newcomers, not in the busy tenants'
+    share: a heavy request that ends meanwhile gives its slot to the heavy tenant's next,
+    and the engine stays full (before, the heavy tenant fell to capacity - 2 while a
+    newcomer ran, and one engine slot idled)."""
+    async def main():
+        q = VariantAdmission("v", headroom=0.25, queue_timeout_s=300, newcomer_slots=1)
+        q.set_capacity(4, full_batch_service_s=1.0)
+        heavy = [await q.acquire(0, True, "heavy", 100.0) for _ in range(3)]
+        queued = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        await settle()
+        light = await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1)
+        assert q.in_flight == 4 and not queued.done()
+        q.release(heavy.pop(), cost=100.0)
+        await settle()
+        assert queued.done() and q.in_flight == 4  # the engine stays full
+        q.release(light, cost=1.0)
+        nxt = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        await settle()
+        assert q.in_flight == 3 and not nxt.done()  # the newcomers' slot stays theirs
+        nxt.cancel()
+    run(main())
+
+
 def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
     """A light tenant that sends its next request as its last one ends keeps its slot
     (anticipation_s), instead of losing it to the heavy tenant's queue; a tenant that does

@@ -53,7 +53,9 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   tokens`` and tenants configured). A tenant that already has requests in flight on the
   variant may hold at most ``capacity - newcomer_slots`` of its engine slots (and none of
   the best priority's headroom), so another tenant's request finds an engine slot free and
-  starts at once. The fair order alone cannot do that: it decides which queued request goes
+  starts at once. A request running in that slot does not count against the busy tenants'
+  share (counted, it left one more engine slot idle while it ran: the burst of 400 on the
+  virtual clock ran 6 + 1 requests on 8 slots). The fair order alone cannot do that: it decides which queued request goes
   next, but each waits for a running one to end (a long stream: many seconds), and vLLM does
   not preempt a running request to make room. The cost is one engine slot of
   ``max_num_seqs`` while only one tenant is busy.
@@ -183,6 +185,7 @@ class Slot:
     released: bool = False
     priority: int = 0
     top: bool = True
+    newcomer: bool = False  # in a newcomer slot: its tenant had nothing in flight
 
 
 class VariantAdmission:
@@ -221,6 +224,7 @@ class VariantAdmission:
         self._full_samples = 0  # releases service_s was learned from (the variant full)
         self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
         self._running: dict[str, int] = {}  # tenant -> slots held
+        self._newcomers = 0  # slots held in newcomer slots (at most newcomer_slots)
         self._clock = clock
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
@@ -322,6 +326,14 @@ class VariantAdmission:
             return min(slots, max(1, self.capacity - self.newcomer_slots))
         return slots
 
+    def _held_against(self, tenant: str) -> int:
+        """Slots in flight that count against ``tenant``'s :meth:`tenant_slots`: all, but
+        for a tenant with requests in flight not those in newcomer slots, which it may not
+        use (else a newcomer running would leave one engine slot idle)."""
+        if self._newcomer_rule(tenant) and self._running.get(tenant):
+            return self.in_flight - self._newcomers
+        return self.in_flight
+
     def _work(self, w: _Waiter) -> float:
         """What a queued request adds to the wait of those behind it: its size, or nothing
         when it will start in a newcomer slot (its tenant has nothing in flight), which
@@ -332,7 +344,8 @@ class VariantAdmission:
     def may_start(self, top: bool, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`; the
         slots kept for other tenants are taken)."""
-        return self.in_flight + self._kept_for_others(tenant) < self.tenant_slots(top, tenant)
+        return (self._held_against(tenant) + self._kept_for_others(tenant)
+                < self.tenant_slots(top, tenant))
 
     def _kept_for_others(self, tenant: str) -> int:
         if not self._kept:
@@ -353,7 +366,7 @@ class VariantAdmission:
             return
         waiting = [w for w in self._waiting() if not w.held]
         if not waiting or any(w.tenant == tenant for w in waiting) \
-                or self.in_flight >= self.tenant_slots(slot.top, tenant):
+                or self._held_against(tenant) >= self.tenant_slots(slot.top, tenant):
             return
         best = min(w.priority for w in waiting)
         mine = self.service.get(tenant, 0.0)
@@ -511,6 +524,7 @@ class VariantAdmission:
         full = self.capacity is not None and self.in_flight >= max(
             1, self.capacity - max(self.reserved_slots, self.newcomer_slots))
         self.in_flight -= 1
+        self._newcomers -= slot.newcomer
         self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
         if cost is not None:
             self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
@@ -563,10 +577,17 @@ class VariantAdmission:
         kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
             self._kept.remove(kept)  # it takes the slot kept for it
+        # In a newcomer slot: its tenant has nothing in flight and the busy tenants' share
+        # is full (else it takes a slot of that share, as any request does).
+        newcomer = (self._newcomer_rule(tenant) and not self._running.get(tenant)
+                    and self._newcomers < self.newcomer_slots
+                    and self.in_flight - self._newcomers
+                    >= self.capacity - self.newcomer_slots)
+        self._newcomers += newcomer
         self.in_flight += 1
         self._running[tenant] = self._running.get(tenant, 0) + 1
         self.service[tenant] = self.service.get(tenant, 0.0) + cost
-        return Slot(now, tenant, cost, size, priority=priority, top=top)
+        return Slot(now, tenant, cost, size, priority=priority, top=top, newcomer=newcomer)
 
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
