@@ -55,9 +55,9 @@ Rules, per variant (``routes.<route>.admission`` in the router config):
   the best priority's headroom), so another tenant's request finds an engine slot free and
   starts at once. A request running in that slot does not count against the busy tenants'
   share (counted, it left one more engine slot idle while it ran: the burst of 400 on the
-  virtual clock ran 6 + 1 requests on 8 slots). The fair order alone cannot do that: it decides which queued request goes
-  next, but each waits for a running one to end (a long stream: many seconds), and vLLM does
-  not preempt a running request to make room. The cost is one engine slot of
+  virtual clock ran 6 + 1 requests on 8 slots). The fair order alone cannot do that: it
+  decides which queued request goes next, but each waits for a running one to end (a long
+  stream: many seconds), and vLLM does not preempt a running request to make room. The cost is one engine slot of
   ``max_num_seqs`` while only one tenant is busy.
 - **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s,
   with ``fairness: tokens`` and tenants configured): when a request ends and its tenant
