@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.ingress.admission import Slot, VariantAdmission  # noqa: E402
+from serve_app.ingress.admission import VariantAdmission  # noqa: E402
+from serve_app.ingress.slots import Slot  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest  # noqa: E402
 from serve_app.sim.fleet_routing import make_router  # noqa: E402

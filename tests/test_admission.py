@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.admission import (ADMIT_MARGIN, PRIOR_SERVICE_S, Rejected,
-                                         VariantAdmission)
+from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission
+from serve_app.ingress.service_time import PRIOR_SERVICE_S
+from serve_app.ingress.refusals import Rejected
 
 
 class Clock:
@@ -93,7 +94,7 @@ def test_rejected_at_arrival_when_the_estimated_wait_exceeds_the_timeout():
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=10, max_queued_per_slot=100)
         q.set_capacity(2)
-        assert q.service_s == PRIOR_SERVICE_S == 2.0
+        assert q.service_time.s == PRIOR_SERVICE_S == 2.0
         held = [await q.acquire(0, True) for _ in range(2)]
         # Each queued request adds service_s / slots = 1 s of wait: 9 fit in ADMIT_MARGIN
         # (0.9) x 10 s.
@@ -132,7 +133,7 @@ def test_queue_deadline_rejects_before_anything_is_sent():
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=0.05)
         q.set_capacity(1)
-        q.service_s = 0.001  # the estimate says it fits; the deadline still holds
+        q.service_time.s = 0.001  # the estimate says it fits; the deadline still holds
         held = await q.acquire(0, True)
         with pytest.raises(Rejected) as e:
             await q.acquire(0, True)
@@ -147,7 +148,7 @@ def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
         clock = Clock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=3.75, clock=clock)
         q.set_capacity(1)
-        q.service_s = 1.0
+        q.service_time.s = 1.0
         held = await q.acquire(0, True)
         # Waits 1, 2, 3 s: within ADMIT_MARGIN (0.9) x 3.75 s; the deadline is 3.75 s.
         lows = [asyncio.create_task(q.acquire(5, False)) for _ in range(3)]
@@ -189,20 +190,20 @@ def test_service_time_is_learned_while_full_and_starts_from_the_replicas_measure
         clock = Clock()
         q = VariantAdmission("v", headroom=0, clock=clock, queue_timeout_s=30)
         q.set_capacity(2, full_batch_service_s=3.0)  # what the replicas measured at start-up
-        assert q.service_s == 3.0 and q.max_queued == 20  # 30 s x 2 slots / 3 s
+        assert q.service_time.s == 3.0 and q.max_queued == 20  # 30 s x 2 slots / 3 s
         for _ in range(30):  # one at a time: the variant is never full, nothing learned
             slot = await q.acquire(0, True)
             clock.t += 0.5
             q.release(slot, size=1.0)
-        assert q.service_s == 3.0
+        assert q.service_time.s == 3.0
         for _ in range(30):  # two at a time: full
             a, b = await q.acquire(0, True), await q.acquire(0, True)
             clock.t += 4.0
             q.release(a, size=1.0)
             q.release(b, size=1.0)
-        assert q.service_s == pytest.approx(4.0, abs=0.05)
+        assert q.service_time.s == pytest.approx(4.0, abs=0.05)
         q.set_capacity(4, full_batch_service_s=3.0)  # learned beats the start-up measure
-        assert q.service_s == pytest.approx(4.0, abs=0.05) and q.max_queued in (30, 31)
+        assert q.service_time.s == pytest.approx(4.0, abs=0.05) and q.max_queued in (30, 31)
     run(main())
 
 
@@ -211,7 +212,7 @@ def test_slower_service_sheds_queued_requests_before_their_deadline():
         clock = Clock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=40, clock=clock)
         q.set_capacity(1)
-        q.service_s = 1.0
+        q.service_time.s = 1.0
         held = await q.acquire(0, True)
         queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(4)]  # 1..4 s
         await settle()
@@ -465,7 +466,7 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
 
 
 def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
-    from serve_app.ingress.admission import request_size
+    from serve_app.ingress.service_time import request_size
 
     assert request_size(16) == 1.0 and request_size(64) == 3.0  # (64 + 8) / (16 + 8)
 
@@ -487,7 +488,7 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
         # (the first sample replaces the start-up measure).
         clock.t += 6
         q.release(held, size=3.0)
-        assert q.service_s == pytest.approx(2.0)
+        assert q.service_time.s == pytest.approx(2.0)
         for t in long + [short]:
             t.cancel()
         await asyncio.gather(*long, short, return_exceptions=True)
@@ -500,7 +501,7 @@ def test_a_reservation_beyond_the_context_moves_a_counter_by_one_context_at_most
     ``max_model_len`` (token_budget.completion_reservation), so a tenant lifted meanwhile is
     lifted by one context's worth at most, not by 2e9; the correction then takes the
     poisoner's counter back to what it was served."""
-    from serve_app.ingress.admission import service_cost
+    from serve_app.ingress.fair_share import service_cost
     from serve_app.tenancy.token_budget import Reservation
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}

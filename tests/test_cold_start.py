@@ -16,7 +16,8 @@ import serve_app.ingress.availability as availability
 import serve_app.ingress.cold_start as cold_start
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import Accepted, GenerateRequest, Head, ReplicaInfo, Tail, Usage
-from serve_app.ingress.admission import VariantAdmission, request_size
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.service_time import request_size
 from serve_app.ingress.availability import VariantAvailability
 from serve_app.ingress.cold_start import ColdStarts
 from serve_app.ingress.dispatch import Dispatcher
@@ -219,7 +220,7 @@ def test_a_herd_at_a_cold_variant_holds_what_it_can_serve_and_refuses_the_rest_a
         await mesh.view.refresh()
         admission = mesh.admissions["v2"]
         admission.configure(queue_timeout_s=1.0, reserved_slots=0, max_queued_per_slot=None)
-        admission.service_s = 2.0  # a request of size 1 holds a slot 2 s while full
+        admission.service_time.s = 2.0  # a request of size 1 holds a slot 2 s while full
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         calls = [asyncio.ensure_future(dispatch(mesh, plan_of(["v2"]))) for _ in range(60)]

@@ -1,91 +1,38 @@
-"""Admission control: bounded, priority-ordered queues in front of each variant.
+"""Admission control: bounded, priority-ordered queues in front of each variant
+(docs/traffic-safety.md, "Overload").
 
 A vLLM engine runs ``max_num_seqs`` requests at once. The router lets at most that many per
 running replica reach a variant (its *slots*) and holds the rest in its own queue, ordered
-by tenant priority (vLLM's convention: lower value first; FIFO within a priority). Ray
-Serve's handle queue is FIFO, so priority has to be decided here, before the request is
-sent; the engine's own priority scheduling (``scheduling_policy: priority``) then orders
-whatever reaches it.
-
-Rules, per variant (``routes.<route>.admission`` in the router config):
+by tenant priority (vLLM's convention: lower value first). Ray Serve's handle queue is FIFO,
+so priority is decided here, before the request is sent; the engine's own priority
+scheduling then orders whatever reaches it. Rules, per variant (``routes.<route>.admission``
+in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
   if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
-  slots``, is within :data:`ADMIT_MARGIN` x ``queue_timeout_s``; else it is rejected at once (``overloaded``) with
-  a ``Retry-After``: no client is left hanging on a queue that cannot serve it in time. A
-  request's *size* (:func:`request_size`) is its ``max_tokens`` (its token reservation) plus
-  :data:`PREFILL_TOKENS`, relative to a request of
-  :data:`~serve_app.common.wire.CALIBRATION_TOKENS` tokens: a 64-token stream holds its
-  slot about three times as long as a 16-token one. ``service_s`` is how long a request of
-  size 1 holds a slot *while the variant is full*, s: a moving average over the requests
-  released while every slot was taken, per unit of the size they generated (an idle
-  variant's requests finish several times faster than a full one's, so those would make the
-  queue admit far more than can start in time). Until the variant has been full,
-  ``service_s`` is what its replicas measured at start-up for a full batch of such requests
-  (``ReplicaInfo.full_batch_service_s``), so the queue holds about what can start within
-  ``queue_timeout_s`` from the first burst on. That measure runs inside the engine, with no
-  HTTP path and no client on the host: on a 2-core host the real figure under load is about
-  twice it, and the first burst is over-admitted until its first requests finish (then the
-  excess is shed). The slots in the estimate are those the tenant may use
-  (:meth:`VariantAdmission.tenant_slots`). ``max_queued_per_slot`` sets a fixed bound
-  on the count instead (x slots).
-- **A deadline.** A queued request that has not started after ``queue_timeout_s`` is
-  rejected (``queue_timeout``), before any byte is sent; when a finished request shows that
-  service got slower, queued requests that can no longer start in time are rejected at
-  once (``shed``) rather than at their deadline.
-- **Priority.** A better-priority request goes ahead of every worse one in the queue; the
-  worse ones it pushes past their deadline are rejected at once (``shed``): low-priority
-  work is shed first. ``reserved_slots`` slots are kept for the best priority configured,
-  so its requests start at once even while worse ones fill the variant.
-- **Token-fair within a priority** (``fairness: tokens``, the default). Among queued
-  requests of one priority, the tenant with the least service so far goes first (FIFO
-  within a tenant). A tenant's service is its virtual token counter, as in the VTC
-  scheduler (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
-  ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion`` tokens. A request is charged
-  its reservation when it starts (so a tenant's long streams count while they run) and
-  corrected to its real usage when it ends. A tenant that arrives with nothing queued or
-  running has its counter lifted to the least counter among the tenants that have
-  requests queued or running, so time spent idle earns no burst of credit; on an idle
-  variant, to the greatest counter, so the contention of an hour ago (a tenant that was
-  served a lot then, one that was away) does not decide the next one. ``fairness: fifo`` keeps arrival
-  order (the baseline the fair order is measured against).
-- **A slot for a tenant that has none** (``newcomer_slots``, default 1, with ``fairness:
-  tokens`` and tenants configured). A tenant that already has requests in flight on the
-  variant may hold at most ``capacity - newcomer_slots`` of its engine slots (and none of
-  the best priority's headroom), so another tenant's request finds an engine slot free and
-  starts at once. A request running in that slot does not count against the busy tenants'
-  share (counted, it left one more engine slot idle while it ran: the burst of 400 on the
-  virtual clock ran 6 + 1 requests on 8 slots). The fair order alone cannot do that: it
-  decides which queued request goes next, but each waits for a running one to end (a long
-  stream: many seconds), and vLLM does not preempt a running request to make room. The cost is one engine slot of
-  ``max_num_seqs`` while only one tenant is busy.
-- **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s,
-  with ``fairness: tokens`` and tenants configured): when a request ends and its tenant
-  would be served next (less service than every tenant waiting at the best priority
-  waiting, none better than its own), its slot stays that tenant's for
-  ``anticipation_s``. A client that sends its next request when the last one ends (most
-  do) would otherwise lose the slot to the queue in the moment between the two and wait
-  for another request to end: measured on the simulated engine, a light tenant keeping 4
-  requests going waited 0.4-1.7 s per request in the router and got 28-32 % of the service
-  against a heavy tenant's 16 (43-46 % with this rule). Anticipatory scheduling, as disks
-  do it (Iyer and Druschel, "Anticipatory scheduling", SOSP 2001): a slot idles at most
-  ``anticipation_s``.
+  slots`` (:mod:`serve_app.ingress.service_time`; the slots the tenant may use), is within
+  :data:`ADMIT_MARGIN` x ``queue_timeout_s``; else it is refused at once (``overloaded``)
+  with a ``Retry-After``: no client is left hanging on a queue that cannot serve it in
+  time. ``max_queued_per_slot`` sets a fixed bound on the count instead (x slots).
+- **A deadline.** A queued request not started after ``queue_timeout_s`` is refused
+  (``queue_timeout``) before any byte; when a finished request shows that service got
+  slower, queued requests that can no longer start in time are refused at once (``shed``).
+- **Priority.** A better-priority request goes ahead of every worse one; the worse ones it
+  pushes past their deadline are shed: low-priority work is shed first. ``reserved_slots``
+  are kept for the best priority configured, so its requests start at once.
+- **Tenants' shares** (``fairness``, ``newcomer_slots``, ``anticipation_s``): token-fair
+  order within a priority, a slot for a tenant that has none, a freed slot kept for its
+  tenant a moment (:mod:`serve_app.ingress.fair_share`).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
-- **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`). While a
-  variant starts from zero, requests that wait for it queue here with the slots its first
-  replica will have: a request is held if, once that replica is warm, it would start within
-  ``queue_timeout_s`` by the rule above (its ``max_num_seqs`` less the ``reserved_slots`` or
-  ``newcomer_slots`` kept back at once, the rest at ``service_s`` per size on those); the
-  rest get 503 ``overloaded`` at once, before any byte. A held
-  request waits at most ``cold_start_timeout_s`` for the replica (``cold_start_timeout``);
-  once it is warm, held requests get its slots in the queue's order (priority, then
-  token-fair), no more at a time than it takes, and each may wait ``queue_timeout_s`` from
-  then or until its ``cold_start_timeout_s`` ends, whichever is later: what was held was
-  counted on the start-up measure, and an engine slower than measured (a 2-core host
-  under a second herd) must not shed held streams, whose 200 went out, in-band.
-  A start that fails ends every held request (``cold_start_failed``, with the reason).
+- **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`;
+  :mod:`serve_app.ingress.cold_start`): a request waiting for a variant's start from zero
+  is held if, once its first replica is warm, it would start within ``queue_timeout_s`` by
+  the rule above (its ``max_num_seqs`` less the ``reserved_slots`` or ``newcomer_slots``
+  kept back, the rest at ``service_s`` per size on those); the rest get 503 ``overloaded``
+  at once. Once warm, a held request may wait ``queue_timeout_s`` or until its
+  ``cold_start_timeout_s`` ends, whichever is later.
 
-Admission holds per router replica. Rejections are 503 (the tenant's own limits, in
+Admission holds per router replica. Refusals are 503 (the tenant's own limits, in
 :mod:`serve_app.tenancy.limits`, cluster-wide, are 429).
 """
 
@@ -95,17 +42,13 @@ import asyncio
 import itertools
 import math
 import time
-from dataclasses import dataclass
 
-from serve_app.common.wire import CALIBRATION_TOKENS
+from serve_app.ingress import refusals
+from serve_app.ingress.fair_share import FairShare
+from serve_app.ingress.refusals import Rejected
+from serve_app.ingress.service_time import ServiceTime
+from serve_app.ingress.slots import Slot, Waiter
 
-#: Slot-holding time assumed while a variant has not been full and its replicas measured
-#: nothing at start-up, s.
-PRIOR_SERVICE_S = 2.0
-#: Weight of each new sample in the moving average of service time (the n-th of the first
-#: samples weighs 1/n: a running mean, so a variant's first burst soon replaces the start-up
-#: measure).
-EWMA_ALPHA = 0.2
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
 #: router's next dispatch.
@@ -119,73 +62,6 @@ HEADROOM = 0.25
 ADMIT_MARGIN = 0.9
 #: Slots assumed while a variant's capacity is not known.
 UNKNOWN_CAPACITY = 1_000_000
-#: Bounds of the Retry-After a rejection suggests, s.
-MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 10
-#: Weights of prompt and completion tokens in a tenant's service (VTC's, OSDI 2024 §4:
-#: a generated token costs the engine about twice a prompt token).
-PROMPT_WEIGHT, COMPLETION_WEIGHT = 1.0, 2.0
-
-
-#: A request's fixed cost (its prefill, its scheduling) in generated-token equivalents, for
-#: :func:`request_size`: a rough figure for short prompts on this CPU host.
-PREFILL_TOKENS = 8
-
-
-def request_size(completion_tokens: int) -> float:
-    """How long a request holds a slot, relative to one of ``CALIBRATION_TOKENS`` generated
-    tokens: ``(completion_tokens + PREFILL_TOKENS) / (CALIBRATION_TOKENS + PREFILL_TOKENS)``.
-    Decode dominates a request's time in a full batch, so size follows its tokens."""
-    return (max(0, completion_tokens) + PREFILL_TOKENS) / (CALIBRATION_TOKENS + PREFILL_TOKENS)
-
-
-def service_cost(prompt_tokens: int, completion_tokens: int) -> float:
-    """A request's weighted service, tokens."""
-    return PROMPT_WEIGHT * prompt_tokens + COMPLETION_WEIGHT * completion_tokens
-
-
-class Rejected(Exception):
-    """A request the variant cannot start in time.
-
-    Attributes:
-        reason: ``overloaded`` (at arrival), ``queue_timeout`` (deadline passed while
-            queued), ``shed`` (pushed past its deadline by better-priority requests) or
-            ``unavailable`` (no running replica).
-        retry_after_s: when a retry may succeed, s (whole seconds).
-    """
-
-    def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-
-@dataclass
-class _Waiter:
-    priority: int
-    seq: int
-    deadline: float
-    top: bool
-    future: asyncio.Future
-    tenant: str = ""
-    cost: float = 0.0  # service charged when it starts
-    size: float = 1.0  # request_size of its reservation
-    held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
-    hold_s: float = 0.0  # the longest it may wait for that, s
-
-
-@dataclass
-class Slot:
-    """A granted slot; give it back with :meth:`VariantAdmission.release`."""
-
-    granted_at: float
-    tenant: str = ""
-    charged: float = 0.0  # service charged at the start (its reservation)
-    size: float = 1.0  # request_size of its reservation
-    released: bool = False
-    priority: int = 0
-    top: bool = True
-    newcomer: bool = False  # in a newcomer slot: its tenant had nothing in flight
 
 
 class VariantAdmission:
@@ -197,10 +73,8 @@ class VariantAdmission:
         reserved_slots: slots only the best priority may take.
         max_queued_per_slot: most requests waiting at once, per slot; None: what can start
             within ``queue_timeout_s`` (see :attr:`max_queued`).
-        newcomer_slots: engine slots a tenant with requests in flight may not take (see the
-            module docstring); applies with ``fairness: tokens`` to named tenants.
-        anticipation_s: how long a freed slot stays its tenant's, s (see the module
-            docstring); with ``fairness: tokens``, named tenants.
+        fairness, newcomer_slots, anticipation_s: the tenants' shares
+            (:mod:`serve_app.ingress.fair_share`).
         headroom: see :data:`HEADROOM`.
         clock: ``time.monotonic`` (tests pass a fake).
     """
@@ -209,39 +83,33 @@ class VariantAdmission:
                  max_queued_per_slot: float | None = None, fairness: str = "tokens",
                  newcomer_slots: int = 0, anticipation_s: float = 0.0,
                  headroom: float = HEADROOM, clock=time.monotonic) -> None:
-        self.newcomer_slots = newcomer_slots
-        self.anticipation_s = anticipation_s
-        self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
-        self.variant = variant
-        self.headroom = headroom
-        self.queue_timeout_s = queue_timeout_s
-        self.reserved_slots = reserved_slots
-        self.max_queued_per_slot = max_queued_per_slot
-        self.fairness = fairness
+        self.variant, self.headroom, self._clock = variant, headroom, clock
+        self.shares = FairShare(clock)
+        self.service_time = ServiceTime()
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
-        self.service_s = PRIOR_SERVICE_S
-        self._full_samples = 0  # releases service_s was learned from (the variant full)
-        self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
-        self._running: dict[str, int] = {}  # tenant -> slots held
-        self._newcomers = 0  # slots held in newcomer slots (at most newcomer_slots)
-        self._clock = clock
-        self._queue: list[_Waiter] = []
+        self._queue: list[Waiter] = []
         self._seq = itertools.count()
         self.starting_slots = 0  # slots of the replica a cold start brings (0: none under way)
+        self.configure(queue_timeout_s=queue_timeout_s, reserved_slots=reserved_slots,
+                       max_queued_per_slot=max_queued_per_slot, fairness=fairness,
+                       newcomer_slots=newcomer_slots, anticipation_s=anticipation_s)
 
     # -- settings -----------------------------------------------------------------------------
 
     def configure(self, *, queue_timeout_s: float, reserved_slots: int,
                   max_queued_per_slot: float | None, fairness: str = "tokens",
                   newcomer_slots: int = 0, anticipation_s: float = 0.0) -> None:
-        self.newcomer_slots = newcomer_slots
-        self.anticipation_s = anticipation_s
+        self.shares.configure(fairness, newcomer_slots, anticipation_s)
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot
-        self.fairness = fairness
         self._grant()
+
+    @property
+    def service(self) -> dict[str, float]:
+        """Each tenant's service so far (its VTC counter), tokens."""
+        return self.shares.service
 
     def set_capacity(self, slots: int | None, full_batch_service_s: float = 0.0) -> None:
         """Slots of the variant now (``max_num_seqs`` x running replicas; None: unknown) and
@@ -250,8 +118,7 @@ class VariantAdmission:
         requests (each waits ``queue_timeout_s`` from now, or to the end of its hold if
         later)."""
         self.capacity = slots
-        if not self._full_samples:
-            self.service_s = full_batch_service_s or PRIOR_SERVICE_S
+        self.service_time.start_up_measure(full_batch_service_s)
         if slots:
             self.starting_slots = 0
             deadline = self._clock() + self.queue_timeout_s
@@ -276,28 +143,24 @@ class VariantAdmission:
                 w.future.set_exception(rejected)
         self._prune()
 
-    def _held_slots(self) -> int:
-        """Slots of the first replica a held request may count on: its ``max_num_seqs`` less
-        those kept back (``reserved_slots`` for the best priority, ``newcomer_slots`` for a
-        tenant with nothing in flight), whoever the held requests are; so every request held
-        starts within ``queue_timeout_s`` by the rules that release it (no held request is
-        shed)."""
-        return max(1, self.starting_slots - max(self.reserved_slots, self.newcomer_slots))
+    def _kept_back(self) -> int:
+        """Engine slots a busy tenant of an ordinary priority may not take: the
+        ``reserved_slots`` (best priority) or the ``newcomer_slots``, the larger."""
+        return max(self.reserved_slots, self.shares.newcomer_slots)
 
-    def _held_wait_s(self, work: float) -> float:
-        """Seconds after the replica is warm until held ``work`` (sizes, own included) has
-        started: the first :meth:`_held_slots` at once, the rest at ``service_s`` each."""
-        slots = self._held_slots()
-        return self._estimate(max(0.0, work - slots), slots)
+    def _held_slots(self) -> int:
+        """Slots of the first replica held requests may count on, whoever they are (so none
+        is shed once warm): its ``max_num_seqs`` less :meth:`_kept_back`."""
+        return max(1, self.starting_slots - self._kept_back())
 
     def held_limit(self, size: float = 1.0) -> int:
         """Requests of ``size`` a cold start holds (:meth:`expect_start`; 0 when none is under
         way): those its first replica can start within ``ADMIT_MARGIN x queue_timeout_s`` of
-        being warm (:meth:`_held_wait_s`; the module docstring)."""
+        being warm (the module docstring)."""
         if not self.starting_slots:
             return 0
         slots = self._held_slots()
-        more = ADMIT_MARGIN * self.queue_timeout_s * slots / max(1e-3, self.service_s)
+        more = ADMIT_MARGIN * self.queue_timeout_s * slots / max(1e-3, self.service_time.s)
         return int((slots + more) // max(1e-3, size))
 
     def slots_for(self, top: bool) -> int:
@@ -307,83 +170,31 @@ class VariantAdmission:
         ``reserved_slots`` of the capacity free (but get at least one)."""
         if self.capacity is None:  # not learned yet: Serve's own bounds apply
             return UNKNOWN_CAPACITY
-        return self._slots_of(self.capacity, top)
-
-    def _slots_of(self, capacity: int, top: bool) -> int:
         if top:
-            return capacity + math.ceil(capacity * self.headroom)
-        return max(1, capacity - self.reserved_slots)
-
-    def _newcomer_rule(self, tenant: str) -> bool:
-        return bool(self.newcomer_slots and tenant and self.fairness == "tokens"
-                    and self.capacity is not None)
+            return self.capacity + math.ceil(self.capacity * self.headroom)
+        return max(1, self.capacity - self.reserved_slots)
 
     def tenant_slots(self, top: bool, tenant: str) -> int:
         """Slots a request of ``tenant`` may use: :meth:`slots_for`, and, for a tenant with
         requests in flight, none of the ``newcomer_slots`` engine slots."""
-        slots = self.slots_for(top)
-        if self._newcomer_rule(tenant) and self._running.get(tenant):
-            return min(slots, max(1, self.capacity - self.newcomer_slots))
-        return slots
-
-    def _held_against(self, tenant: str) -> int:
-        """Slots in flight that count against ``tenant``'s :meth:`tenant_slots`: all, but
-        for a tenant with requests in flight not those in newcomer slots, which it may not
-        use (else a newcomer running would leave one engine slot idle)."""
-        if self._newcomer_rule(tenant) and self._running.get(tenant):
-            return self.in_flight - self._newcomers
-        return self.in_flight
-
-    def _work(self, w: _Waiter) -> float:
-        """What a queued request adds to the wait of those behind it: its size, or nothing
-        when it will start in a newcomer slot (its tenant has nothing in flight), which
-        the requests of busy tenants may not use anyway."""
-        return 0.0 if self._newcomer_rule(w.tenant) and not self._running.get(w.tenant) \
-            else w.size
+        return self.shares.tenant_slots(self.slots_for(top), self.capacity, tenant)
 
     def may_start(self, top: bool, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`; the
         slots kept for other tenants are taken)."""
-        return (self._held_against(tenant) + self._kept_for_others(tenant)
-                < self.tenant_slots(top, tenant))
+        held = self.shares.held_against(tenant, self.in_flight, self.capacity)
+        return held + self.shares.kept_for_others(tenant) < self.tenant_slots(top, tenant)
 
-    def _kept_for_others(self, tenant: str) -> int:
-        if not self._kept:
-            return 0
-        now = self._clock()
-        self._kept = [k for k in self._kept if k[1] > now]
-        return sum(1 for t, _ in self._kept if t != tenant)
+    def _work(self, w: Waiter) -> float:
+        return self.shares.work(w.tenant, w.size, self.capacity)
 
     def _keep(self, slot: Slot) -> None:
-        """Keep the slot ``slot``'s request just freed for its tenant's next request
-        (``anticipation_s``) when that tenant would be served next: it has had less service
-        than every tenant waiting at the best priority waiting, none waiting has a better
-        priority than it, none of its own requests waits (that one takes the slot at once),
-        and it may use the slot."""
-        tenant = slot.tenant
-        if not (self.anticipation_s > 0 and tenant and self.fairness == "tokens"
-                and self.capacity is not None):
-            return
-        waiting = [w for w in self._waiting() if not w.held]
-        if not waiting or any(w.tenant == tenant for w in waiting) \
-                or self._held_against(tenant) >= self.tenant_slots(slot.top, tenant):
-            return
-        best = min(w.priority for w in waiting)
-        mine = self.service.get(tenant, 0.0)
-        if best < slot.priority or any(self.service.get(w.tenant, 0.0) <= mine
-                                       for w in waiting if w.priority == best):
-            return
-        kept = (tenant, self._clock() + self.anticipation_s)
-        self._kept.append(kept)
-        try:  # then the slot goes to the queue, whatever the clocks' rounding
-            asyncio.get_running_loop().call_later(self.anticipation_s, self._expire, kept)
-        except RuntimeError:  # no loop (a unit test's direct call): the next decision sees it
-            pass
-
-    def _expire(self, kept: tuple[str, float]) -> None:
-        if kept in self._kept:
-            self._kept.remove(kept)
-        self._grant()
+        """Keep the slot ``slot`` freed for its tenant a moment (``anticipation_s``)."""
+        waiting = [(w.tenant, w.priority) for w in self._waiting() if not w.held]
+        may_use = (self.shares.held_against(slot.tenant, self.in_flight, self.capacity)
+                   < self.tenant_slots(slot.top, slot.tenant))
+        self.shares.keep(slot.tenant, slot.priority, waiting, may_use, self.capacity,
+                         then=self._grant)
 
     @property
     def queued(self) -> int:
@@ -397,7 +208,7 @@ class VariantAdmission:
         slots = self.slots_for(True)
         if self.max_queued_per_slot is not None:
             return math.ceil(self.max_queued_per_slot * slots)
-        return max(1, math.ceil(self.queue_timeout_s * slots / max(1e-3, self.service_s)))
+        return max(1, math.ceil(self.queue_timeout_s * slots / max(1e-3, self.service_time.s)))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -413,7 +224,7 @@ class VariantAdmission:
         return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
 
     def enter(self, priority: int, top: bool, tenant: str = "", cost: float = 0.0,
-              size: float = 1.0, hold_s: float | None = None) -> Slot | _Waiter:
+              size: float = 1.0, hold_s: float | None = None) -> Slot | Waiter:
         """Decide at arrival, without waiting: a slot now, or a place in the queue to
         :meth:`wait` on.
 
@@ -421,9 +232,11 @@ class VariantAdmission:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
             tenant: the tenant id ("" in open mode).
-            cost: the service charged to ``tenant`` when it starts (:func:`service_cost` of
-                its reservation, tokens); :meth:`release` corrects it.
-            size: :func:`request_size` of its reservation (1.0: a short request).
+            cost: the service charged to ``tenant`` when it starts (``service_cost`` of its
+                reservation, :mod:`~serve_app.ingress.fair_share`, tokens); :meth:`release`
+                corrects it.
+            size: ``request_size`` of its reservation (:mod:`~serve_app.ingress.service_time`;
+                1.0: a short request).
             hold_s: the request may be held for a cold start under way
                 (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
 
@@ -434,37 +247,31 @@ class VariantAdmission:
         now = self._clock()
         held = self.capacity == 0 and hold_s is not None and self.starting_slots > 0
         if self.capacity == 0 and not held:
-            raise Rejected("unavailable", f"variant {self.variant} has no running replica",
-                           MIN_RETRY_AFTER_S)
-        self._lift(tenant)
+            raise refusals.unavailable(self.variant)
+        self.shares.lift(tenant, {w.tenant for w in self._waiting()})
         key = self._key(priority, tenant, math.inf)
         ahead = [w for w in self._waiting() if self._order(w) <= key]
         if held:
-            work = sum(w.size for w in self._waiting()) + size  # all of them go first-come
-            wait_s = self._held_wait_s(work)
+            # Until the held work (all of it goes first-come) has started on the first replica:
+            # the first _held_slots at once, the rest at service_s each.
+            work, slots = sum(w.size for w in self._waiting()) + size, self._held_slots()
+            wait_s = self.service_time.wait_s(max(0.0, work - slots), slots)
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s:
-                raise Rejected("overloaded", f"variant {self.variant} is starting from zero "
-                               f"replicas and holds what its first replica can start within "
-                               f"queue_timeout_s {self.queue_timeout_s:g} once warm (about "
-                               f"{self.held_limit(size)} requests this size), and that many "
-                               "wait already; retry once it has started",
-                               self._retry_after(wait_s))
+                raise refusals.holds_all_it_can(self.variant, self.queue_timeout_s,
+                                                self.held_limit(size), wait_s)
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
                 return self._start(tenant, cost, now, size, priority, top)
-            wait_s = self._estimate(sum(self._work(w) for w in ahead) + size,
+            wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
                     fixed_bound and self.queued >= self.max_queued):
-                raise Rejected("overloaded", f"variant {self.variant} is at capacity: "
-                               f"{self.in_flight} requests running, {self.queued} queued; this "
-                               f"one would wait about {wait_s:.0f} s (queue_timeout_s "
-                               f"{self.queue_timeout_s:g}); retry later",
-                               self._retry_after(wait_s - self.queue_timeout_s))
+                raise refusals.overloaded(self.variant, self.queue_timeout_s, self.in_flight,
+                                          self.queued, wait_s)
             deadline = now + self.queue_timeout_s
-        waiter = _Waiter(priority, next(self._seq), deadline, top,
+        waiter = Waiter(priority, next(self._seq), deadline, top,
                          asyncio.get_running_loop().create_future(), tenant, cost, size,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
@@ -473,7 +280,7 @@ class VariantAdmission:
             self._grant()  # those ahead may be held back by newcomer_slots: this one may not
         return waiter
 
-    async def wait(self, waiter: _Waiter) -> Slot:
+    async def wait(self, waiter: Waiter) -> Slot:
         """Wait for the slot of a request :meth:`enter` queued, until its deadline (a held
         request's moves to ``queue_timeout_s`` after the variant is warm).
 
@@ -493,14 +300,9 @@ class VariantAdmission:
                         continue  # the variant became warm: a new deadline
                     waiter.future.cancel()
                     if waiter.held:
-                        raise Rejected("cold_start_timeout", f"variant {self.variant} is "
-                                       "starting from zero replicas and did not start within "
-                                       f"cold_start_timeout_s {waiter.hold_s:g}; retry later",
-                                       MAX_RETRY_AFTER_S) from None
-                    raise Rejected("queue_timeout", f"variant {self.variant} could not start "
-                                   f"the request within queue_timeout_s "
-                                   f"{self.queue_timeout_s:g}; retry later",
-                                   self._retry_after(self.service_s)) from None
+                        raise refusals.cold_start_timeout(self.variant, waiter.hold_s) from None
+                    raise refusals.queue_timeout(self.variant, self.queue_timeout_s,
+                                                 self.service_time.s) from None
         except asyncio.CancelledError:  # the client left while queued
             if _granted(waiter.future):
                 self.release(waiter.future.result(), cost=0.0)  # it never ran
@@ -512,26 +314,21 @@ class VariantAdmission:
     def release(self, slot: Slot, cost: float | None = None, size: float | None = None
                 ) -> None:
         """Give a slot back (once; later calls do nothing) and learn its service time.
-        ``cost``: the request's real service (:func:`service_cost` of its usage), which
-        replaces what it was charged at the start; None keeps that. ``size``: the
-        :func:`request_size` of what it generated; None when it generated nothing (it
-        failed over, was refused, its client left): then it teaches ``service_s`` nothing."""
+        ``cost``: the request's real service (``service_cost`` of its usage), which replaces
+        what it was charged at the start; None keeps that. ``size``: the ``request_size`` of
+        what it generated; None when it generated nothing (it failed over, was refused, its
+        client left): then it teaches ``service_s`` nothing."""
         if slot.released:
             return
         slot.released = True
         # Full: as busy as admission lets a busy tenant of an ordinary priority make it (the
         # engines' slots but the reserved and the newcomer ones).
         full = self.capacity is not None and self.in_flight >= max(
-            1, self.capacity - max(self.reserved_slots, self.newcomer_slots))
+            1, self.capacity - self._kept_back())
         self.in_flight -= 1
-        self._newcomers -= slot.newcomer
-        self._running[slot.tenant] = max(0, self._running.get(slot.tenant, 0) - 1)
-        if cost is not None:
-            self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost - slot.charged
+        self.shares.end(slot.tenant, slot.newcomer, slot.charged, cost)
         if full and size is not None:  # held while full, by a request that generated tokens
-            held = (self._clock() - slot.granted_at) / max(1e-3, size)
-            self._full_samples += 1  # the first ones replace the start-up measure quickly
-            self.service_s += max(EWMA_ALPHA, 1 / self._full_samples) * (held - self.service_s)
+            self.service_time.learn(self._clock() - slot.granted_at, size)
         if size is not None:  # it ended as requests do: its client may send the next one
             self._keep(slot)
         self._grant()
@@ -539,54 +336,22 @@ class VariantAdmission:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _estimate(self, work: float, slots: int) -> float:
-        """Seconds until a queued request starts when ``work`` (the sizes of the requests
-        ahead of it and its own) must be served first."""
-        return work * self.service_s / max(1, slots)
-
-    @staticmethod
-    def _retry_after(seconds: float) -> int:
-        return int(min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(seconds))))
-
     def _key(self, priority: int, tenant: str, seq: float) -> tuple:
         """Queue order: priority, then (``fairness: tokens``) the tenant's service, then
         arrival."""
-        return (priority, self.service.get(tenant, 0.0) if self.fairness == "tokens" else 0.0,
-                seq)
+        return (priority, self.shares.counter(tenant), seq)
 
-    def _order(self, w: _Waiter) -> tuple:
+    def _order(self, w: Waiter) -> tuple:
         return self._key(w.priority, w.tenant, w.seq)
 
-    def _waiting(self) -> list[_Waiter]:
+    def _waiting(self) -> list[Waiter]:
         return [w for w in self._queue if not w.future.done()]
-
-    def _lift(self, tenant: str) -> None:
-        """A tenant with nothing queued or running starts from the least counter of the
-        tenants that have, so idle time earns no credit (VTC's counter lift); on an idle
-        variant, from the greatest counter, so no one's history from before counts."""
-        waiting = self._waiting()
-        if self._running.get(tenant) or any(w.tenant == tenant for w in waiting):
-            return
-        active = {w.tenant for w in waiting} | {t for t, n in self._running.items() if n}
-        floor = (min(self.service.get(t, 0.0) for t in active) if active
-                 else max(self.service.values(), default=0.0))
-        self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
     def _start(self, tenant: str, cost: float, now: float, size: float = 1.0,
                priority: int = 0, top: bool = True) -> Slot:
-        kept = next((k for k in self._kept if k[0] == tenant), None)
-        if kept is not None:
-            self._kept.remove(kept)  # it takes the slot kept for it
-        # In a newcomer slot: its tenant has nothing in flight and the busy tenants' share
-        # is full (else it takes a slot of that share, as any request does).
-        newcomer = (self._newcomer_rule(tenant) and not self._running.get(tenant)
-                    and self._newcomers < self.newcomer_slots
-                    and self.in_flight - self._newcomers
-                    >= self.capacity - self.newcomer_slots)
-        self._newcomers += newcomer
+        newcomer = self.shares.takes_newcomer_slot(tenant, self.in_flight, self.capacity)
+        self.shares.start(tenant, cost, newcomer)
         self.in_flight += 1
-        self._running[tenant] = self._running.get(tenant, 0) + 1
-        self.service[tenant] = self.service.get(tenant, 0.0) + cost
         return Slot(now, tenant, cost, size, priority=priority, top=top, newcomer=newcomer)
 
     def _grant(self) -> None:
@@ -606,7 +371,7 @@ class VariantAdmission:
                                                  chosen.size, chosen.priority, chosen.top))
         self._prune()
 
-    def _shed_behind(self, newcomer: _Waiter, now: float) -> None:
+    def _shed_behind(self, newcomer: Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
         deadline."""
         if any(self._order(w) > self._order(newcomer) for w in self._waiting()):
@@ -618,15 +383,12 @@ class VariantAdmission:
         now = self._clock() if now is None else now
         ahead = 0.0
         for w in sorted((w for w in self._waiting() if not w.held), key=self._order):
-            if now + self._estimate(ahead + w.size,
+            if now + self.service_time.wait_s(ahead + w.size,
                                     self.tenant_slots(w.top, w.tenant)) <= w.deadline:
                 ahead += self._work(w)  # it stays: those behind it wait for it
             else:
-                w.future.set_exception(Rejected(
-                    "shed", f"variant {self.variant} is at capacity and cannot start this "
-                    f"request within queue_timeout_s {self.queue_timeout_s:g} (requests of "
-                    "its priority or better go first); retry later",
-                    self._retry_after(self.service_s)))
+                w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
+                                                     self.service_time.s))
         self._prune()
 
     def _prune(self) -> None:

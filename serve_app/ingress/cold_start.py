@@ -13,8 +13,12 @@ Requests that arrive meanwhile are held in the variant's admission queue
 (:meth:`VariantAdmission.expect_start`): as many as its first replica can start within
 ``queue_timeout_s`` once warm, derived as admission derives its queue; the rest get 503
 ``overloaded`` with ``Retry-After`` at once, before any byte. When the replica is warm the
-held requests get its slots in admission's order. A held request waits at most its route's
-``cold_start_timeout_s`` (then 503 ``cold_start_timeout``). A stream waits with its response
+held requests get its slots in admission's order, no more at a time than it takes; each
+then waits ``queue_timeout_s`` or until its ``cold_start_timeout_s`` ends, whichever is
+later: the count was made with the start-up measure, and an engine slower than measured (a
+2-core host under a second herd) must not shed held streams, whose 200 went out, in-band.
+A held request waits at most its route's ``cold_start_timeout_s`` for the replica (then 503
+``cold_start_timeout``). A stream waits with its response
 headers sent and an SSE comment line (``: waiting for smollm-v2 to start``) every
 :data:`COMMENT_EVERY_S`, which clients ignore (WHATWG HTML, "Server-sent events": lines
 starting with ``:``) and which keep proxies' read timeouts from firing.
@@ -41,7 +45,9 @@ from collections.abc import AsyncIterator, Callable
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.common.shared_task import start_shared_task
-from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.refusals import Rejected
+from serve_app.ingress.slots import Slot
 from serve_app.ingress.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
 
 logger = get_logger(__name__)

@@ -30,7 +30,9 @@ from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
                                        nested_too_deeply, replica_gone)
 from serve_app.common.wire import REPLICA_HEADER, Accepted, Head, Usage
 from serve_app.tenancy.accounting import RequestAccount
-from serve_app.ingress.admission import Rejected, Slot, VariantAdmission
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.refusals import Rejected
+from serve_app.ingress.slots import Slot
 from serve_app.ingress.cold_start import ColdStarts, Held
 from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
 from serve_app.ingress.relay import RelayResponse

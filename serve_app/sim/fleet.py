@@ -33,8 +33,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve_app.ingress.admission import (Rejected, VariantAdmission, request_size,
-                                         service_cost)
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.fair_share import service_cost
+from serve_app.ingress.service_time import request_size
+from serve_app.ingress.refusals import Rejected
 from serve_app.sim.profile import SimProfile
 from serve_app.sim.scheduler import SimRequest, SimScheduler, evict_idle_lru
 

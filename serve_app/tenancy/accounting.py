@@ -24,7 +24,10 @@ from collections.abc import Callable
 from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
-from serve_app.ingress.admission import Slot, VariantAdmission, request_size, service_cost
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.fair_share import service_cost
+from serve_app.ingress.service_time import request_size
+from serve_app.ingress.slots import Slot
 from serve_app.tenancy.limits import Lease, TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
