@@ -243,6 +243,8 @@ def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy
 
 
 BROKEN = "smollm-broken"  # a variant whose engine fails to start (sim.fail_start)
+SLOW = "smollm-slow"  # a variant whose engine starts slower than its route waits
+SLOW_ROUTE_TIMEOUT_S = 3
 
 
 def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_backs_off(sleepy):
@@ -251,10 +253,15 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     its engine fails at start). The held request gets 503 ``cold_start_failed`` with the
     engine's reason once the controller reports the failed start, not at
     ``cold_start_timeout_s``; the next request, during the back-off, gets the same 503 at
-    once with a Retry-After; the budget's view no longer counts it as starting. Issue 27's
-    settlement through the router: with a ``tokens_per_day`` budget, both refused requests
-    (each reserved before it was held) cost nothing: the bucket before and after, read from
-    the answers of the warm variant around them, differs by what those answers cost."""
+    once with a Retry-After; the budget's view no longer counts it as starting. And a
+    request for a route whose only variant starts slower than the route's
+    ``cold_start_timeout_s`` (3 s; a sim replica's start takes ~15 s, a real engine's ~75 s)
+    gets 503 ``cold_start_timeout`` at 3 s, and the start goes on to a warm variant (stopped
+    while starting, the replica would hold the next deploy for Serve's
+    ``graceful_shutdown_timeout_s``). Issue 27's settlement through the router: with a
+    ``tokens_per_day`` budget, the three refused requests (each reserved before it was held)
+    cost nothing: the bucket before and after, read from the answers of the warm variant
+    around them, differs by what those answers cost."""
     cfg = copy.deepcopy(sleepy.sleepy_cfg)
     router = cfg["applications"][0]["deployments"][0]["user_config"]
     # 1,000 a day: about 40 tokens a request, a refill of 0.5 tokens over the test's ~45 s
@@ -267,15 +274,29 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     else:
         broken["runtime_env"] = {"env_vars": {**broken.get("runtime_env", {}).get(
             "env_vars", {}), "VLLM_CPU_KVCACHE_SPACE": "100000"}}  # GiB
-    cfg["applications"].append(broken)
-    route = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
-    route["variants"].append({"application": BROKEN, "weight": 0})
-    sleepy.deploy(cfg)  # in place: a new application with no replica, a weight-0 variant
+    slow = copy.deepcopy(next(a for a in cfg["applications"] if a["name"] == CANARY))
+    slow["name"] = SLOW
+    if sleepy.engine == "sim":
+        slow["args"]["sim"] = {**slow["args"]["sim"], "start_s": 5}  # + ~10 s of imports
+    cfg["applications"] += [broken, slow]
+    route = router["routes"]["smollm"]
+    # smollm-slow is on smollm too, at weight 0: its wake gives up after the largest
+    # cold_start_timeout_s of its routes (180 s), so the 3 s route's timeout is what ends
+    # the request, not a failed start.
+    route["variants"] += [{"application": BROKEN, "weight": 0}, {"application": SLOW,
+                                                                  "weight": 0}]
+    router["routes"][SLOW] = {"variants": [{"application": SLOW, "weight": 100}],
+                              "cold_start_timeout_s": SLOW_ROUTE_TIMEOUT_S}
+    sleepy.deploy(cfg)  # in place: new applications with no replica, weight-0 variants
     try:
         with sleepy.http() as http:
-            wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(BROKEN, {}).get(
-                "state") == "zero", 30, "the router sees the broken variant at zero")
+            wait_until(lambda: all(http.get("/health").json()["scale_to_zero"].get(
+                app, {}).get("state") == "zero" for app in (BROKEN, SLOW)), 30,
+                "the router sees the broken and the slow variant at zero")
             before, t_before = chat(http, pin=STABLE), time.monotonic()
+            t_slow = time.monotonic()
+            timed_out = chat(http, model=SLOW)
+            slow_s = time.monotonic() - t_slow
             t0 = time.monotonic()
             first = chat(http, pin=BROKEN)
             took = time.monotonic() - t0
@@ -284,9 +305,16 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
             again_s = time.monotonic() - t1
             state = http.get("/health").json()["scale_to_zero"].get(BROKEN, {})
             after, t_after = chat(http, pin=STABLE), time.monotonic()
+            wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(SLOW, {}).get(
+                "state") == "warm", 180, "the slow variant's start goes on to warm")
     finally:
         sleepy.deploy(sleepy.sleepy_cfg)
     print(f"\n[failed start] 503 after {took:.1f} s: {first.json()['error']['message']}")
+    print(f"[slow start] 503 after {slow_s:.1f} s: {timed_out.text}")
+    assert timed_out.status_code == 503, timed_out.text
+    assert timed_out.json()["error"]["code"] == "cold_start_timeout", timed_out.text
+    assert int(timed_out.headers["retry-after"]) >= 1
+    assert SLOW_ROUTE_TIMEOUT_S <= slow_s < SLOW_ROUTE_TIMEOUT_S + 5, slow_s
     for r in (first, again):
         assert r.status_code == 503 and r.json()["error"]["code"] == "cold_start_failed", r.text
         assert int(r.headers["retry-after"]) >= 1
@@ -299,13 +327,13 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     assert again_s < 1.0, again_s
     assert state.get("state") == "failed", state  # not "starting": out of the budget
     # What the tenant was charged between the two answers of the warm variant: the first
-    # one's usage (its reservation is given back down to it), nothing for the two refusals.
+    # one's usage (its reservation is given back down to it), nothing for the three refusals.
     reserved = Reservation.of("chat", CHAT_BODY).total
     charged = charged_between(int(before.headers["x-ratelimit-remaining-tokens"]), reserved,
                               before.json()["usage"]["total_tokens"],
                               int(after.headers["x-ratelimit-remaining-tokens"]), reserved)
     refill = day_refill(per_day, t_after - t_before)
-    print(f"[failed start] the two refused requests charged {charged} tokens (the bucket "
+    print(f"[failed start] the three refused requests charged {charged} tokens (the bucket "
           f"refilled {refill:.1f} meanwhile)")
     assert -1 - refill <= charged <= 1  # 1: whole-token rounding of the header
 
