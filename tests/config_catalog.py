@@ -81,9 +81,9 @@ def models_here() -> str:
     return ", ".join(sorted(p.parent.name for p in models_dir().glob("*/config.json")))
 
 
-BUDGET = ("is below one request of the default size (564 tokens: a chat without max_tokens "
-          "reserves its prompt estimate, at least 52, plus 512), so tenant {tenant!r} would get "
-          "400 reservation_exceeds_budget for every such request; set at least 564")
+BUDGET = ("is below one request of the default size (568 tokens: a chat without max_tokens "
+          "reserves its prompt bound, at least 56, plus 512), so tenant {tenant!r} would get "
+          "400 reservation_exceeds_budget for every such request; set at least 568")
 
 CASES: list[Case] = [
     # -- what is on this host --------------------------------------------------------------
@@ -138,8 +138,8 @@ CASES: list[Case] = [
          tenant(1, tokens_per_day=100),
          f"{ROUTER}.tenants[1].tokens_per_day: 100 " + BUDGET.format(tenant="acme")),
     Case("a per-minute token budget below one default request", "tenants.yaml",
-         tenant(1, tokens_per_minute=563),
-         f"{ROUTER}.tenants[1].tokens_per_minute: 563 " + BUDGET.format(tenant="acme")),
+         tenant(1, tokens_per_minute=567),
+         f"{ROUTER}.tenants[1].tokens_per_minute: 567 " + BUDGET.format(tenant="acme")),
     Case("an API key stored in clear", "tenants.yaml", tenant(1, api_keys_sha256=["sk-acme"]),
          f"{ROUTER}.tenants.1.api_keys_sha256: Value error, 'sk-acme'... is not a SHA-256 hex "
          "digest (64 lowercase hex characters); store hashes, never keys: meshctl hash-key"),

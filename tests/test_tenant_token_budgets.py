@@ -162,9 +162,9 @@ def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
 
 
 def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
-    """A 1,500-token stream (reserving 1,500 + its prompt estimate; long enough not to end by
+    """A 1,500-token stream (reserving 1,500 + its prompt bound; long enough not to end by
     itself within the test's 3 s) that the client leaves after 10 chunks is charged its
-    prompt estimate plus the chunks the router relayed, not its reservation."""
+    prompt bound plus the chunks the router relayed, not its reservation."""
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
     long = {**STREAM, "max_tokens": 1500}
     reservation = Reservation.of("chat", long)
@@ -177,7 +177,7 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
     probe_reservation = Reservation.of("chat", SMALL).total
     abandoned = charged_between(left_before, probe_reservation, probe_cost, left_after,
                                 probe_reservation)
-    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt estimate "
+    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt bound "
           f"{reservation.prompt}, reservation {reservation.total})")
     assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
     assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left
@@ -236,7 +236,7 @@ def test_a_4xx_from_vllm_costs_nothing(budgets):
 def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothing(budgets):
     """Issue 27, through the router: acme's 400-token stream loses its engine after 10
     events (``LLMReplica.kill_engine``: the simulated core dies as vLLM's EngineCore does)
-    and is charged its prompt estimate plus the events relayed (vLLM sends no usage then);
+    and is charged its prompt bound plus the events relayed (vLLM sends no usage then);
     each request sent until Serve has replaced the replica is refused before any byte and
     costs nothing. The bucket after the first request served again says so."""
     from ray import serve
@@ -277,7 +277,7 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
     charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
                               probe_reservation)
     print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
-          f"the client; charged {charged} (prompt estimate {prompt}, refilled {refill:.1f} "
+          f"the client; charged {charged} (prompt bound {prompt}, refilled {refill:.1f} "
           f"meanwhile); {len(refused)} requests refused meanwhile ({set(refused)})")
     assert content < 400  # the stream was cut
     # +1: whole-token rounding of the header; the refill over the wait is seen as a credit

@@ -11,23 +11,25 @@ from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.counts import Limits, TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
-from serve_app.tenancy.token_budget import (CHAT_TEMPLATE_TOKENS, DEFAULT_MAX_TOKENS, Reservation, TokenBucket,
-                                            completion_reservation, duration_header,
-                                            prompt_estimate)
+from serve_app.tenancy.token_budget import (CHAT_TEMPLATE_TOKENS, DEFAULT_MAX_TOKENS,
+                                            Reservation, TokenBucket, completion_reservation,
+                                            duration_header, prompt_bound)
 from tests.test_limits import FakeShared
 
 TPM = Limits(tokens_per_minute=600)
 
 
-def test_a_reservation_is_the_prompt_estimate_plus_max_tokens():
+def test_a_reservation_is_the_prompt_bound_plus_max_tokens():
     chat = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
             "max_tokens": 16}
-    # ceil((9 + 8) bytes / 3) + the template's allowance + 4 per message
-    assert prompt_estimate("chat", chat) == 6 + CHAT_TEMPLATE_TOKENS + 8
-    assert Reservation.of("chat", chat) == Reservation(14 + CHAT_TEMPLATE_TOKENS, 16)
-    assert prompt_estimate("completion", {"prompt": "é" * 6}) == 4  # 12 UTF-8 bytes
-    assert prompt_estimate("completion", {"prompt": [1, 2, 3]}) == 3  # token ids
+    # (9 + 8) content bytes + (6 + 4) role bytes + the template's allowance + 4 per message
+    assert prompt_bound("chat", chat) == 27 + CHAT_TEMPLATE_TOKENS + 8
+    assert Reservation.of("chat", chat) == Reservation(35 + CHAT_TEMPLATE_TOKENS, 16)
+    assert Reservation.of("chat", chat, max_model_len=64) == Reservation(64, 16)  # capped
+    assert prompt_bound("completion", {"prompt": "é" * 6}) == 13  # 12 UTF-8 bytes + a BOS
+    assert prompt_bound("completion", {"prompt": [1, 2, 3]}) == 4  # token ids (+ a BOS)
+    assert prompt_bound("completion", {"prompt": ["ab", "c" * 99]}, 50) == 3 + 50
     assert completion_reservation({"max_completion_tokens": 7, "max_tokens": 9}) == 7
     assert completion_reservation({}) == DEFAULT_MAX_TOKENS
     assert completion_reservation({"max_tokens": None}) == DEFAULT_MAX_TOKENS
@@ -87,7 +89,7 @@ def test_a_reservation_bounds_what_vllm_may_generate_for_the_body():
     assert chat(max_model_len=2048, max_tokens=10**9) == 2048  # vLLM's cap
     assert chat(n=3, max_tokens=10) == 30
     assert chat(max_tokens=True) == DEFAULT_MAX_TOKENS  # not an int to vLLM: its 400
-    assert Reservation.of("completion", {"prompt": ["abc", "abcdef"]}).prompt == 1 + 2
+    assert Reservation.of("completion", {"prompt": ["abc", "abcdef"]}).prompt == 4 + 7
 
 
 def test_duration_header_is_openais_format():
@@ -170,3 +172,46 @@ def test_a_late_answer_gives_its_reservation_back():
         await asyncio.sleep(0.2)
         assert shared.counts.remaining("t") == {"tokens_per_day": 1000}
     asyncio.run(main())
+
+
+def test_the_prompt_bound_holds_for_smollm2s_own_tokenizer_and_chat_template():
+    """Issue 27: the reservation's prompt part is an upper bound, not an estimate, for the
+    shipped model: vLLM's own tokenization (the chat template rendered, then encoded without
+    special tokens; a completion encoded with them) of ASCII, CJK, emoji, mixed scripts,
+    code, token-id prompts and conversations of 1 to 40 messages never exceeds it. (English
+    costs ~4 bytes a token, so the bound reserves ~4x English; CJK costs ~2.6 tokens a
+    character, which bytes / 3 under-reserved 2.6x.)"""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from serve_app.common.paths import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    rng = random.Random(27)
+    alphabets = {"ascii": [chr(c) for c in range(32, 127)],
+                 "cjk": [chr(c) for c in range(0x4E00, 0x9FFF)],
+                 "emoji": [chr(c) for c in range(0x1F300, 0x1F64F)],
+                 "mixed": [chr(c) for c in (*range(32, 127), *range(0x0400, 0x04FF),
+                                            *range(0x0600, 0x06FF), *range(0x1F300, 0x1F310))],
+                 "code": list("def f(x):\n    return {x: [x ** 2]}  # é\t")}
+    worst = {}
+    for name, alphabet in alphabets.items():
+        for _ in range(20):
+            texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+                     for _ in range(rng.randint(1, 40))]
+            roles = ["system"] + [rng.choice(["user", "assistant"]) for _ in texts[1:]]
+            messages = [{"role": r, "content": t} for r, t in zip(roles, texts)]
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False)
+            real = len(tok(rendered, add_special_tokens=False)["input_ids"])
+            bound = prompt_bound("chat", {"messages": messages})
+            assert real <= bound, (name, real, bound, messages[:2])
+            prompt = texts[0]
+            real_completion = len(tok(prompt)["input_ids"])
+            assert real_completion <= prompt_bound("completion", {"prompt": prompt}), name
+            worst[name] = max(worst.get(name, 0.0), real / bound)
+    ids = [rng.randrange(49152) for _ in range(50)]  # token ids go to vLLM as they are
+    assert prompt_bound("completion", {"prompt": ids}) >= len(ids)
+    print("\nthe prompt bound's tightest fit (real tokens / bound), per alphabet: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))

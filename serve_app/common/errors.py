@@ -154,7 +154,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "an admin's `x-mesh-variant` header names a variant the route does not have",
         "pin one of the variants the message lists", NO_RETRY, "ingress/planner.py"),
     "reservation_exceeds_budget": ErrorCode(
-        400, "the request reserves more tokens (prompt estimate + max_tokens, 512 when unset) "
+        400, "the request reserves more tokens (prompt bound + max_tokens, 512 when unset) "
         "than the tenant's whole token budget", "set a smaller `max_tokens`; the operator "
         "may raise the tenant's tokens_per_minute / tokens_per_day", NO_RETRY,
         "tenancy/limits.py"),

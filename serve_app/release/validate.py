@@ -238,7 +238,7 @@ def _budget_problems(tenant, at: str) -> list[str]:
         if limit is not None and limit < DEFAULT_RESERVATION.total:
             problems.append(f"{at}.{budget}: {limit} is below one request of the "
                             f"default size ({DEFAULT_RESERVATION.total} tokens: a chat "
-                            f"without max_tokens reserves its prompt estimate, at least "
+                            f"without max_tokens reserves its prompt bound, at least "
                             f"{DEFAULT_RESERVATION.prompt}, plus "
                             f"{DEFAULT_RESERVATION.completion}), so tenant {tenant.id!r} would "
                             "get 400 reservation_exceeds_budget for every such request; set "

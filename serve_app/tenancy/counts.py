@@ -164,7 +164,7 @@ class TenantCounts:
                                f"{bucket.limit} requests per minute", "rate_limit_exceeded",
                                math.ceil(wait_s))
             if math.isinf(wait_s):
-                return Refusal(400, f"the request reserves {tokens} tokens (prompt estimate "
+                return Refusal(400, f"the request reserves {tokens} tokens (prompt bound "
                                "plus what vLLM may generate for it: max_tokens x n per "
                                "prompt; unset, the rest of the context), more than "
                                f"tenant {tenant_id!r}'s whole {name} of {bucket.limit}; set a "

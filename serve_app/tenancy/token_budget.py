@@ -7,12 +7,18 @@ window "resets" continuously and is full again one window after it was last draw
 
 A request **reserves** before it runs, when its real size is not known yet:
 
-- prompt tokens: an estimate, ``ceil(UTF-8 bytes of the prompt text / PROMPT_BYTES_PER_TOKEN)``,
-  and for a chat, :data:`MESSAGE_OVERHEAD_TOKENS` per message (role markers) plus
-  :data:`CHAT_TEMPLATE_TOKENS` (what a chat template adds around them: SmolLM2's inserts a
-  default system prompt of about 30 tokens when a request has none). English averages about
-  4 bytes per token on BPE tokenizers, so 3 reserves a little more than English costs; text
-  denser than that (e.g. CJK, ~1.5 bytes/token) may settle above its reservation.
+- prompt tokens: an upper bound, not an average. A byte-level BPE tokenizer (SmolLM2's,
+  GPT-2's, Llama 3's, Qwen's) gives every token at least one byte of its text, so a text has
+  at most as many tokens as UTF-8 bytes (bytes / 3 would be English's average: CJK text,
+  ~2.6 tokens a character with SmolLM2's tokenizer, cost 2.6x that). So: the UTF-8 bytes
+  of the prompt text (a token id: one token), for a chat also each message's role and
+  :data:`MESSAGE_OVERHEAD_TOKENS` per message (the template's markers around it) plus
+  :data:`CHAT_TEMPLATE_TOKENS` (what the template adds once: SmolLM2's default system prompt
+  and the generation prompt, 25 tokens), and :data:`PROMPT_SPECIAL_TOKENS` per completion
+  prompt; capped at ``max_model_len`` when the route's variants reported it (a longer prompt
+  is vLLM's 400, which costs nothing). ``tests/test_token_budget.py`` checks the bound
+  against SmolLM2's own tokenizer and chat template over ASCII, CJK, emoji and long
+  conversations. A model whose template adds more must raise these allowances.
 - completion tokens: the most vLLM may generate for that body, read as vLLM reads it
   (``vllm/entrypoints/openai/*/protocol.py``, ``serve/utils/api_utils.get_max_tokens``, vLLM
   0.32): per sequence, for a chat ``max_completion_tokens`` if given, else ``max_tokens``,
@@ -25,8 +31,8 @@ A request **reserves** before it runs, when its real size is not known yet:
   strings or of token-id lists).
 
 It **settles** when it ends, however it ends, with the tokens it really cost: vLLM's usage
-when the answer carried it, else (a stream the client left, or one that failed) the prompt
-estimate plus one token per streamed chunk (vLLM streams a chunk per generated token), and 0
+when the answer carried it, else (a stream the client left, or one that failed) the prompt's
+bound plus one token per streamed chunk (vLLM streams a chunk per generated token), and 0
 when nothing ran. Settling returns the unused part of the reservation, or draws the excess:
 what a request cost beyond its reservation is charged, not forgiven. A bucket may go below
 0 (a debt); the tenant's next request fits only once the refill has paid the debt and its
@@ -39,44 +45,53 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-#: Prompt bytes (UTF-8) per reserved token.
-PROMPT_BYTES_PER_TOKEN = 3
-#: Reserved tokens per chat message, for the role markers around it.
+#: Reserved tokens per chat message beyond its role's and content's bytes, for the template's
+#: markers around it (SmolLM2's ChatML: ``<|im_start|>``, a newline, ``<|im_end|>``, a
+#: newline).
 MESSAGE_OVERHEAD_TOKENS = 4
-#: Reserved tokens per chat request, for what the chat template adds (a default system prompt).
+#: Reserved tokens per chat request, for what the chat template adds once (SmolLM2's: a
+#: default system prompt and the generation prompt, 25 tokens), with room for a longer one.
 CHAT_TEMPLATE_TOKENS = 48
+#: Reserved tokens per completion prompt beyond its bytes, for a BOS token the tokenizer may
+#: add.
+PROMPT_SPECIAL_TOKENS = 1
 #: Completion tokens reserved for a request that states no ``max_tokens``.
 DEFAULT_MAX_TOKENS = 512
 #: Window of each budget, s.
 WINDOW_S = {"tokens_per_minute": 60.0, "tokens_per_day": 86400.0}
 
 
-def _text_bytes(content: Any) -> int:
-    """UTF-8 bytes of the text in a prompt or message ``content`` (str, list of parts, or
-    token ids: one reserved token each)."""
+def _text_tokens(content: Any) -> int:
+    """At most how many tokens the text in a prompt or message ``content`` is (str, list of
+    parts, or token ids): its UTF-8 bytes, or one per token id."""
     if isinstance(content, str):  # surrogatepass: a lone surrogate is vLLM's 400, not ours
         return len(content.encode("utf-8", "surrogatepass"))
     if isinstance(content, list):
         if content and all(isinstance(t, int) for t in content):  # token ids
-            return len(content) * PROMPT_BYTES_PER_TOKEN
-        return sum(_text_bytes(part.get("text", "") if isinstance(part, dict) else part)
+            return len(content)
+        return sum(_text_tokens(part.get("text", "") if isinstance(part, dict) else part)
                    for part in content)
     return 0
 
 
-def prompt_estimate(endpoint: str, body: dict[str, Any]) -> int:
-    """Estimated prompt tokens of a ``chat`` or ``completion`` body (see the module
-    docstring)."""
+def prompt_bound(endpoint: str, body: dict[str, Any], max_model_len: int = 0) -> int:
+    """At most how many prompt tokens a ``chat`` or ``completion`` body is (see the module
+    docstring), tokens; per prompt, at most ``max_model_len`` (0: unknown)."""
+    def capped(tokens: int) -> int:
+        return min(tokens, max_model_len) if max_model_len else tokens
+
     if endpoint == "chat":
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []  # vLLM answers the 400
-        nbytes = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
-        return (math.ceil(nbytes / PROMPT_BYTES_PER_TOKEN) + CHAT_TEMPLATE_TOKENS
-                + MESSAGE_OVERHEAD_TOKENS * len(messages))
+        tokens = sum(_text_tokens(m.get("content")) + _text_tokens(m.get("role"))
+                     for m in messages if isinstance(m, dict))
+        return capped(tokens + CHAT_TEMPLATE_TOKENS + MESSAGE_OVERHEAD_TOKENS * len(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return sum(math.ceil(_text_bytes(p) / PROMPT_BYTES_PER_TOKEN) for p in prompt)
-    return math.ceil(_text_bytes(prompt) / PROMPT_BYTES_PER_TOKEN)
+        return sum(capped(_text_tokens(p) + PROMPT_SPECIAL_TOKENS) for p in prompt)
+    if not isinstance(prompt, (str, list)):
+        return 0  # vLLM's 400 to come
+    return capped(_text_tokens(prompt) + PROMPT_SPECIAL_TOKENS)
 
 
 #: A completion's ``max_tokens`` when the body has none (vLLM's ``CompletionRequest``).
@@ -133,7 +148,7 @@ def completion_reservation(body: dict[str, Any], endpoint: str = "chat",
 
 @dataclass(frozen=True)
 class Reservation:
-    """Tokens one request reserves: ``prompt`` (estimated) + ``completion`` (its maximum)."""
+    """Tokens one request reserves: ``prompt`` (its bound) + ``completion`` (its maximum)."""
 
     prompt: int = 0
     completion: int = 0
@@ -146,13 +161,13 @@ class Reservation:
     def of(cls, endpoint: str, body: dict[str, Any], max_model_len: int = 0) -> Reservation:
         """The reservation of ``body`` on ``endpoint`` (``max_model_len``: see
         :func:`completion_reservation`)."""
-        return cls(prompt_estimate(endpoint, body),
+        return cls(prompt_bound(endpoint, body, max_model_len),
                    completion_reservation(body, endpoint, max_model_len))
 
     def used(self, prompt_tokens: int, completion_tokens: int,
              streamed_chunks: int) -> tuple[int, int]:
         """(prompt, completion) tokens the request cost: vLLM's usage when known, else the
-        prompt estimate and one token per streamed chunk, else (0, 0): nothing ran."""
+        prompt's bound and one token per streamed chunk, else (0, 0): nothing ran."""
         if prompt_tokens or completion_tokens:
             return prompt_tokens, completion_tokens
         return (self.prompt, streamed_chunks) if streamed_chunks else (0, 0)
