@@ -241,7 +241,7 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
     costs nothing. The bucket after the first request served again says so."""
     from ray import serve
 
-    # 1,000 a day: the stream's reservation (~460) and two probes fit; it refills 0.7 tokens a
+    # 1,000 a day: the stream's reservation (~470) and two probes fit; it refills 0.7 tokens a
     # minute, allowed for below (the wait for Serve's new replica took a minute in CI).
     per_day = 1000
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": per_day}))

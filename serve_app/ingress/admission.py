@@ -1,12 +1,11 @@
-"""Admission control: bounded, priority-ordered queues in front of each variant
-(docs/traffic-safety.md, "Overload").
+"""Admission control: bounded, priority-ordered queues in front of each variant.
 
-A vLLM engine runs ``max_num_seqs`` requests at once. The router lets at most that many per
-running replica reach a variant (its *slots*) and holds the rest in its own queue, ordered
-by tenant priority (vLLM's convention: lower value first). Ray Serve's handle queue is FIFO,
-so priority is decided here, before the request is sent; the engine's own priority
-scheduling then orders whatever reaches it. Rules, per variant (``routes.<route>.admission``
-in the router config):
+Docs: docs/traffic-safety.md, "Overload". A vLLM engine runs ``max_num_seqs`` requests at
+once. The router lets at most that many per running replica reach a variant (its *slots*)
+and holds the rest in its own queue, ordered by tenant priority (vLLM's convention: lower
+value first). Ray Serve's handle queue is FIFO, so priority is decided here, before the
+request is sent; the engine's own priority scheduling then orders whatever reaches it.
+Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
   if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
@@ -130,9 +129,8 @@ class VariantAdmission:
     # -- cold starts ----------------------------------------------------------------------------
 
     def expect_start(self, slots: int) -> None:
-        """A cold start of the variant is under way; its first replica will have ``slots``
-        (its ``max_num_seqs``). Until :meth:`set_capacity` gives slots, requests may be held
-        (:meth:`enter` with ``hold_s``)."""
+        """A cold start is under way; its first replica will have ``slots`` (``max_num_seqs``).
+        Until :meth:`set_capacity` gives slots, :meth:`enter` with ``hold_s`` may hold."""
         self.starting_slots = max(1, slots)
 
     def fail_start(self, rejected: Rejected) -> None:
@@ -144,8 +142,8 @@ class VariantAdmission:
         self._prune()
 
     def _kept_back(self) -> int:
-        """Engine slots a busy tenant of an ordinary priority may not take: the
-        ``reserved_slots`` (best priority) or the ``newcomer_slots``, the larger."""
+        """Engine slots a busy tenant of an ordinary priority may not take (the larger of
+        ``reserved_slots`` and ``newcomer_slots``)."""
         return max(self.reserved_slots, self.shares.newcomer_slots)
 
     def _held_slots(self) -> int:
@@ -160,7 +158,7 @@ class VariantAdmission:
         if not self.starting_slots:
             return 0
         slots = self._held_slots()
-        more = ADMIT_MARGIN * self.queue_timeout_s * slots / max(1e-3, self.service_time.s)
+        more = self.service_time.work_within(ADMIT_MARGIN * self.queue_timeout_s, slots)
         return int((slots + more) // max(1e-3, size))
 
     def slots_for(self, top: bool) -> int:
@@ -179,11 +177,15 @@ class VariantAdmission:
         requests in flight, none of the ``newcomer_slots`` engine slots."""
         return self.shares.tenant_slots(self.slots_for(top), self.capacity, tenant)
 
+    def _room(self, top: bool, tenant: str) -> int:
+        """:meth:`tenant_slots` less the requests in flight counted against ``tenant``."""
+        return self.tenant_slots(top, tenant) - self.shares.held_against(
+            tenant, self.in_flight, self.capacity)
+
     def may_start(self, top: bool, tenant: str) -> bool:
         """Whether a request of ``tenant`` may take a slot now (:meth:`tenant_slots`; the
         slots kept for other tenants are taken)."""
-        held = self.shares.held_against(tenant, self.in_flight, self.capacity)
-        return held + self.shares.kept_for_others(tenant) < self.tenant_slots(top, tenant)
+        return self.shares.kept_for_others(tenant) < self._room(top, tenant)
 
     def _work(self, w: Waiter) -> float:
         return self.shares.work(w.tenant, w.size, self.capacity)
@@ -191,14 +193,12 @@ class VariantAdmission:
     def _keep(self, slot: Slot) -> None:
         """Keep the slot ``slot`` freed for its tenant a moment (``anticipation_s``)."""
         waiting = [(w.tenant, w.priority) for w in self._waiting() if not w.held]
-        may_use = (self.shares.held_against(slot.tenant, self.in_flight, self.capacity)
-                   < self.tenant_slots(slot.top, slot.tenant))
-        self.shares.keep(slot.tenant, slot.priority, waiting, may_use, self.capacity,
-                         then=self._grant)
+        self.shares.keep(slot.tenant, slot.priority, waiting,
+                         self._room(slot.top, slot.tenant) > 0, self.capacity, then=self._grant)
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._queue if not w.future.done())
+        return len(self._waiting())
 
     @property
     def max_queued(self) -> int:
@@ -208,7 +208,7 @@ class VariantAdmission:
         slots = self.slots_for(True)
         if self.max_queued_per_slot is not None:
             return math.ceil(self.max_queued_per_slot * slots)
-        return max(1, math.ceil(self.queue_timeout_s * slots / max(1e-3, self.service_time.s)))
+        return max(1, math.ceil(self.service_time.work_within(self.queue_timeout_s, slots)))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -252,8 +252,8 @@ class VariantAdmission:
         key = self._key(priority, tenant, math.inf)
         ahead = [w for w in self._waiting() if self._order(w) <= key]
         if held:
-            # Until the held work (all of it goes first-come) has started on the first replica:
-            # the first _held_slots at once, the rest at service_s each.
+            # held work (first-come) starts on the first replica: _held_slots at once, the rest
+            # at service_s each
             work, slots = sum(w.size for w in self._waiting()) + size, self._held_slots()
             wait_s = self.service_time.wait_s(max(0.0, work - slots), slots)
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s:

@@ -62,3 +62,7 @@ class ServiceTime:
     def wait_s(self, work: float, slots: int) -> float:
         """Seconds until ``work`` (sizes) has been served on ``slots`` slots."""
         return work * self.s / max(1, slots)
+
+    def work_within(self, seconds: float, slots: int) -> float:
+        """Work (sizes) ``slots`` slots serve in ``seconds``."""
+        return seconds * slots / max(1e-3, self.s)
