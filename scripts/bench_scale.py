@@ -449,12 +449,12 @@ def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) ->
             adm.set_capacity(64, full_batch_service_s=1.0)
             slots, pending = [], []
             for i in range(64 + 16 + depth):  # the engines' slots and headroom, then a queue
-                ticket = adm.enter(0, True, f"t{i % tenants_n}", 100.0)
+                ticket = adm.enter(0, True, f"t{i % tenants_n}")
                 (slots if isinstance(ticket, Slot) else pending).append(ticket)
             times = []
             for i in range(samples):
                 t0 = time.perf_counter()
-                pending.append(adm.enter(0, True, f"t{i % tenants_n}", 100.0))
+                pending.append(adm.enter(0, True, f"t{i % tenants_n}"))
                 adm.release(slots.pop(0), 100.0, 1.0)
                 times.append(time.perf_counter() - t0)
                 slots += [w.future.result() for w in pending if w.future.done()]

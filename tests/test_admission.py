@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission
+from serve_app.ingress.fair_share import service_cost
 from serve_app.ingress.service_time import PRIOR_SERVICE_S
 from serve_app.ingress.refusals import Rejected
 
@@ -251,11 +252,12 @@ def test_token_fair_order_serves_the_tenant_with_less_service_first_and_fifo_doe
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100,
                              fairness=fairness)
         q.set_capacity(1)
-        running = await q.acquire(0, False, "heavy", cost=300)
+        running = await q.acquire(0, False, "heavy")
+        q.served(running, 300)  # a stream: its tokens so far, as relayed
         started: list[str] = []
 
         async def one(name: str, tenant: str, cost: float):
-            slot = await q.acquire(0, False, tenant, cost)
+            slot = await q.acquire(0, False, tenant)
             started.append(name)
             await asyncio.sleep(0)
             q.release(slot, cost)
@@ -270,9 +272,9 @@ def test_token_fair_order_serves_the_tenant_with_less_service_first_and_fifo_doe
 
     assert run(order_of("fifo")) == ["heavy-0", "heavy-1", "heavy-2", "heavy-3",
                                      "light-0", "light-1"]
-    # The light tenant arrives lifted to the heavy's counter (300: its running request's
-    # charge; no credit for having been idle). The tie goes to the earlier arrival, then
-    # every heavy start adds 300 and every light one 30.
+    # The light tenant arrives lifted to the heavy's counter (300: what its running stream
+    # was served; no credit for having been idle). The tie goes to the earlier arrival, then
+    # every heavy request served adds 300 and every light one 30.
     assert run(order_of("tokens")) == ["heavy-0", "light-0", "light-1", "heavy-1",
                                        "heavy-2", "heavy-3"]
 
@@ -286,7 +288,7 @@ def test_priority_still_goes_first_under_token_fairness():
         started = []
 
         async def one(name, priority, tenant):
-            slot = await q.acquire(priority, False, tenant, 10)
+            slot = await q.acquire(priority, False, tenant)
             started.append(name)
             q.release(slot)
         tasks = [asyncio.create_task(one("worse-priority-less-service", 5, "cheap")),
@@ -299,23 +301,25 @@ def test_priority_still_goes_first_under_token_fairness():
     run(main())
 
 
-def test_a_tenant_back_from_idle_gets_no_burst_of_credit_and_usage_corrects_the_charge():
+def test_a_tenant_back_from_idle_gets_no_burst_of_credit_and_usage_corrects_the_count():
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
         q.set_capacity(1)
-        running = await q.acquire(0, False, "busy", cost=100)
+        running = await q.acquire(0, False, "busy")
+        assert q.service == {"busy": 0}  # nothing served yet: nothing counted
+        q.served(running, 100)  # its stream so far
         assert q.service == {"busy": 100}
-        queued = asyncio.create_task(q.acquire(0, False, "busy", cost=100))
+        queued = asyncio.create_task(q.acquire(0, False, "busy"))
         await settle()
         q.service["idle"] = 10.0  # it was served long ago
-        late = asyncio.create_task(q.acquire(0, False, "idle", cost=1))
+        late = asyncio.create_task(q.acquire(0, False, "idle"))
         await settle()
-        assert q.service["idle"] == 100.0  # lifted to the least queued counter
-        q.release(running, cost=40)  # it really cost 40 of the 100 charged
+        assert q.service["idle"] == 100.0  # lifted to the least counter of service
+        q.release(running, cost=40)  # vLLM's usage says 40: it replaces the 100 counted
         await settle()
-        assert queued.done() and not late.done()  # the tie goes to the earlier arrival
-        assert q.service["busy"] == 40 + 100  # corrected, plus the next one's charge
-        q.release(queued.result(), cost=0)  # ended before it ran: charged nothing
+        assert q.service["busy"] == 40
+        assert queued.done() and not late.done()  # 40 < 100: busy's next goes first
+        q.release(queued.result(), cost=0)  # ended before it ran: served nothing
         await settle()
         assert q.service["busy"] == 40 and late.done()
         q.release(late.result())
@@ -328,10 +332,11 @@ def test_no_credit_for_idle_time_even_when_nothing_is_queued():
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
         q.set_capacity(2)
-        running = await q.acquire(0, False, "busy", cost=500)
+        running = await q.acquire(0, False, "busy")
+        q.served(running, 500)
         q.service["idle"] = 3.0
-        mine = await q.acquire(0, False, "idle", cost=1)
-        assert q.service["idle"] == 500 + 1  # lifted to busy's 500, then charged
+        mine = await q.acquire(0, False, "idle")
+        assert q.service["idle"] == 500  # lifted to busy's 500; starting charges nothing
         q.release(running)
         q.release(mine)
     run(main())
@@ -345,24 +350,20 @@ def test_on_an_idle_variant_past_service_is_forgotten():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
         q.set_capacity(1)
         q.service.update({"was-busy": 25_000.0, "was-away": 0.0})
-        heavy = await q.acquire(0, False, "was-away", cost=190)
-        assert q.service["was-away"] == 25_000 + 190
-        queued = [asyncio.create_task(q.acquire(0, False, "was-away", cost=190))
-                  for _ in range(3)]
-        light = asyncio.create_task(q.acquire(0, False, "was-busy", cost=70))
+        heavy = await q.acquire(0, False, "was-away")
+        assert q.service["was-away"] == 25_000
+        queued = [asyncio.create_task(q.acquire(0, False, "was-away")) for _ in range(3)]
+        light = asyncio.create_task(q.acquire(0, False, "was-busy"))
         await settle()
+        assert q.service["was-busy"] == 25_000  # no debt from before: the greatest counter
         q.release(heavy, cost=190)
         await settle()
-        # Equal counters (the light one was lifted to the heavy's): the earlier arrival
-        # first, then the heavy one is charged and the light one goes before the rest.
-        assert queued[0].done() and not light.done()
-        q.release(queued[0].result(), cost=190)
-        await settle()
-        assert light.done() and not queued[1].done() and not queued[2].done()
-        q.release(light.result())
-        for t in queued[1:]:
+        # The heavy one was served 190 more than the light one: the light one goes next.
+        assert light.done() and not any(t.done() for t in queued)
+        q.release(light.result(), cost=70)
+        for t in queued:
             await settle()
-            q.release(await t)
+            q.release(await t, cost=190)
     run(main())
 
 
@@ -370,13 +371,13 @@ def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
     async def main():
         q = VariantAdmission("v", headroom=0.25, queue_timeout_s=300, newcomer_slots=1)
         q.set_capacity(4, full_batch_service_s=1.0)  # 4 engine slots, 5 with the headroom
-        heavy = [await q.acquire(0, True, "heavy", 100.0)]  # its first: any free slot
-        heavy += [await q.acquire(0, True, "heavy", 100.0) for _ in range(2)]
+        heavy = [await q.acquire(0, True, "heavy")]  # its first: any free slot
+        heavy += [await q.acquire(0, True, "heavy") for _ in range(2)]
         assert q.in_flight == 3
-        queued = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))  # 4th: held back
+        queued = asyncio.create_task(q.acquire(0, True, "heavy"))  # 4th: held back
         await settle()
         assert not queued.done() and q.queued == 1
-        light = await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1)  # starts at once
+        light = await asyncio.wait_for(q.acquire(0, True, "light"), 1)  # starts at once
         assert q.in_flight == 4 and not queued.done()
         q.release(light, cost=1.0)
         await settle()
@@ -402,16 +403,16 @@ def test_a_newcomer_in_its_slot_leaves_the_busy_tenants_theirs():
     async def main():
         q = VariantAdmission("v", headroom=0.25, queue_timeout_s=300, newcomer_slots=1)
         q.set_capacity(4, full_batch_service_s=1.0)
-        heavy = [await q.acquire(0, True, "heavy", 100.0) for _ in range(3)]
-        queued = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        heavy = [await q.acquire(0, True, "heavy") for _ in range(3)]
+        queued = asyncio.create_task(q.acquire(0, True, "heavy"))
         await settle()
-        light = await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1)
+        light = await asyncio.wait_for(q.acquire(0, True, "light"), 1)
         assert q.in_flight == 4 and not queued.done()
         q.release(heavy.pop(), cost=100.0)
         await settle()
         assert queued.done() and q.in_flight == 4  # the engine stays full
         q.release(light, cost=1.0)
-        nxt = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        nxt = asyncio.create_task(q.acquire(0, True, "heavy"))
         await settle()
         assert q.in_flight == 3 and not nxt.done()  # the newcomers' slot stays theirs
         nxt.cancel()
@@ -428,16 +429,19 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=1,
                              anticipation_s=0.05, clock=clock)
         q.set_capacity(6, full_batch_service_s=1.0)  # 5 for tenants with requests in flight
-        heavy = [await q.acquire(0, True, "heavy", 100.0) for _ in range(2)]
-        light = [await q.acquire(0, True, "light", 1.0)]  # lifted to the heavy one's 200
-        heavy.append(await q.acquire(0, True, "heavy", 100.0))  # 300: ahead of it now
-        light.append(await q.acquire(0, True, "light", 1.0))
-        waiting = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
+        heavy = [await q.acquire(0, True, "heavy") for _ in range(2)]
+        for slot in heavy:
+            q.served(slot, 100.0)  # two streams, 100 each so far
+        light = [await q.acquire(0, True, "light")]  # lifted to the heavy one's 200
+        heavy.append(await q.acquire(0, True, "heavy"))
+        q.served(heavy[-1], 100.0)  # 300: ahead of it now
+        light.append(await q.acquire(0, True, "light"))
+        waiting = asyncio.create_task(q.acquire(0, True, "heavy"))
         await settle()
         q.release(light.pop(), cost=1.0, size=1.0)
         await settle()
         assert not waiting.done()  # the slot is the light tenant's for 50 ms
-        light.append(await asyncio.wait_for(q.acquire(0, True, "light", 1.0), 1))
+        light.append(await asyncio.wait_for(q.acquire(0, True, "light"), 1))
         assert q.in_flight == 5 and not waiting.done()
         q.release(light.pop(), cost=1.0, size=1.0)  # this time its client does not come back
         await asyncio.sleep(0.06)  # the timer gives the slot to the queue (the test's clock
@@ -445,7 +449,7 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
         assert waiting.done() and q.in_flight == 5
         heavy.append(waiting.result())
         # The heavy tenant, served more than the light one waiting, keeps nothing.
-        late = asyncio.create_task(q.acquire(0, True, "light", 1.0))
+        late = asyncio.create_task(q.acquire(0, True, "light"))
         await settle()
         q.release(heavy.pop(), cost=100.0, size=1.0)
         await settle()
@@ -453,10 +457,10 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
         # Served less than one tenant waiting but more than another: nothing is kept, the
         # least served goes next.
         q.release(heavy.pop(), cost=100.0, size=1.0)  # nobody waits: nothing kept
-        new = await q.acquire(0, True, "new", 1.0)  # a newcomer: 5 in flight
+        new = await q.acquire(0, True, "new")  # a newcomer: 5 in flight
         q.service["new"] = 50.0  # served least of all
-        more_heavy = asyncio.create_task(q.acquire(0, True, "heavy", 100.0))
-        more_new = asyncio.create_task(q.acquire(0, True, "new", 1.0))
+        more_heavy = asyncio.create_task(q.acquire(0, True, "heavy"))
+        more_new = asyncio.create_task(q.acquire(0, True, "new"))
         await settle()
         assert not more_heavy.done() and not more_new.done() and new.tenant == "new"
         q.release(light.pop(), cost=1.0, size=1.0)  # light: above new, below heavy
@@ -495,31 +499,34 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
     run(main())
 
 
-def test_a_reservation_beyond_the_context_moves_a_counter_by_one_context_at_most():
-    """Issue 27, in part: a poisoner's request asks ``max_tokens`` 1e9, which vLLM refuses.
-    Its charge while it runs is its reservation, which the router caps at the variant's
-    ``max_model_len`` (token_budget.completion_reservation), so a tenant lifted meanwhile is
-    lifted by one context's worth at most, not by 2e9; the correction then takes the
-    poisoner's counter back to what it was served."""
-    from serve_app.ingress.fair_share import service_cost
-    from serve_app.tenancy.token_budget import Reservation
-
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}
-    charge = service_cost(*vars(Reservation.of("chat", body, max_model_len=2048)).values())
-
+def test_a_poisoners_reservation_cannot_push_another_tenant_back():
+    """Issue 27: a poisoner streams requests of ``max_tokens: 1e9`` (a whole context
+    reserved) that stop after one token. Counters move by what was served, so a tenant that
+    arrives while one runs is lifted to the poisoner's service (a few tokens), not to its
+    reservation, and goes ahead of the poisoner's next request once the first has been
+    counted. (Charged their reservation at the start, as before, the honest tenant was lifted
+    to about a context's worth, 4,100 weighted tokens, and then served behind the poisoner
+    until that much more was served to the poisoner.)"""
     async def main():
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100)
-        q.set_capacity(2)
-        poison = await q.acquire(0, False, "poisoner", cost=charge)
-        honest = await q.acquire(0, False, "honest", cost=10)
-        lifted_to = q.service["honest"] - 10
-        q.release(poison, cost=0)  # vLLM refused it: it cost nothing
-        q.release(honest, cost=10)
-        return lifted_to, dict(q.service)
+        q.set_capacity(1)
+        poison = await q.acquire(0, False, "poisoner")  # it reserved a whole context
+        q.served(poison, service_cost(0, 1))  # its one token, relayed
+        honest = asyncio.create_task(q.acquire(0, False, "honest"))
+        await settle()
+        assert q.service["honest"] == service_cost(0, 1)  # the poisoner's service so far
+        again = asyncio.create_task(q.acquire(0, False, "poisoner"))
+        await settle()
+        q.release(poison, cost=service_cost(12, 1))  # vLLM's usage
+        await settle()
+        assert honest.done() and not again.done()
+        q.release(honest.result(), cost=service_cost(12, 16))
+        await settle()
+        q.release(await again, cost=0)  # vLLM refused it: it was served nothing
+        return dict(q.service)
 
-    lifted_to, service = run(main())
-    assert lifted_to == charge <= 2 * 2048 + 100
-    assert service["poisoner"] == 0
+    assert run(main()) == {"poisoner": service_cost(12, 1),
+                           "honest": service_cost(0, 1) + service_cost(12, 16)}
 
 
 def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured():

@@ -213,18 +213,18 @@ class VariantAdmission:
     # -- requests -----------------------------------------------------------------------------
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
-                      cost: float = 0.0, size: float = 1.0) -> Slot:
+                      size: float = 1.0) -> Slot:
         """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority
         (:meth:`enter`, then :meth:`wait`).
 
         Raises:
             Rejected: it cannot start in time (see the module docstring).
         """
-        ticket = self.enter(priority, top, tenant, cost, size)
+        ticket = self.enter(priority, top, tenant, size)
         return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
 
-    def enter(self, priority: int, top: bool, tenant: str = "", cost: float = 0.0,
-              size: float = 1.0, hold_s: float | None = None) -> Slot | Waiter:
+    def enter(self, priority: int, top: bool, tenant: str = "", size: float = 1.0,
+              hold_s: float | None = None) -> Slot | Waiter:
         """Decide at arrival, without waiting: a slot now, or a place in the queue to
         :meth:`wait` on.
 
@@ -232,9 +232,6 @@ class VariantAdmission:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
             tenant: the tenant id ("" in open mode).
-            cost: the service charged to ``tenant`` when it starts (``service_cost`` of its
-                reservation, :mod:`~serve_app.ingress.fair_share`, tokens); :meth:`release`
-                corrects it.
             size: ``request_size`` of its reservation (:mod:`~serve_app.ingress.service_time`;
                 1.0: a short request).
             hold_s: the request may be held for a cold start under way
@@ -262,7 +259,7 @@ class VariantAdmission:
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
-                return self._start(tenant, cost, now, size, priority, top)
+                return self._start(tenant, now, size, priority, top)
             wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
@@ -272,7 +269,7 @@ class VariantAdmission:
                                           self.queued, wait_s)
             deadline = now + self.queue_timeout_s
         waiter = Waiter(priority, next(self._seq), deadline, top,
-                         asyncio.get_running_loop().create_future(), tenant, cost, size,
+                         asyncio.get_running_loop().create_future(), tenant, size,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
         if not held:
@@ -315,7 +312,7 @@ class VariantAdmission:
                 ) -> None:
         """Give a slot back (once; later calls do nothing) and learn its service time.
         ``cost``: the request's real service (``service_cost`` of its usage), which replaces
-        what it was charged at the start; None keeps that. ``size``: the ``request_size`` of
+        what :meth:`served` counted while it ran; None keeps that. ``size``: the ``request_size`` of
         what it generated; None when it generated nothing (it failed over, was refused, its
         client left): then it teaches ``service_s`` nothing."""
         if slot.released:
@@ -326,13 +323,21 @@ class VariantAdmission:
         full = self.capacity is not None and self.in_flight >= max(
             1, self.capacity - self._kept_back())
         self.in_flight -= 1
-        self.shares.end(slot.tenant, slot.newcomer, slot.charged, cost)
+        self.shares.end(slot.tenant, slot.newcomer, slot.counted, cost)
         if full and size is not None:  # held while full, by a request that generated tokens
             self.service_time.learn(self._clock() - slot.granted_at, size)
         if size is not None:  # it ended as requests do: its client may send the next one
             self._keep(slot)
         self._grant()
         self._shed_late()
+
+    def served(self, slot: Slot, cost: float) -> None:
+        """``slot``'s request was served ``cost`` more while it runs (weighted tokens, as
+        :func:`~serve_app.ingress.fair_share.service_cost`: a stream's tokens as they are
+        relayed); its tenant's counter moves now, :meth:`release` corrects it to usage."""
+        if not slot.released:
+            slot.counted += cost
+            self.shares.served(slot.tenant, cost)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -347,12 +352,12 @@ class VariantAdmission:
     def _waiting(self) -> list[Waiter]:
         return [w for w in self._queue if not w.future.done()]
 
-    def _start(self, tenant: str, cost: float, now: float, size: float = 1.0,
+    def _start(self, tenant: str, now: float, size: float = 1.0,
                priority: int = 0, top: bool = True) -> Slot:
         newcomer = self.shares.takes_newcomer_slot(tenant, self.in_flight, self.capacity)
-        self.shares.start(tenant, cost, newcomer)
+        self.shares.start(tenant, newcomer)
         self.in_flight += 1
-        return Slot(now, tenant, cost, size, priority=priority, top=top, newcomer=newcomer)
+        return Slot(now, tenant, size=size, priority=priority, top=top, newcomer=newcomer)
 
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
@@ -367,7 +372,7 @@ class VariantAdmission:
                            and self.may_start(w.top, w.tenant)), None)
             if chosen is None:
                 return
-            chosen.future.set_result(self._start(chosen.tenant, chosen.cost, self._clock(),
+            chosen.future.set_result(self._start(chosen.tenant, self._clock(),
                                                  chosen.size, chosen.priority, chosen.top))
         self._prune()
 

@@ -138,8 +138,8 @@ class Dispatcher:
         admission = self.admission_for(variant)
         try:
             return self.cold_starts.hold(variant, admission, plan.route, lambda: admission.enter(
-                plan.priority, plan.top_priority, account.tags["tenant"],
-                account.service_charge, account.size, hold_s=plan.cold_start_timeout_s))
+                plan.priority, plan.top_priority, account.tags["tenant"], account.size,
+                hold_s=plan.cold_start_timeout_s))
         except MeshError:
             account.tags["variant"] = variant
             raise
@@ -178,8 +178,7 @@ class Dispatcher:
         asked_at = time.monotonic()
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority,
-                                           account.tags["tenant"], account.service_charge,
-                                           account.size)
+                                           account.tags["tenant"], account.size)
         except Rejected as r:
             if r.reason == "unavailable":  # no running replica: the next candidate
                 return None

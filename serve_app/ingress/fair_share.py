@@ -6,13 +6,17 @@ tenants (``routes.<route>.admission`` in the router config):
   the least service so far goes first (FIFO within a tenant). A tenant's service is its
   virtual token counter, as in the VTC scheduler (Sheng et al., "Fairness in Serving Large
   Language Models", OSDI 2024): ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion``
-  tokens. A request is charged its reservation when it starts (so a tenant's long streams
-  count while they run) and corrected to its real usage when it ends. A tenant that
-  arrives with nothing queued or running has its counter lifted to the least counter among
-  the tenants that have requests queued or running, so time spent idle earns no burst of
-  credit; on an idle variant, to the greatest counter, so the contention of an hour ago (a
-  tenant that was served a lot then, one that was away) does not decide the next one.
-  ``fairness: fifo`` keeps arrival order (the baseline the fair order is measured against).
+  tokens *served*. A stream's completion tokens count as the router relays them (so a
+  tenant's long streams count while they run); the rest (the prompt, a non-stream's
+  answer) when the request ends, from vLLM's usage. What a request *reserved* never
+  moves a counter: a ``max_tokens`` of a whole context that ends after one token (or that
+  vLLM refuses) costs its tenant what it was served, and no one else anything (issue 27).
+  A tenant that arrives with nothing queued or running has its counter lifted to the least
+  counter among the tenants that have requests queued or running, so time spent idle earns
+  no burst of credit; on an idle variant, to the greatest counter, so the contention of an
+  hour ago (a tenant that was served a lot then, one that was away) does not decide the
+  next one. ``fairness: fifo`` keeps arrival order (the baseline the fair order is
+  measured against).
 - **A slot for a tenant that has none** (``newcomer_slots``, default 1). A tenant that
   already has requests in flight on the variant may hold at most ``capacity -
   newcomer_slots`` of its engine slots (and none of the best priority's headroom), so
@@ -92,23 +96,27 @@ class FairShare:
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
-    def start(self, tenant: str, charged: float, newcomer: bool) -> None:
-        """A request of ``tenant`` took a slot (a newcomer slot when ``newcomer``); it is
-        charged ``charged`` (its reservation's service) and takes any slot kept for it."""
+    def start(self, tenant: str, newcomer: bool) -> None:
+        """A request of ``tenant`` took a slot (a newcomer slot when ``newcomer``), and any
+        slot kept for it. It has been served nothing yet: nothing is charged."""
         kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
             self._kept.remove(kept)
         self.newcomers += newcomer
         self.running[tenant] = self.running.get(tenant, 0) + 1
-        self.service[tenant] = self.service.get(tenant, 0.0) + charged
 
-    def end(self, tenant: str, newcomer: bool, charged: float, cost: float | None) -> None:
-        """A request of ``tenant`` gave its slot back; ``cost``, its real service, replaces
-        the ``charged`` reservation (None keeps it)."""
+    def served(self, tenant: str, cost: float) -> None:
+        """A running request of ``tenant`` was served ``cost`` more (weighted tokens)."""
+        self.service[tenant] = self.service.get(tenant, 0.0) + cost
+
+    def end(self, tenant: str, newcomer: bool, counted: float, cost: float | None) -> None:
+        """A request of ``tenant`` gave its slot back; ``cost``, its real service (from
+        vLLM's usage), replaces the ``counted`` part of it :meth:`served` counted while it
+        ran (None: that part stands)."""
         self.newcomers -= newcomer
         self.running[tenant] = max(0, self.running.get(tenant, 0) - 1)
         if cost is not None:
-            self.service[tenant] = self.service.get(tenant, 0.0) + cost - charged
+            self.served(tenant, cost - counted)
 
     # -- a slot for a tenant that has none --------------------------------------------------
 

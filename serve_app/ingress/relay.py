@@ -78,9 +78,8 @@ class RelayResponse(StreamingResponse):
                     continue
                 if ttft is None:
                     ttft = time.monotonic() - self._account.t0
-                # The stream's progress, for a token budget if it ends without usage: one
-                # event per generated token (several when the replica coalesced them).
-                self._account.streamed_chunks += item.count("data: {")
+                # One event per generated token (several when the replica coalesced them).
+                self._account.relayed(item.count("data: {"))
                 if self._account.capture is not None:  # a mirrored request's answer
                     self._account.capture.chunks.append(item)
                 yield item

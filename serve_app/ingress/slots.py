@@ -19,7 +19,6 @@ class Waiter:
     top: bool
     future: asyncio.Future
     tenant: str = ""
-    cost: float = 0.0  # service charged when it starts
     size: float = 1.0  # request_size of its reservation
     held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
     hold_s: float = 0.0  # the longest it may wait for that, s
@@ -31,7 +30,7 @@ class Slot:
 
     granted_at: float
     tenant: str = ""
-    charged: float = 0.0  # service charged at the start (its reservation)
+    counted: float = 0.0  # its service counted while it ran (a stream's tokens relayed)
     size: float = 1.0  # request_size of its reservation
     released: bool = False
     priority: int = 0

@@ -66,6 +66,7 @@ class FleetRequest:
     loaded_adapter: bool = False
     rejected: str | None = None  # admission's reason (``Rejected.reason``)
     refused_at: float | None = None  # when admission refused it
+    on_token: Callable[[], None] | None = None  # the router relays each token (a stream)
 
     def fresh(self) -> FleetRequest:
         """This request as a workload gave it, without what a run filled in."""
@@ -190,6 +191,8 @@ class FleetReplica:
             for token in sched.finish(step):
                 req, done = self._requests[token.request.request_id]
                 req.generated += 1
+                if req.on_token is not None:
+                    req.on_token()
                 if token.first:
                     req.first_token_at = now
                     req.cached_tokens = token.request.cached_tokens
@@ -275,13 +278,13 @@ class Fleet:
     async def _serve(self, req: FleetRequest, router: Router, request_id: str) -> None:
         slot = None
         if self.admission is not None:
-            cost = service_cost(len(req.prompt_ids), req.max_tokens)
             try:
-                slot = await self.admission.acquire(0, True, req.tenant, cost,
+                slot = await self.admission.acquire(0, True, req.tenant,
                                                     request_size(req.max_tokens))
             except Rejected as e:
                 req.rejected, req.refused_at = e.reason, asyncio.get_running_loop().time()
                 return
+            req.on_token = lambda: self.admission.served(slot, service_cost(0, 1))
         try:
             replica = self._take(router, req)
             if replica is None:  # every replica is full: wait for one, first come first

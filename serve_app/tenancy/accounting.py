@@ -95,16 +95,19 @@ class RequestAccount:
         return lease.quota.headers() if lease is not None else {}
 
     @property
-    def service_charge(self) -> float:
-        """What this request is charged in its tenant's service when it starts (the
-        token-fair order of :mod:`serve_app.ingress.admission`): its reservation, weighted."""
-        return service_cost(self.reservation.prompt, self.reservation.completion)
-
-    @property
     def size(self) -> float:
         """How long this request holds a slot, relative to a short one (the admission's
         :func:`request_size` of its ``max_tokens`` reservation)."""
         return request_size(self.reservation.completion)
+
+    def relayed(self, chunks: int) -> None:
+        """``chunks`` more SSE events of a stream went to the client (one a generated token):
+        its progress, for a token budget if it ends without usage, and its tenant's service
+        in the token-fair order as it is served (:mod:`serve_app.ingress.fair_share`)."""
+        self.streamed_chunks += chunks
+        if self._slot is not None and chunks:
+            admission, slot = self._slot
+            admission.served(slot, service_cost(0, chunks))
 
     def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
                           waited_s: float) -> None:
