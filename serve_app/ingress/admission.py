@@ -53,11 +53,9 @@ from serve_app.ingress.slots import Slot, Waiter
 #: router's next dispatch.
 HEADROOM = 0.25
 #: A request waits only if its estimated wait is within this share of ``queue_timeout_s``;
-#: it is shed only past its deadline. The gap absorbs the estimate's noise (one slow
-#: request moves ``service_s``), so an admitted request is seldom shed later: a refusal
-#: comes at arrival, when the client can still go elsewhere. 0.8 answered 0.76-0.79 of
-#: what the engines could finish in a 400-burst on the simulated engine, where the estimate
-#: is exact, against the goal of 0.8: the margin was the limit, not the estimate.
+#: it is shed only past its deadline. The gap absorbs the estimate's noise, so a refusal
+#: comes at arrival, when the client can still go elsewhere. (0.8 answered 0.76-0.79 of what
+#: the engines could finish in a 400-burst on the virtual clock, against a goal of 0.8.)
 ADMIT_MARGIN = 0.9
 #: Slots assumed while a variant's capacity is not known.
 UNKNOWN_CAPACITY = 1_000_000
@@ -142,13 +140,11 @@ class VariantAdmission:
         self._prune()
 
     def _kept_back(self) -> int:
-        """Engine slots a busy tenant of an ordinary priority may not take (the larger of
-        ``reserved_slots`` and ``newcomer_slots``)."""
+        """Engine slots a busy tenant of an ordinary priority may not take."""
         return max(self.reserved_slots, self.shares.newcomer_slots)
 
     def _held_slots(self) -> int:
-        """Slots of the first replica held requests may count on, whoever they are (so none
-        is shed once warm): its ``max_num_seqs`` less :meth:`_kept_back`."""
+        """Slots of a cold start's first replica that any held request may count on."""
         return max(1, self.starting_slots - self._kept_back())
 
     def held_limit(self, size: float = 1.0) -> int:
@@ -332,9 +328,8 @@ class VariantAdmission:
         self._shed_late()
 
     def served(self, slot: Slot, cost: float) -> None:
-        """``slot``'s request was served ``cost`` more while it runs (weighted tokens, as
-        :func:`~serve_app.ingress.fair_share.service_cost`: a stream's tokens as they are
-        relayed); its tenant's counter moves now, :meth:`release` corrects it to usage."""
+        """``slot``'s request was served ``cost`` more (weighted tokens, a stream's as they
+        are relayed): its tenant's counter moves now; :meth:`release` corrects it to usage."""
         if not slot.released:
             slot.counted += cost
             self.shares.served(slot.tenant, cost)
