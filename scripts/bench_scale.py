@@ -49,7 +49,7 @@ from serve_app.sim.fleet_routing import make_router  # noqa: E402
 from serve_app.sim.profile import SimProfile, load_profile  # noqa: E402
 from serve_app.sim.virtual_time import run_virtual  # noqa: E402
 from serve_app.sim.workloads import (ClosedLoop, SessionQueue, Sessions,  # noqa: E402
-                                     many_adapters, reachable_hit_rate, tenants)
+                                     adapter_rank, many_adapters, reachable_hit_rate, tenants)
 
 #: SLOs by profile when none is given: (TTFT p95 s, TPOT p95 s). The GPU one is a common
 #: interactive target for an 8B chat model; the CPU one scales it to a 135M model on 2 cores.
@@ -104,6 +104,21 @@ def summarize(requests: list[FleetRequest], fleet: Fleet, warmup_s: float) -> di
         "ttft_s": sorted(ttft)}
 
 
+def loads_by_popularity(requests: list[FleetRequest], hot: int, slots: int) -> dict:
+    """Adapter loads per request of the many-adapters workload by the adapter's popularity
+    rank: the ``hot`` most popular, the rest of the ``slots`` most popular (what the fleet's
+    ``max_cpu_loras`` could keep resident), and the tail past them: {band: {requests,
+    loads_per_request}}."""
+    bands = {f"top {hot}": (0, hot), f"{hot}-{slots - 1}": (hot, slots),
+             f"{slots}+": (slots, math.inf)}
+    out = {}
+    for band, (lo, hi) in bands.items():
+        these = [r for r in requests if lo <= adapter_rank(r.adapter) < hi]
+        out[band] = {"requests": len(these), "loads_per_request":
+                     sum(r.loaded_adapter for r in these) / len(these) if these else 0.0}
+    return out
+
+
 def within_slo(s: dict, slo: tuple[float, float]) -> bool:
     return s["ttft_p95_s"] <= slo[0] and s["tpot_p95_s"] <= slo[1] and not s["rejected"]
 
@@ -149,6 +164,10 @@ def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[f
             requests, follow_up = make_requests(rate)
             served, fleet = simulate(profile, a.replicas, limits, router, requests, follow_up)
             s = summarize(served, fleet, a.warmup_s)
+            if name == "many-adapters":
+                s["loads_by_popularity"] = loads_by_popularity(
+                    [r for r in served if r.arrival >= a.warmup_s and r.rejected is None],
+                    a.replicas, a.replicas * limits.max_cpu_loras)
             if name == "sessions":
                 s["reachable_hit_rate"] = reachable_hit_rate(
                     [r for r in served if r.arrival >= a.warmup_s], profile.block_size)
@@ -212,6 +231,12 @@ def bench_many_adapters(a, profile: SimProfile, slo: tuple[float, float]) -> dic
           f"<= 0.05): {'met' if loads <= 0.05 else 'NOT met'}; the workload's bound with "
           f"{slots} adapter slots in the fleet (every request for an adapter past the "
           f"{slots} most popular loads it): {bound:.3f}")
+    grid_rate = compared_at(rates, at)  # both ran it
+    for router in ("default", "affinity"):
+        bands = rows[router][grid_rate]["loads_by_popularity"]
+        print(f"  {router} at {grid_rate:g}/s, adapter loads per request by popularity: "
+              + ", ".join(f"{band}: {b['loads_per_request']:.2f} ({b['requests']} requests)"
+                          for band, b in bands.items()))
     explain(rows, g, slo)
     return {"rates": rates, "routers": rows, "goodput": g, "ratio": ratio,
             "loads_per_request": loads, "loads_bound": bound}

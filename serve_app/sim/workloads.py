@@ -76,6 +76,12 @@ def many_adapters(rate: float, duration_s: float, *, adapters: int = 1000,
     return out
 
 
+def adapter_rank(adapter: str) -> int:
+    """The popularity rank of a :func:`many_adapters` adapter (``lora-<k>@v1``: k, 0 the most
+    popular)."""
+    return int(adapter.removeprefix("lora-").partition("@")[0])
+
+
 @dataclass
 class Sessions:
     """Conversations arriving at ``rate`` per s for ``duration_s`` s (see the module
