@@ -313,7 +313,8 @@ def bench_tenants(a, profile: SimProfile) -> dict:
           f"(1.25x capacity: backlogged), 7 light at {light:.1f}/s each, the mesh's admission "
           "(queue_timeout_s 30, newcomer_slots 1)")
     for label, r in runs.items():
-        print(f"  {label:>10}: heavy tokens {r['heavy_tokens']}, light TTFT p95 {r['light_ttft_p95_s']:.3f} s "
+        print(f"  {label:>10}: heavy tokens {r['heavy_tokens']}, light TTFT p95 "
+              f"{r['light_ttft_p95_s']:.3f} s "
               f"(x{r['light_ttft_p95_s'] / idle:.2f} idle; in the router p95 "
               f"{r['light_router_wait_p95_s'] * 1000:.0f} ms, in the engine p50 "
               f"{r['light_engine_ttft_p50_s'] * 1000:.0f} ms), light rejected "

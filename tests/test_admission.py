@@ -529,6 +529,31 @@ def test_a_poisoners_reservation_cannot_push_another_tenant_back():
                            "honest": service_cost(0, 1) + service_cost(12, 16)}
 
 
+def test_a_running_non_stream_counts_the_time_it_has_run_until_its_usage_comes():
+    """A non-stream's answer comes whole at its end: while it runs, its service counts at
+    the variant's rate (``ServiceTime.tokens_per_s``, from ``service_s``) up to its
+    ``max_tokens``, so a tenant arriving meanwhile is lifted to what it has been served so
+    far (else its whole run would be credit for the newcomer); its usage replaces that at
+    the end."""
+    async def main():
+        clock = Clock()
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100,
+                             clock=clock)
+        q.set_capacity(2, full_batch_service_s=1.0)  # a request of size 1 a second
+        per_s = service_cost(0, q.service_time.tokens_per_s())
+        busy = await q.acquire(0, False, "busy", non_stream_tokens=100)
+        clock.t = 2.0
+        assert q.shares.served_so_far("busy") == pytest.approx(2 * per_s)
+        clock.t = 60.0
+        assert q.shares.served_so_far("busy") == service_cost(0, 100)  # its max_tokens
+        late = await q.acquire(0, False, "late")
+        assert q.service["late"] == service_cost(0, 100)  # lifted to it
+        q.release(busy, cost=service_cost(10, 60))  # vLLM's usage replaces the estimate
+        assert q.shares.served_so_far("busy") == service_cost(10, 60)
+        q.release(late)
+    run(main())
+
+
 def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured():
     """A cold start holds what its first replica can start within queue_timeout_s by the
     start-up measure. When the warm engine proves slower (here 4 s a request, not 1 s), the

@@ -3,31 +3,27 @@
 Docs: docs/traffic-safety.md, "Overload". A vLLM engine runs ``max_num_seqs`` requests at
 once. The router lets at most that many per running replica reach a variant (its *slots*)
 and holds the rest in its own queue, ordered by tenant priority (vLLM's convention: lower
-value first). Ray Serve's handle queue is FIFO, so priority is decided here, before the
-request is sent; the engine's own priority scheduling then orders whatever reaches it.
-Rules, per variant (``routes.<route>.admission`` in the router config):
+value first): Serve's handle queue is FIFO, so priority is decided here, before the request
+is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
   if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
   slots`` (:mod:`serve_app.ingress.service_time`; the slots the tenant may use), is within
   :data:`ADMIT_MARGIN` x ``queue_timeout_s``; else it is refused at once (``overloaded``)
-  with a ``Retry-After``: no client is left hanging on a queue that cannot serve it in
-  time. ``max_queued_per_slot`` sets a fixed bound on the count instead (x slots).
+  with a ``Retry-After``. ``max_queued_per_slot`` sets a fixed bound on the count instead.
 - **A deadline.** A queued request not started after ``queue_timeout_s`` is refused
-  (``queue_timeout``) before any byte; when a finished request shows that service got
-  slower, queued requests that can no longer start in time are refused at once (``shed``).
+  (``queue_timeout``) before any byte; when service gets slower, queued requests that can
+  no longer start in time are refused at once (``shed``).
 - **Priority.** A better-priority request goes ahead of every worse one; the worse ones it
-  pushes past their deadline are shed: low-priority work is shed first. ``reserved_slots``
-  are kept for the best priority configured, so its requests start at once.
+  pushes past their deadline are shed. ``reserved_slots`` are kept for the best priority.
 - **Tenants' shares** (``fairness``, ``newcomer_slots``, ``anticipation_s``): token-fair
   order within a priority, a slot for a tenant that has none, a freed slot kept for its
   tenant a moment (:mod:`serve_app.ingress.fair_share`).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`;
-  :mod:`serve_app.ingress.cold_start`): a request waiting for a variant's start from zero
-  is held if, once its first replica is warm, it would start within ``queue_timeout_s`` by
-  the rule above (its ``max_num_seqs`` less the ``reserved_slots`` or ``newcomer_slots``
-  kept back, the rest at ``service_s`` per size on those); the rest get 503 ``overloaded``
+  :mod:`serve_app.ingress.cold_start`): a request waiting for a start from zero is held if,
+  once the first replica is warm, it would start within ``queue_timeout_s`` by the rule
+  above (on its ``max_num_seqs`` less the slots kept back); the rest get 503 ``overloaded``
   at once. Once warm, a held request may wait ``queue_timeout_s`` or until its
   ``cold_start_timeout_s`` ends, whichever is later.
 
@@ -41,9 +37,10 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 from serve_app.ingress import refusals
-from serve_app.ingress.fair_share import FairShare
+from serve_app.ingress.fair_share import FairShare, service_cost
 from serve_app.ingress.refusals import Rejected
 from serve_app.ingress.service_time import ServiceTime
 from serve_app.ingress.slots import Slot, Waiter
@@ -81,8 +78,8 @@ class VariantAdmission:
                  newcomer_slots: int = 0, anticipation_s: float = 0.0,
                  headroom: float = HEADROOM, clock=time.monotonic) -> None:
         self.variant, self.headroom, self._clock = variant, headroom, clock
-        self.shares = FairShare(clock)
         self.service_time = ServiceTime()
+        self.shares = FairShare(clock, self.service_time.tokens_per_s)
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
         self._queue: list[Waiter] = []
@@ -105,15 +102,14 @@ class VariantAdmission:
 
     @property
     def service(self) -> dict[str, float]:
-        """Each tenant's service so far (its VTC counter), tokens."""
+        """Each tenant's service counted (its VTC counter, less what its running non-streams
+        have been served so far: :meth:`FairShare.served_so_far`), tokens."""
         return self.shares.service
 
     def set_capacity(self, slots: int | None, full_batch_service_s: float = 0.0) -> None:
         """Slots of the variant now (``max_num_seqs`` x running replicas; None: unknown) and
-        its replicas' start-up measure of a full batch (s; 0: none), which ``service_s``
-        is until the variant has been full. Slots after a cold start release the held
-        requests (each waits ``queue_timeout_s`` from now, or to the end of its hold if
-        later)."""
+        its replicas' start-up measure of a full batch (s; 0: none; ``service_s`` until the
+        variant has been full). Slots after a cold start release the held requests."""
         self.capacity = slots
         self.service_time.start_up_measure(full_batch_service_s)
         if slots:
@@ -209,18 +205,14 @@ class VariantAdmission:
     # -- requests -----------------------------------------------------------------------------
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
-                      size: float = 1.0) -> Slot:
-        """Wait for a slot, in priority order, token-fair among ``tenant``s of one priority
-        (:meth:`enter`, then :meth:`wait`).
-
-        Raises:
-            Rejected: it cannot start in time (see the module docstring).
-        """
-        ticket = self.enter(priority, top, tenant, size)
+                      size: float = 1.0, non_stream_tokens: int = 0) -> Slot:
+        """Wait for a slot: :meth:`enter`, then :meth:`wait` (raises Rejected: it cannot
+        start in time)."""
+        ticket = self.enter(priority, top, tenant, size, non_stream_tokens=non_stream_tokens)
         return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
 
     def enter(self, priority: int, top: bool, tenant: str = "", size: float = 1.0,
-              hold_s: float | None = None) -> Slot | Waiter:
+              hold_s: float | None = None, non_stream_tokens: int = 0) -> Slot | Waiter:
         """Decide at arrival, without waiting: a slot now, or a place in the queue to
         :meth:`wait` on.
 
@@ -232,6 +224,8 @@ class VariantAdmission:
                 1.0: a short request).
             hold_s: the request may be held for a cold start under way
                 (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
+            non_stream_tokens: a non-stream's ``max_tokens`` reserved, its service while it
+                runs is estimated up to (:mod:`~serve_app.ingress.fair_share`); 0: a stream.
 
         Raises:
             Rejected: ``unavailable`` (no running replica, no cold start to wait for) or
@@ -242,8 +236,9 @@ class VariantAdmission:
         if self.capacity == 0 and not held:
             raise refusals.unavailable(self.variant)
         self.shares.lift(tenant, {w.tenant for w in self._waiting()})
-        key = self._key(priority, tenant, math.inf)
-        ahead = [w for w in self._waiting() if self._order(w) <= key]
+        order = self._order()
+        key = (priority, self.shares.counter(tenant), math.inf)
+        ahead = [w for w in self._waiting() if order(w) <= key]
         if held:
             # held work (first-come) starts on the first replica: _held_slots at once, the rest
             # at service_s each
@@ -255,7 +250,7 @@ class VariantAdmission:
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
-                return self._start(tenant, now, size, priority, top)
+                return self._start(tenant, now, size, priority, top, non_stream_tokens)
             wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
@@ -266,6 +261,7 @@ class VariantAdmission:
             deadline = now + self.queue_timeout_s
         waiter = Waiter(priority, next(self._seq), deadline, top,
                          asyncio.get_running_loop().create_future(), tenant, size,
+                         non_stream_tokens,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
         if not held:
@@ -306,11 +302,10 @@ class VariantAdmission:
 
     def release(self, slot: Slot, cost: float | None = None, size: float | None = None
                 ) -> None:
-        """Give a slot back (once; later calls do nothing) and learn its service time.
-        ``cost``: the request's real service (``service_cost`` of its usage), which replaces
-        what :meth:`served` counted while it ran; None keeps that. ``size``: the ``request_size`` of
-        what it generated; None when it generated nothing (it failed over, was refused, its
-        client left): then it teaches ``service_s`` nothing."""
+        """Give a slot back (once) and learn its service time. ``cost``: the request's real
+        service (``service_cost`` of its usage), which replaces what was counted while it
+        ran (None keeps that). ``size``: the ``request_size`` of what it generated; None when
+        it generated nothing (it failed over, was refused, its client left)."""
         if slot.released:
             return
         slot.released = True
@@ -319,7 +314,7 @@ class VariantAdmission:
         full = self.capacity is not None and self.in_flight >= max(
             1, self.capacity - self._kept_back())
         self.in_flight -= 1
-        self.shares.end(slot.tenant, slot.newcomer, slot.counted, cost)
+        self.shares.end(slot, cost)
         if full and size is not None:  # held while full, by a request that generated tokens
             self.service_time.learn(self._clock() - slot.granted_at, size)
         if size is not None:  # it ended as requests do: its client may send the next one
@@ -328,36 +323,39 @@ class VariantAdmission:
         self._shed_late()
 
     def served(self, slot: Slot, cost: float) -> None:
-        """``slot``'s request was served ``cost`` more (weighted tokens, a stream's as they
-        are relayed): its tenant's counter moves now; :meth:`release` corrects it to usage."""
+        """``slot``'s stream was served ``cost`` more (weighted tokens, as relayed)."""
         if not slot.released:
-            slot.counted += cost
-            self.shares.served(slot.tenant, cost)
+            self.shares.served(slot, cost)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _key(self, priority: int, tenant: str, seq: float) -> tuple:
-        """Queue order: priority, then (``fairness: tokens``) the tenant's service, then
-        arrival."""
-        return (priority, self.shares.counter(tenant), seq)
+    def _order(self) -> Callable[[Waiter], tuple]:
+        """The queue's order now: priority, then (``fairness: tokens``) the tenant's service
+        (read once a tenant: it moves with time), then arrival."""
+        counters: dict[str, float] = {}
 
-    def _order(self, w: Waiter) -> tuple:
-        return self._key(w.priority, w.tenant, w.seq)
+        def key(w: Waiter) -> tuple:
+            if w.tenant not in counters:
+                counters[w.tenant] = self.shares.counter(w.tenant)
+            return (w.priority, counters[w.tenant], w.seq)
+        return key
 
     def _waiting(self) -> list[Waiter]:
         return [w for w in self._queue if not w.future.done()]
 
-    def _start(self, tenant: str, now: float, size: float = 1.0,
-               priority: int = 0, top: bool = True) -> Slot:
+    def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
+               top: bool = True, non_stream_tokens: int = 0) -> Slot:
         newcomer = self.shares.takes_newcomer_slot(tenant, self.in_flight, self.capacity)
-        self.shares.start(tenant, newcomer)
+        slot = Slot(now, tenant, size=size, priority=priority, top=top, newcomer=newcomer,
+                    unrelayed_up_to=service_cost(0, non_stream_tokens))
+        self.shares.start(slot)
         self.in_flight += 1
-        return Slot(now, tenant, size=size, priority=priority, top=top, newcomer=newcomer)
+        return slot
 
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them."""
         self._prune()
-        while waiting := sorted((w for w in self._waiting() if not w.held), key=self._order):
+        while waiting := sorted((w for w in self._waiting() if not w.held), key=self._order()):
             best = waiting[0]
             if self.in_flight >= self.slots_for(best.top):
                 return
@@ -367,14 +365,16 @@ class VariantAdmission:
                            and self.may_start(w.top, w.tenant)), None)
             if chosen is None:
                 return
-            chosen.future.set_result(self._start(chosen.tenant, self._clock(),
-                                                 chosen.size, chosen.priority, chosen.top))
+            chosen.future.set_result(self._start(
+                chosen.tenant, self._clock(), chosen.size, chosen.priority, chosen.top,
+                chosen.non_stream_tokens))
         self._prune()
 
     def _shed_behind(self, newcomer: Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
         deadline."""
-        if any(self._order(w) > self._order(newcomer) for w in self._waiting()):
+        order = self._order()
+        if any(order(w) > order(newcomer) for w in self._waiting()):
             self._shed_late(now)
 
     def _shed_late(self, now: float | None = None) -> None:
@@ -382,7 +382,7 @@ class VariantAdmission:
         priority first to go."""
         now = self._clock() if now is None else now
         ahead = 0.0
-        for w in sorted((w for w in self._waiting() if not w.held), key=self._order):
+        for w in sorted((w for w in self._waiting() if not w.held), key=self._order()):
             if now + self.service_time.wait_s(ahead + w.size,
                                     self.tenant_slots(w.top, w.tenant)) <= w.deadline:
                 ahead += self._work(w)  # it stays: those behind it wait for it

@@ -6,11 +6,14 @@ tenants (``routes.<route>.admission`` in the router config):
   the least service so far goes first (FIFO within a tenant). A tenant's service is its
   virtual token counter, as in the VTC scheduler (Sheng et al., "Fairness in Serving Large
   Language Models", OSDI 2024): ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion``
-  tokens *served*. A stream's completion tokens count as the router relays them (so a
-  tenant's long streams count while they run); the rest (the prompt, a non-stream's
-  answer) when the request ends, from vLLM's usage. What a request *reserved* never
-  moves a counter: a ``max_tokens`` of a whole context that ends after one token (or that
-  vLLM refuses) costs its tenant what it was served, and no one else anything (issue 27).
+  tokens *served*. A stream's completion tokens count as the router relays them, so a
+  tenant's long streams count while they run; a non-stream's answer comes whole at its
+  end, so while it runs its completion counts as the time it has run at the variant's
+  measured rate (:meth:`~serve_app.ingress.service_time.ServiceTime.tokens_per_s`, at most
+  its ``max_tokens``). When a request ends, vLLM's usage replaces all of that (the prompt
+  included). What a request *reserved* never moves a counter: a ``max_tokens`` of a whole
+  context that ends after one token (or that vLLM refuses) costs its tenant what it was
+  served, and no one else anything (issue 27).
   A tenant that arrives with nothing queued or running has its counter lifted to the least
   counter among the tenants that have requests queued or running, so time spent idle earns
   no burst of credit; on an idle variant, to the greatest counter, so the contention of an
@@ -44,6 +47,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
+from serve_app.ingress.slots import Slot
+
 #: Weights of prompt and completion tokens in a tenant's service (VTC's, OSDI 2024 §4:
 #: a generated token costs the engine about twice a prompt token).
 PROMPT_WEIGHT, COMPLETION_WEIGHT = 1.0, 2.0
@@ -59,18 +64,23 @@ class FairShare:
     requests in flight, those in newcomer slots, and the slots kept for them.
 
     Args:
-        clock: ``time.monotonic`` (tests pass a fake), for :attr:`anticipation_s`.
+        clock: ``time.monotonic`` (tests pass a fake), for :attr:`anticipation_s` and the
+            service of running non-streams.
+        tokens_per_s: completion tokens a second one running request is served now (the
+            rate a running non-stream's service is counted at).
     """
 
-    def __init__(self, clock) -> None:
+    def __init__(self, clock, tokens_per_s: Callable[[], float] = lambda: 0.0) -> None:
         self.fairness = "tokens"
         self.newcomer_slots = 0
         self.anticipation_s = 0.0
-        self.service: dict[str, float] = {}  # tenant -> virtual token counter (VTC)
+        self.service: dict[str, float] = {}  # tenant -> service counted (VTC), but ...
+        self._unrelayed: dict[str, list[Slot]] = {}  # ... its running non-streams' so far
         self.running: dict[str, int] = {}  # tenant -> slots held
         self.newcomers = 0  # slots held in newcomer slots (at most newcomer_slots)
         self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
         self._clock = clock
+        self._tokens_per_s = tokens_per_s
 
     def configure(self, fairness: str, newcomer_slots: int, anticipation_s: float) -> None:
         self.fairness = fairness
@@ -80,9 +90,19 @@ class FairShare:
     # -- the token-fair order ---------------------------------------------------------------
 
     def counter(self, tenant: str) -> float:
-        """What orders ``tenant``'s requests within a priority: its service (``fairness:
-        tokens``), else 0 (arrival order)."""
-        return self.service.get(tenant, 0.0) if self.fairness == "tokens" else 0.0
+        """What orders ``tenant``'s requests within a priority: its service so far
+        (:meth:`served_so_far`; ``fairness: tokens``), else 0 (arrival order)."""
+        return self.served_so_far(tenant) if self.fairness == "tokens" else 0.0
+
+    def served_so_far(self, tenant: str) -> float:
+        """``tenant``'s service (its VTC counter), weighted tokens: what was counted, and
+        what its running non-streams have been served so far at ``tokens_per_s``."""
+        running = self._unrelayed.get(tenant)
+        if not running:
+            return self.service.get(tenant, 0.0)
+        now, rate = self._clock(), service_cost(0, self._tokens_per_s())
+        return self.service.get(tenant, 0.0) + sum(
+            min(slot.unrelayed_up_to, (now - slot.granted_at) * rate) for slot in running)
 
     def lift(self, tenant: str, waiting: set[str]) -> None:
         """A tenant with nothing queued (``waiting``: the tenants that have) or running
@@ -92,31 +112,39 @@ class FairShare:
         if self.running.get(tenant) or tenant in waiting:
             return
         active = waiting | {t for t, n in self.running.items() if n}
-        floor = (min(self.service.get(t, 0.0) for t in active) if active
+        floor = (min(self.served_so_far(t) for t in active) if active
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
-    def start(self, tenant: str, newcomer: bool) -> None:
-        """A request of ``tenant`` took a slot (a newcomer slot when ``newcomer``), and any
-        slot kept for it. It has been served nothing yet: nothing is charged."""
+    def start(self, slot: Slot) -> None:
+        """``slot``'s request took its slot (and any slot kept for its tenant). It has been
+        served nothing yet: nothing is counted."""
+        tenant = slot.tenant
         kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
             self._kept.remove(kept)
-        self.newcomers += newcomer
+        self.newcomers += slot.newcomer
         self.running[tenant] = self.running.get(tenant, 0) + 1
+        if slot.unrelayed_up_to:
+            self._unrelayed.setdefault(tenant, []).append(slot)
 
-    def served(self, tenant: str, cost: float) -> None:
-        """A running request of ``tenant`` was served ``cost`` more (weighted tokens)."""
-        self.service[tenant] = self.service.get(tenant, 0.0) + cost
+    def served(self, slot: Slot, cost: float) -> None:
+        """``slot``'s running request was served ``cost`` more (weighted tokens)."""
+        slot.counted += cost
+        self.service[slot.tenant] = self.service.get(slot.tenant, 0.0) + cost
 
-    def end(self, tenant: str, newcomer: bool, counted: float, cost: float | None) -> None:
-        """A request of ``tenant`` gave its slot back; ``cost``, its real service (from
-        vLLM's usage), replaces the ``counted`` part of it :meth:`served` counted while it
-        ran (None: that part stands)."""
-        self.newcomers -= newcomer
+    def end(self, slot: Slot, cost: float | None) -> None:
+        """``slot``'s request gave its slot back; ``cost``, its real service (from vLLM's
+        usage), replaces what was counted for it while it ran (None: what :meth:`served`
+        counted stands)."""
+        tenant = slot.tenant
+        self.newcomers -= slot.newcomer
         self.running[tenant] = max(0, self.running.get(tenant, 0) - 1)
+        running = self._unrelayed.get(tenant, [])
+        if any(s is slot for s in running):
+            running[:] = [s for s in running if s is not slot]
         if cost is not None:
-            self.served(tenant, cost - counted)
+            self.served(slot, cost - slot.counted)
 
     # -- a slot for a tenant that has none --------------------------------------------------
 
@@ -182,8 +210,8 @@ class FairShare:
         if not waiting or not may_use or any(t == tenant for t, _ in waiting):
             return
         best = min(p for _, p in waiting)
-        mine = self.service.get(tenant, 0.0)
-        if best < priority or any(self.service.get(t, 0.0) <= mine
+        mine = self.served_so_far(tenant)
+        if best < priority or any(self.served_so_far(t) <= mine
                                   for t, p in waiting if p == best):
             return
         kept = (tenant, self._clock() + self.anticipation_s)

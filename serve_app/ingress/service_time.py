@@ -59,6 +59,11 @@ class ServiceTime:
         self.samples += 1  # the first ones replace the start-up measure quickly
         self.s += max(EWMA_ALPHA, 1 / self.samples) * (held_s / max(1e-3, size) - self.s)
 
+    def tokens_per_s(self) -> float:
+        """Completion tokens a second one running request is served while the variant is
+        full: a request of size 1 per :attr:`s` (an idle variant serves faster)."""
+        return (CALIBRATION_TOKENS + PREFILL_TOKENS) / max(1e-3, self.s)
+
     def wait_s(self, work: float, slots: int) -> float:
         """Seconds until ``work`` (sizes) has been served on ``slots`` slots."""
         return work * self.s / max(1, slots)

@@ -20,6 +20,7 @@ class Waiter:
     future: asyncio.Future
     tenant: str = ""
     size: float = 1.0  # request_size of its reservation
+    non_stream_tokens: int = 0  # a non-stream's max_tokens (0: a stream), see Slot
     held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
     hold_s: float = 0.0  # the longest it may wait for that, s
 
@@ -31,6 +32,8 @@ class Slot:
     granted_at: float
     tenant: str = ""
     counted: float = 0.0  # its service counted while it ran (a stream's tokens relayed)
+    unrelayed_up_to: float = 0.0  # a non-stream: its service while it runs is estimated,
+    # up to this (its max_tokens, weighted); 0: a stream, counted as its tokens are relayed
     size: float = 1.0  # request_size of its reservation
     released: bool = False
     priority: int = 0
