@@ -11,6 +11,7 @@ from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission
 from serve_app.ingress.fair_share import service_cost
 from serve_app.ingress.service_time import PRIOR_SERVICE_S
 from serve_app.ingress.refusals import Rejected
+from serve_app.ingress.slots import Counted
 
 
 class Clock:
@@ -529,25 +530,29 @@ def test_a_poisoners_reservation_cannot_push_another_tenant_back():
                            "honest": service_cost(0, 1) + service_cost(12, 16)}
 
 
-def test_a_running_non_stream_counts_the_time_it_has_run_until_its_usage_comes():
-    """A non-stream's answer comes whole at its end: while it runs, its service counts at
-    the variant's rate (``ServiceTime.tokens_per_s``, from ``service_s``) up to its
-    ``max_tokens``, so a tenant arriving meanwhile is lifted to what it has been served so
-    far (else its whole run would be credit for the newcomer); its usage replaces that at
-    the end."""
+def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_run():
+    """A request's prompt counts when it starts (its prefill is its first step: VTC counts
+    a request's input when it joins the batch), so that slots granted at one moment take
+    turns. A non-stream's answer comes whole at its end: while it runs, its completion
+    counts at the variant's rate (``ServiceTime.tokens_per_s``, from ``service_s``) up to
+    its ``max_tokens``, so a tenant arriving meanwhile is lifted to what it has been served
+    so far (else its whole run would be credit for the newcomer). Its usage replaces both
+    at the end."""
     async def main():
         clock = Clock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100,
                              clock=clock)
         q.set_capacity(2, full_batch_service_s=1.0)  # a request of size 1 a second
         per_s = service_cost(0, q.service_time.tokens_per_s())
-        busy = await q.acquire(0, False, "busy", non_stream_tokens=100)
+        busy = await q.acquire(0, False, "busy",
+                               counted=Counted(service_cost(30, 0), service_cost(0, 100)))
+        assert q.shares.served_so_far("busy") == 30  # its prompt (at its bound)
         clock.t = 2.0
-        assert q.shares.served_so_far("busy") == pytest.approx(2 * per_s)
+        assert q.shares.served_so_far("busy") == pytest.approx(30 + 2 * per_s)
         clock.t = 60.0
-        assert q.shares.served_so_far("busy") == service_cost(0, 100)  # its max_tokens
+        assert q.shares.served_so_far("busy") == 30 + service_cost(0, 100)  # max_tokens
         late = await q.acquire(0, False, "late")
-        assert q.service["late"] == service_cost(0, 100)  # lifted to it
+        assert q.service["late"] == 30 + service_cost(0, 100)  # lifted to it
         q.release(busy, cost=service_cost(10, 60))  # vLLM's usage replaces the estimate
         assert q.shares.served_so_far("busy") == service_cost(10, 60)
         q.release(late)

@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable
 
 from serve_app.ingress import refusals
-from serve_app.ingress.fair_share import FairShare, service_cost
+from serve_app.ingress.fair_share import FairShare
 from serve_app.ingress.refusals import Rejected
 from serve_app.ingress.service_time import ServiceTime
-from serve_app.ingress.slots import Slot, Waiter
+from serve_app.ingress.slots import Counted, Slot, Waiter
 
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
@@ -205,14 +205,14 @@ class VariantAdmission:
     # -- requests -----------------------------------------------------------------------------
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
-                      size: float = 1.0, non_stream_tokens: int = 0) -> Slot:
+                      size: float = 1.0, counted: Counted = Counted()) -> Slot:
         """Wait for a slot: :meth:`enter`, then :meth:`wait` (raises Rejected: it cannot
         start in time)."""
-        ticket = self.enter(priority, top, tenant, size, non_stream_tokens=non_stream_tokens)
+        ticket = self.enter(priority, top, tenant, size, counted=counted)
         return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
 
     def enter(self, priority: int, top: bool, tenant: str = "", size: float = 1.0,
-              hold_s: float | None = None, non_stream_tokens: int = 0) -> Slot | Waiter:
+              hold_s: float | None = None, counted: Counted = Counted()) -> Slot | Waiter:
         """Decide at arrival, without waiting: a slot now, or a place in the queue to
         :meth:`wait` on.
 
@@ -224,8 +224,7 @@ class VariantAdmission:
                 1.0: a short request).
             hold_s: the request may be held for a cold start under way
                 (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
-            non_stream_tokens: a non-stream's ``max_tokens`` reserved, its service while it
-                runs is estimated up to (:mod:`~serve_app.ingress.fair_share`); 0: a stream.
+            counted: how its service counts while it runs (:class:`Counted`).
 
         Raises:
             Rejected: ``unavailable`` (no running replica, no cold start to wait for) or
@@ -237,7 +236,7 @@ class VariantAdmission:
             raise refusals.unavailable(self.variant)
         self.shares.lift(tenant, {w.tenant for w in self._waiting()})
         order = self._order()
-        key = (priority, self.shares.counter(tenant), math.inf)
+        key = order(Waiter(priority, math.inf, 0.0, top, None, tenant))  # last of its rank
         ahead = [w for w in self._waiting() if order(w) <= key]
         if held:
             # held work (first-come) starts on the first replica: _held_slots at once, the rest
@@ -250,7 +249,7 @@ class VariantAdmission:
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
-                return self._start(tenant, now, size, priority, top, non_stream_tokens)
+                return self._start(tenant, now, size, priority, top, counted)
             wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
@@ -261,7 +260,7 @@ class VariantAdmission:
             deadline = now + self.queue_timeout_s
         waiter = Waiter(priority, next(self._seq), deadline, top,
                          asyncio.get_running_loop().create_future(), tenant, size,
-                         non_stream_tokens,
+                         counted,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
         if not held:
@@ -331,7 +330,7 @@ class VariantAdmission:
 
     def _order(self) -> Callable[[Waiter], tuple]:
         """The queue's order now: priority, then (``fairness: tokens``) the tenant's service
-        (read once a tenant: it moves with time), then arrival."""
+        (it moves with time: read once a tenant, so a decision sees one order), arrival."""
         counters: dict[str, float] = {}
 
         def key(w: Waiter) -> tuple:
@@ -344,10 +343,10 @@ class VariantAdmission:
         return [w for w in self._queue if not w.future.done()]
 
     def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
-               top: bool = True, non_stream_tokens: int = 0) -> Slot:
+               top: bool = True, counted: Counted = Counted()) -> Slot:
         newcomer = self.shares.takes_newcomer_slot(tenant, self.in_flight, self.capacity)
         slot = Slot(now, tenant, size=size, priority=priority, top=top, newcomer=newcomer,
-                    unrelayed_up_to=service_cost(0, non_stream_tokens))
+                    counts=counted)
         self.shares.start(slot)
         self.in_flight += 1
         return slot
@@ -367,7 +366,7 @@ class VariantAdmission:
                 return
             chosen.future.set_result(self._start(
                 chosen.tenant, self._clock(), chosen.size, chosen.priority, chosen.top,
-                chosen.non_stream_tokens))
+                chosen.counted))
         self._prune()
 
     def _shed_behind(self, newcomer: Waiter, now: float) -> None:

@@ -60,12 +60,6 @@ def _error_kind(head: Head) -> str | None:
     return _error_of(head).code if head.failure is Failure.CAPACITY else None
 
 
-def _non_stream(plan: RequestPlan, account: RequestAccount) -> int:
-    """A non-stream's reserved completion tokens (its service is estimated while it runs,
-    :mod:`~serve_app.ingress.fair_share`); 0 for a stream (counted as relayed)."""
-    return 0 if plan.stream else account.reservation.completion
-
-
 class Dispatcher:
     """Calls variants for planned requests.
 
@@ -145,7 +139,7 @@ class Dispatcher:
         try:
             return self.cold_starts.hold(variant, admission, plan.route, lambda: admission.enter(
                 plan.priority, plan.top_priority, account.tags["tenant"], account.size,
-                hold_s=plan.cold_start_timeout_s, non_stream_tokens=_non_stream(plan, account)))
+                hold_s=plan.cold_start_timeout_s, counted=account.counted(plan.stream)))
         except MeshError:
             account.tags["variant"] = variant
             raise
@@ -185,7 +179,7 @@ class Dispatcher:
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority,
                                            account.tags["tenant"], account.size,
-                                           _non_stream(plan, account))
+                                           account.counted(plan.stream))
         except Rejected as r:
             if r.reason == "unavailable":  # no running replica: the next candidate
                 return None

@@ -102,7 +102,8 @@ class FairShare:
             return self.service.get(tenant, 0.0)
         now, rate = self._clock(), service_cost(0, self._tokens_per_s())
         return self.service.get(tenant, 0.0) + sum(
-            min(slot.unrelayed_up_to, (now - slot.granted_at) * rate) for slot in running)
+            min(slot.counts.non_stream_up_to, (now - slot.granted_at) * rate)
+            for slot in running)
 
     def lift(self, tenant: str, waiting: set[str]) -> None:
         """A tenant with nothing queued (``waiting``: the tenants that have) or running
@@ -117,16 +118,17 @@ class FairShare:
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
 
     def start(self, slot: Slot) -> None:
-        """``slot``'s request took its slot (and any slot kept for its tenant). It has been
-        served nothing yet: nothing is counted."""
+        """``slot``'s request took its slot (and any slot kept for its tenant): its prompt
+        counts now (its prefill is its first step)."""
         tenant = slot.tenant
         kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
             self._kept.remove(kept)
         self.newcomers += slot.newcomer
         self.running[tenant] = self.running.get(tenant, 0) + 1
-        if slot.unrelayed_up_to:
+        if slot.counts.non_stream_up_to:
             self._unrelayed.setdefault(tenant, []).append(slot)
+        self.served(slot, slot.counts.prompt)
 
     def served(self, slot: Slot, cost: float) -> None:
         """``slot``'s running request was served ``cost`` more (weighted tokens)."""

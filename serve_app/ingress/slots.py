@@ -5,7 +5,20 @@ now, or a place in the queue (:class:`Waiter`); else a refusal
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Counted:
+    """How a request's service counts for its tenant while it runs
+    (:mod:`serve_app.ingress.fair_share`), weighted tokens: ``prompt`` when it starts (its
+    prefill is its first engine step; at the prompt's bound until vLLM's usage gives the
+    count) and, for a non-stream, its completion by the time it has run, up to
+    ``non_stream_up_to`` (its ``max_tokens``; 0: a stream, counted as its tokens are
+    relayed)."""
+
+    prompt: float = 0.0
+    non_stream_up_to: float = 0.0
 
 
 @dataclass
@@ -20,7 +33,7 @@ class Waiter:
     future: asyncio.Future
     tenant: str = ""
     size: float = 1.0  # request_size of its reservation
-    non_stream_tokens: int = 0  # a non-stream's max_tokens (0: a stream), see Slot
+    counted: Counted = field(default_factory=Counted)
     held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
     hold_s: float = 0.0  # the longest it may wait for that, s
 
@@ -31,9 +44,8 @@ class Slot:
 
     granted_at: float
     tenant: str = ""
-    counted: float = 0.0  # its service counted while it ran (a stream's tokens relayed)
-    unrelayed_up_to: float = 0.0  # a non-stream: its service while it runs is estimated,
-    # up to this (its max_tokens, weighted); 0: a stream, counted as its tokens are relayed
+    counts: Counted = field(default_factory=Counted)
+    counted: float = 0.0  # its service counted so far (its prompt, a stream's tokens relayed)
     size: float = 1.0  # request_size of its reservation
     released: bool = False
     priority: int = 0

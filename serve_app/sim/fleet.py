@@ -37,6 +37,7 @@ from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.fair_share import service_cost
 from serve_app.ingress.service_time import request_size
 from serve_app.ingress.refusals import Rejected
+from serve_app.ingress.slots import Counted
 from serve_app.sim.profile import SimProfile
 from serve_app.sim.scheduler import SimRequest, SimScheduler, evict_idle_lru
 
@@ -279,8 +280,9 @@ class Fleet:
         slot = None
         if self.admission is not None:
             try:
-                slot = await self.admission.acquire(0, True, req.tenant,
-                                                    request_size(req.max_tokens))
+                slot = await self.admission.acquire(
+                    0, True, req.tenant, request_size(req.max_tokens),
+                    Counted(service_cost(len(req.prompt_ids), 0)))  # a stream
             except Rejected as e:
                 req.rejected, req.refused_at = e.reason, asyncio.get_running_loop().time()
                 return

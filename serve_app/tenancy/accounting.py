@@ -27,7 +27,7 @@ from serve_app.common.wire import Usage
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.fair_share import service_cost
 from serve_app.ingress.service_time import request_size
-from serve_app.ingress.slots import Slot
+from serve_app.ingress.slots import Counted, Slot
 from serve_app.tenancy.limits import Lease, TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
@@ -93,6 +93,14 @@ class RequestAccount:
         if lease is not None and lease.quota.tokens is not None:
             self.metrics.record_tokens_remaining(tenant.id, lease.quota.tokens)
         return lease.quota.headers() if lease is not None else {}
+
+    def counted(self, stream: bool) -> Counted:
+        """How this request's service counts for its tenant while it runs (the token-fair
+        order, :mod:`serve_app.ingress.fair_share`): its prompt at its bound from the start,
+        a non-stream's completion by time up to its ``max_tokens``; never its whole
+        reservation."""
+        return Counted(service_cost(self.reservation.prompt, 0),
+                       0.0 if stream else service_cost(0, self.reservation.completion))
 
     @property
     def size(self) -> float:
