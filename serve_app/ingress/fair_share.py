@@ -6,14 +6,17 @@ tenants (``routes.<route>.admission`` in the router config):
   the least service so far goes first (FIFO within a tenant). A tenant's service is its
   virtual token counter, as in the VTC scheduler (Sheng et al., "Fairness in Serving Large
   Language Models", OSDI 2024): ``PROMPT_WEIGHT x prompt + COMPLETION_WEIGHT x completion``
-  tokens *served*. A stream's completion tokens count as the router relays them, so a
-  tenant's long streams count while they run; a non-stream's answer comes whole at its
-  end, so while it runs its completion counts as the time it has run at the variant's
-  measured rate (:meth:`~serve_app.ingress.service_time.ServiceTime.tokens_per_s`, at most
-  its ``max_tokens``). When a request ends, vLLM's usage replaces all of that (the prompt
-  included). What a request *reserved* never moves a counter: a ``max_tokens`` of a whole
-  context that ends after one token (or that vLLM refuses) costs its tenant what it was
-  served, and no one else anything (issue 27).
+  tokens *served*. A request's prompt counts when it starts, as VTC counts a request's
+  input when it joins the batch (its prefill is its first step), at the prompt's bound
+  until vLLM's usage gives the count; so slots granted at one moment take turns. A
+  stream's completion tokens count as the router relays them, so a tenant's long streams
+  count while they run; a non-stream's answer comes whole at its end, so while it runs its
+  completion counts as the time it has run at the variant's measured rate
+  (:meth:`~serve_app.ingress.service_time.ServiceTime.tokens_per_s`, at most its
+  ``max_tokens``). When a request ends, vLLM's usage replaces all of that. What a request
+  *reserves* for its completion never moves a counter: a ``max_tokens`` of a whole context
+  that ends after one token (or that vLLM refuses) costs its tenant what it was served,
+  and no one else anything (issue 27).
   A tenant that arrives with nothing queued or running has its counter lifted to the least
   counter among the tenants that have requests queued or running, so time spent idle earns
   no burst of credit; on an idle variant, to the greatest counter, so the contention of an
