@@ -555,6 +555,13 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
         assert q.service["late"] == 30 + service_cost(0, 100)  # lifted to it
         q.release(busy, cost=service_cost(10, 60))  # vLLM's usage replaces the estimate
         assert q.shares.served_so_far("busy") == service_cost(10, 60)
+        # Its client left (no usage: cost None): what its prompt and time counted stands.
+        left = await q.acquire(0, False, "busy",
+                               counted=Counted(service_cost(30, 0), service_cost(0, 100)))
+        at_start = q.shares.served_so_far("busy")  # lifted to late's, and its prompt
+        clock.t = 61.0
+        q.release(left)
+        assert q.shares.served_so_far("busy") == pytest.approx(at_start + per_s)
         q.release(late)
     run(main())
 

@@ -100,13 +100,14 @@ class FairShare:
     def served_so_far(self, tenant: str) -> float:
         """``tenant``'s service (its VTC counter), weighted tokens: what was counted, and
         what its running non-streams have been served so far at ``tokens_per_s``."""
-        running = self._unrelayed.get(tenant)
-        if not running:
-            return self.service.get(tenant, 0.0)
-        now, rate = self._clock(), service_cost(0, self._tokens_per_s())
         return self.service.get(tenant, 0.0) + sum(
-            min(slot.counts.non_stream_up_to, (now - slot.granted_at) * rate)
-            for slot in running)
+            self._by_time(slot) for slot in self._unrelayed.get(tenant, ()))
+
+    def _by_time(self, slot: Slot) -> float:
+        """A running non-stream's completion so far: the time it has run at
+        ``tokens_per_s``, at most its ``max_tokens`` (weighted)."""
+        rate = service_cost(0, self._tokens_per_s())
+        return min(slot.counts.non_stream_up_to, (self._clock() - slot.granted_at) * rate)
 
     def lift(self, tenant: str, waiting: set[str]) -> None:
         """A tenant with nothing queued (``waiting``: the tenants that have) or running
@@ -140,13 +141,15 @@ class FairShare:
 
     def end(self, slot: Slot, cost: float | None) -> None:
         """``slot``'s request gave its slot back; ``cost``, its real service (from vLLM's
-        usage), replaces what was counted for it while it ran (None: what :meth:`served`
-        counted stands)."""
+        usage), replaces what was counted for it while it ran (None: what was counted
+        stands, a non-stream's time included)."""
         tenant = slot.tenant
         self.newcomers -= slot.newcomer
         self.running[tenant] = max(0, self.running.get(tenant, 0) - 1)
         running = self._unrelayed.get(tenant, [])
         if any(s is slot for s in running):
+            if cost is None:  # how far it got is not known: what its time counted stands
+                cost = slot.counted + self._by_time(slot)
             running[:] = [s for s in running if s is not slot]
         if cost is not None:
             self.served(slot, cost - slot.counted)
@@ -217,7 +220,7 @@ class FairShare:
         best = min(p for _, p in waiting)
         mine = self.served_so_far(tenant)
         if best < priority or any(self.served_so_far(t) <= mine
-                                  for t, p in waiting if p == best):
+                                  for t in {t for t, p in waiting if p == best}):
             return
         kept = (tenant, self._clock() + self.anticipation_s)
         self._kept.append(kept)

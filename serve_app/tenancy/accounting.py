@@ -166,10 +166,12 @@ class RequestAccount:
         latency = time.monotonic() - self.t0
         used = self.reservation.used(usage.prompt_tokens, usage.completion_tokens,
                                      self.streamed_chunks)
-        if self.accepted and error_kind == "client_disconnected" and not any(used):
+        abandoned = self.accepted and error_kind == "client_disconnected" and not any(used)
+        if abandoned:
             # A non-stream its client abandoned while a replica ran it (the engine request is
             # aborted). vLLM reports a non-stream's usage only with its answer, so how far it
-            # got is not known here: it is charged its reservation, what its budget admitted.
+            # got is not known here: it is charged its reservation, what its budget admitted
+            # (the fair order keeps what its time counted: never a reservation).
             used = (self.reservation.prompt, self.reservation.completion)
         if self._tenant is not None:
             limiter, lease = self._tenant
@@ -178,8 +180,9 @@ class RequestAccount:
                 self.metrics.record_tokens(self.tags["tenant"], lease.reserved, sum(used))
         if self._slot is not None:
             admission, slot = self._slot
-            admission.release(slot, cost=service_cost(*used),
-                              size=request_size(used[1]) if used[1] else None)
+            admission.release(slot, cost=None if abandoned else service_cost(*used),
+                              size=request_size(used[1]) if used[1] and not abandoned
+                              else None)
         if self.capture is not None:
             self.capture.finish(ttft_s=ttft_s, latency_s=latency, error=error_kind or (
                 f"http_{status}" if status >= 400 else None))
