@@ -259,8 +259,7 @@ class VariantAdmission:
                                           self.queued, wait_s)
             deadline = now + self.queue_timeout_s
         waiter = Waiter(priority, next(self._seq), deadline, top,
-                         asyncio.get_running_loop().create_future(), tenant, size,
-                         counted,
+                         asyncio.get_running_loop().create_future(), tenant, size, counted,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
         if not held:
