@@ -545,7 +545,7 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
         q.set_capacity(2, full_batch_service_s=1.0)  # a request of size 1 a second
         per_s = service_cost(0, q.service_time.tokens_per_s())
         busy = await q.acquire(0, False, "busy",
-                               counted=Counted(service_cost(30, 0), service_cost(0, 100)))
+                               counts=Counted(service_cost(30, 0), service_cost(0, 100)))
         assert q.shares.served_so_far("busy") == 30  # its prompt (at its bound)
         clock.t = 2.0
         assert q.shares.served_so_far("busy") == pytest.approx(30 + 2 * per_s)
@@ -557,7 +557,7 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
         assert q.shares.served_so_far("busy") == service_cost(10, 60)
         # Its client left (no usage: cost None): what its prompt and time counted stands.
         left = await q.acquire(0, False, "busy",
-                               counted=Counted(service_cost(30, 0), service_cost(0, 100)))
+                               counts=Counted(service_cost(30, 0), service_cost(0, 100)))
         at_start = q.shares.served_so_far("busy")  # lifted to late's, and its prompt
         clock.t = 61.0
         q.release(left)

@@ -205,14 +205,14 @@ class VariantAdmission:
     # -- requests -----------------------------------------------------------------------------
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
-                      size: float = 1.0, counted: Counted = Counted()) -> Slot:
+                      size: float = 1.0, counts: Counted = Counted()) -> Slot:
         """Wait for a slot: :meth:`enter`, then :meth:`wait` (raises Rejected: it cannot
         start in time)."""
-        ticket = self.enter(priority, top, tenant, size, counted=counted)
+        ticket = self.enter(priority, top, tenant, size, counts=counts)
         return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
 
     def enter(self, priority: int, top: bool, tenant: str = "", size: float = 1.0,
-              hold_s: float | None = None, counted: Counted = Counted()) -> Slot | Waiter:
+              hold_s: float | None = None, counts: Counted = Counted()) -> Slot | Waiter:
         """Decide at arrival, without waiting: a slot now, or a place in the queue to
         :meth:`wait` on.
 
@@ -224,7 +224,7 @@ class VariantAdmission:
                 1.0: a short request).
             hold_s: the request may be held for a cold start under way
                 (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
-            counted: how its service counts while it runs (:class:`Counted`).
+            counts: how its service counts while it runs (:class:`Counted`).
 
         Raises:
             Rejected: ``unavailable`` (no running replica, no cold start to wait for) or
@@ -249,7 +249,7 @@ class VariantAdmission:
             deadline = now + hold_s
         else:
             if not ahead and self.may_start(top, tenant):
-                return self._start(tenant, now, size, priority, top, counted)
+                return self._start(tenant, now, size, priority, top, counts)
             wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
@@ -259,7 +259,7 @@ class VariantAdmission:
                                           self.queued, wait_s)
             deadline = now + self.queue_timeout_s
         waiter = Waiter(priority, next(self._seq), deadline, top,
-                         asyncio.get_running_loop().create_future(), tenant, size, counted,
+                         asyncio.get_running_loop().create_future(), tenant, size, counts,
                          held=held, hold_s=hold_s or 0.0)
         self._queue.append(waiter)
         if not held:
@@ -342,10 +342,10 @@ class VariantAdmission:
         return [w for w in self._queue if not w.future.done()]
 
     def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
-               top: bool = True, counted: Counted = Counted()) -> Slot:
+               top: bool = True, counts: Counted = Counted()) -> Slot:
         newcomer = self.shares.takes_newcomer_slot(tenant, self.in_flight, self.capacity)
         slot = Slot(now, tenant, size=size, priority=priority, top=top, newcomer=newcomer,
-                    counts=counted)
+                    counts=counts)
         self.shares.start(slot)
         self.in_flight += 1
         return slot
@@ -365,7 +365,7 @@ class VariantAdmission:
                 return
             chosen.future.set_result(self._start(
                 chosen.tenant, self._clock(), chosen.size, chosen.priority, chosen.top,
-                chosen.counted))
+                chosen.counts))
         self._prune()
 
     def _shed_behind(self, newcomer: Waiter, now: float) -> None:

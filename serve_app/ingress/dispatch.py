@@ -139,7 +139,7 @@ class Dispatcher:
         try:
             return self.cold_starts.hold(variant, admission, plan.route, lambda: admission.enter(
                 plan.priority, plan.top_priority, account.tags["tenant"], account.size,
-                hold_s=plan.cold_start_timeout_s, counted=account.counted(plan.stream)))
+                hold_s=plan.cold_start_timeout_s, counts=account.counts(plan.stream)))
         except MeshError:
             account.tags["variant"] = variant
             raise
@@ -179,7 +179,7 @@ class Dispatcher:
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority,
                                            account.tags["tenant"], account.size,
-                                           account.counted(plan.stream))
+                                           account.counts(plan.stream))
         except Rejected as r:
             if r.reason == "unavailable":  # no running replica: the next candidate
                 return None

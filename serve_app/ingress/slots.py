@@ -33,7 +33,7 @@ class Waiter:
     future: asyncio.Future
     tenant: str = ""
     size: float = 1.0  # request_size of its reservation
-    counted: Counted = field(default_factory=Counted)
+    counts: Counted = field(default_factory=Counted)
     held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
     hold_s: float = 0.0  # the longest it may wait for that, s
 

@@ -94,7 +94,7 @@ class RequestAccount:
             self.metrics.record_tokens_remaining(tenant.id, lease.quota.tokens)
         return lease.quota.headers() if lease is not None else {}
 
-    def counted(self, stream: bool) -> Counted:
+    def counts(self, stream: bool) -> Counted:
         """How this request's service counts for its tenant while it runs (the token-fair
         order, :mod:`serve_app.ingress.fair_share`): its prompt at its bound from the start,
         a non-stream's completion by time up to its ``max_tokens``; never its whole
