@@ -16,8 +16,9 @@ Workloads (seeded; :mod:`serve_app.sim.workloads`), open-loop Poisson arrivals:
    Goal: TTFT p50 ≤ 0.5x the default router's, prefix-cache hit rate ≥ 0.8 of what the
    workload allows (one engine with an unbounded cache).
 3. ``tenants``: 8 tenants, one heavy (backlogged at 1.25x the fleet's capacity), under the
-   mesh's admission: token-fair against FIFO. Goal: the light tenants' TTFT p95 ≤ 2x their
-   TTFT p95 on the idle fleet.
+   mesh's admission: token-fair against FIFO (``--newcomer-slots``: and with more slots kept
+   from the heavy tenant, against its tokens/s). Goal: the light tenants' TTFT p95 ≤ 2x
+   their TTFT p95 on the idle fleet.
 
 Goodput: the highest arrival rate (the grid, then 3 bisections) at which TTFT p95 and TPOT
 p95 are within the SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after ``--warmup-s``.
@@ -67,6 +68,22 @@ def capacity_rps(profile: SimProfile, replicas: int, limits: EngineLimits,
     that sets the rate grid)."""
     batch = limits.max_num_seqs
     return replicas * batch / (profile.decode_s(batch) * max_tokens)
+
+
+def tokens_per_s(requests: list[FleetRequest], t0: float, t1: float) -> float:
+    """Completion tokens/s ``requests`` were served between ``t0`` and ``t1`` (virtual s),
+    each request's tokens taken as even from its first token to its end."""
+    tokens = 0.0
+    for r in requests:
+        if r.first_token_at is None or r.done_at is None or not r.generated:
+            continue
+        span = r.done_at - r.first_token_at
+        overlap = min(r.done_at, t1) - max(r.first_token_at, t0)
+        if span <= 0:
+            tokens += r.generated if t0 <= r.done_at <= t1 else 0
+        elif overlap > 0:
+            tokens += r.generated * overlap / span
+    return tokens / (t1 - t0)
 
 
 def summarize(requests: list[FleetRequest], fleet: Fleet, warmup_s: float) -> dict:
@@ -307,13 +324,17 @@ def bench_tenants(a, profile: SimProfile) -> dict:
                        "heavy_rejected": sum(1 for r in served if r.tenant == "heavy"
                                              and r.rejected),
                        "heavy_tokens": tokens - sum(r.generated for r in ok),
+                       "heavy_tokens_per_s": tokens_per_s(
+                           [r for r in served if r.tenant == "heavy"], a.warmup_s,
+                           a.duration_s),
                        "ttft_s": sorted(r.ttft_s for r in ok)}
     idle = runs["idle"]["light_ttft_p95_s"]
     print(f"\n[{_label(profile)}] tenants: {replicas} replicas, heavy tenant at {heavy:.0f}/s "
           f"(1.25x capacity: backlogged), 7 light at {light:.1f}/s each, the mesh's admission "
           "(queue_timeout_s 30, newcomer_slots 1)")
     for label, r in runs.items():
-        print(f"  {label:>10}: heavy tokens {r['heavy_tokens']}, light TTFT p95 "
+        print(f"  {label:>10}: heavy {r['heavy_tokens_per_s']:,.0f} tokens/s while the "
+              f"light ones ran, light TTFT p95 "
               f"{r['light_ttft_p95_s']:.3f} s "
               f"(x{r['light_ttft_p95_s'] / idle:.2f} idle; in the router p95 "
               f"{r['light_router_wait_p95_s'] * 1000:.0f} ms, in the engine p50 "
@@ -619,8 +640,9 @@ def add_arguments(parser) -> None:
                    "shorter --router-cost: admission up to 100 queued, no table memory)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--newcomer-slots", type=int, nargs="+", default=[1], metavar="K",
-                   help="tenants: also run token-fair with the heavy tenant held to the "
-                        "fleet's slots less K (the router's default is 1)")
+                   help="tenants: also run token-fair with K of the fleet's slots kept for "
+                        "newcomers, so the busy heavy tenant holds the rest (the router's "
+                        "default is 1)")
     g.add_argument("--plots", default="docs/images", help="where the PNGs go")
     g.add_argument("--trust", action="store_true", help="replay this host's real-engine "
                    "benchmark runs (2 replicas, 16 adapters; sessions) on its sim profile")

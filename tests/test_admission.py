@@ -396,6 +396,38 @@ def test_a_tenant_with_requests_in_flight_leaves_a_newcomer_an_engine_slot():
     run(main())
 
 
+def test_a_tenant_under_an_equal_share_of_the_slots_may_take_the_newcomer_slots():
+    """The newcomer slots are for any tenant holding less than an equal share of the slots
+    (among the tenants in flight and one more), not only for one with nothing in flight: a
+    light tenant with requests running still starts at once beside a heavy tenant that
+    holds the busy tenants' share, and a heavy one never takes them."""
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=4)
+        q.set_capacity(12, full_batch_service_s=1.0)  # 8 for the busy tenants
+        heavy = [await q.acquire(0, True, "heavy") for _ in range(7)]
+        light = [await q.acquire(0, True, "light")]  # 8 in flight: the busy share is full
+        assert q.in_flight == 8 and not light[0].newcomer
+        more_heavy = asyncio.create_task(q.acquire(0, True, "heavy"))  # 7 x 3 >= 12: busy
+        await settle()
+        assert not more_heavy.done()
+        # light: 1, 2, then 3 in flight; 3 x (2 tenants + 1) < 12: newcomer slots, at once
+        for n in range(3):
+            light.append(await asyncio.wait_for(q.acquire(0, True, "light"), 1))
+            assert light[-1].newcomer
+        # 4 x 3 = 12: an equal share, busy now; the newcomer slots are full anyway
+        assert q.in_flight == 11 and q.shares.busy("light", q.capacity)
+        late = asyncio.create_task(q.acquire(0, True, "light"))
+        await settle()
+        assert not late.done() and not more_heavy.done()
+        # A light request in a newcomer slot ends: its slot is for newcomers again, and the
+        # busy heavy tenant still waits.
+        q.release(light.pop(), cost=1.0)
+        await settle()
+        assert not more_heavy.done() and late.done() and late.result().newcomer
+        more_heavy.cancel()
+    run(main())
+
+
 def test_a_newcomer_in_its_slot_leaves_the_busy_tenants_theirs():
     """A newcomer's request runs in the slot kept for newcomers, not in the busy tenants'
     share: a heavy request that ends meanwhile gives its slot to the heavy tenant's next,
@@ -427,9 +459,9 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
     nothing."""
     async def main():
         clock = Clock()
-        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=1,
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=0,
                              anticipation_s=0.05, clock=clock)
-        q.set_capacity(6, full_batch_service_s=1.0)  # 5 for tenants with requests in flight
+        q.set_capacity(5, full_batch_service_s=1.0)
         heavy = [await q.acquire(0, True, "heavy") for _ in range(2)]
         for slot in heavy:
             q.served(slot, 100.0)  # two streams, 100 each so far
@@ -458,7 +490,7 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
         # Served less than one tenant waiting but more than another: nothing is kept, the
         # least served goes next.
         q.release(heavy.pop(), cost=100.0, size=1.0)  # nobody waits: nothing kept
-        new = await q.acquire(0, True, "new")  # a newcomer: 5 in flight
+        new = await q.acquire(0, True, "new")  # 5 in flight
         q.service["new"] = 50.0  # served least of all
         more_heavy = asyncio.create_task(q.acquire(0, True, "heavy"))
         more_new = asyncio.create_task(q.acquire(0, True, "new"))

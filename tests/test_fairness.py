@@ -14,7 +14,7 @@ its idle TTFT and its share stays under a quarter.
 
 The issue's TTFT goal, p95 <= 2x idle, is printed, not asserted: what remains of a light
 request's TTFT once admission adds nothing is the engine's (the rest of the step in
-progress, then its own step of a full batch), about 2.4x idle at p95 on this profile,
+progress, then its own step of a full batch), 2.12x idle at p95 on this profile,
 exact on the virtual clock (test_fleet_sim.py); here the host's fixed overhead dilutes it
 (x0.9-x2.1 in the last runs).
 """

@@ -17,7 +17,7 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
 - **Priority.** A better-priority request goes ahead of every worse one; the worse ones it
   pushes past their deadline are shed. ``reserved_slots`` are kept for the best priority.
 - **Tenants' shares** (``fairness``, ``newcomer_slots``, ``anticipation_s``): token-fair
-  order within a priority, a slot for a tenant that has none, a freed slot kept for its
+  order within a priority, slots kept for newcomers, a freed slot kept for its
   tenant a moment (:mod:`serve_app.ingress.fair_share`).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`;
@@ -165,8 +165,8 @@ class VariantAdmission:
         return max(1, self.capacity - self.reserved_slots)
 
     def tenant_slots(self, top: bool, tenant: str) -> int:
-        """Slots a request of ``tenant`` may use: :meth:`slots_for`, and, for a tenant with
-        requests in flight, none of the ``newcomer_slots`` engine slots."""
+        """Slots a request of ``tenant`` may use: :meth:`slots_for`, less what
+        :meth:`FairShare.tenant_slots` keeps from a tenant with requests in flight."""
         return self.shares.tenant_slots(self.slots_for(top), self.capacity, tenant)
 
     def _room(self, top: bool, tenant: str) -> int:
@@ -358,7 +358,7 @@ class VariantAdmission:
             if self.in_flight >= self.slots_for(best.top):
                 return
             # The best waiter, else (newcomer_slots held it back) the next of its priority
-            # whose tenant has nothing in flight.
+            # whose tenant is a newcomer.
             chosen = next((w for w in waiting if w.priority == best.priority
                            and self.may_start(w.top, w.tenant)), None)
             if chosen is None:

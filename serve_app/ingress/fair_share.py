@@ -23,16 +23,20 @@ tenants (``routes.<route>.admission`` in the router config):
   hour ago (a tenant that was served a lot then, one that was away) does not decide the
   next one. ``fairness: fifo`` keeps arrival order (the baseline the fair order is
   measured against).
-- **A slot for a tenant that has none** (``newcomer_slots``, default 1). A tenant that
-  already has requests in flight on the variant may hold at most ``capacity -
-  newcomer_slots`` of its engine slots (and none of the best priority's headroom), so
-  another tenant's request finds an engine slot free and starts at once. A request running
-  in that slot does not count against the busy tenants' share (counted, it left one more
-  engine slot idle while it ran: the burst of 400 on the virtual clock ran 6 + 1 requests
-  on 8 slots). The fair order alone cannot do that: it decides which queued request goes
-  next, but each waits for a running one to end (a long stream: many seconds), and vLLM
-  does not preempt a running request to make room. The cost is one engine slot of
-  ``max_num_seqs`` while only one tenant is busy.
+- **Slots for newcomers** (``newcomer_slots``, default 1). A *busy* tenant, one that holds
+  an equal share of the variant's slots or more (among the tenants with requests in flight
+  and one more, the next to arrive), may hold at most ``capacity - newcomer_slots`` of its
+  engine slots (and none of the best priority's headroom), so a *newcomer*'s request (a
+  tenant with less: nothing in flight, or a light tenant with a few requests running)
+  finds an engine slot free and starts at once. A request running in a newcomer slot does
+  not count against the busy tenants' share (counted, it left one more engine slot idle
+  while it ran: the burst of 400 on the virtual clock ran 6 + 1 requests on 8 slots). The
+  fair order alone cannot do that: it decides which queued request goes next, but each
+  waits for a running one to end (a long stream: many seconds), and vLLM does not preempt
+  a running request to make room. The cost is ``newcomer_slots`` engine slots while only
+  busy tenants run. (Newcomers were once only tenants with nothing in flight: then light
+  tenants with a few requests each running, on a fleet, were held to the heavy tenant's
+  share and waited for its slots: docs/scale.md, "Tenants".)
 - **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s):
   when a request ends and its tenant would be served next (less service than every tenant
   waiting at the best priority waiting, none better than its own), its slot stays that
@@ -80,6 +84,7 @@ class FairShare:
         self.service: dict[str, float] = {}  # tenant -> service counted (VTC), but ...
         self._unrelayed: dict[str, list[Slot]] = {}  # ... its running non-streams' so far
         self.running: dict[str, int] = {}  # tenant -> slots held
+        self.tenants_in_flight = 0  # tenants holding a slot (read per queued request)
         self.newcomers = 0  # slots held in newcomer slots (at most newcomer_slots)
         self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
         self._clock = clock
@@ -129,6 +134,7 @@ class FairShare:
         if kept is not None:
             self._kept.remove(kept)
         self.newcomers += slot.newcomer
+        self.tenants_in_flight += not self.running.get(tenant)
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if slot.counts.non_stream_up_to:
             self._unrelayed.setdefault(tenant, []).append(slot)
@@ -145,7 +151,9 @@ class FairShare:
         stands, a non-stream's time included)."""
         tenant = slot.tenant
         self.newcomers -= slot.newcomer
-        self.running[tenant] = max(0, self.running.get(tenant, 0) - 1)
+        if self.running.get(tenant):
+            self.running[tenant] -= 1
+            self.tenants_in_flight -= not self.running[tenant]
         running = self._unrelayed.get(tenant, [])
         if any(s is slot for s in running):
             if cost is None:  # how far it got is not known: what its time counted stands
@@ -154,7 +162,7 @@ class FairShare:
         if cost is not None:
             self.served(slot, cost - slot.counted)
 
-    # -- a slot for a tenant that has none --------------------------------------------------
+    # -- slots for newcomers ----------------------------------------------------------------
 
     def applies(self, tenant: str, capacity: int | None) -> bool:
         """Whether the newcomer rule applies to ``tenant``'s requests (a named tenant,
@@ -162,15 +170,27 @@ class FairShare:
         return bool(self.newcomer_slots and tenant and self.fairness == "tokens"
                     and capacity is not None)
 
+    def newcomer(self, tenant: str, capacity: int) -> bool:
+        """``tenant`` holds fewer slots than an equal share of ``capacity`` among the
+        tenants with requests in flight and one more, the next to arrive (none in flight:
+        the plain case; a tenant alone on the variant is a newcomer only below half)."""
+        mine = self.running.get(tenant, 0)
+        return mine * (self.tenants_in_flight + 1) < capacity
+
     def busy(self, tenant: str, capacity: int | None) -> bool:
-        """``tenant`` has requests in flight and the newcomer rule holds it to its share."""
-        return self.applies(tenant, capacity) and bool(self.running.get(tenant))
+        """The newcomer rule holds ``tenant`` to the busy tenants' share: it holds an equal
+        share of the slots or more (:meth:`newcomer`)."""
+        return self.applies(tenant, capacity) and not self.newcomer(tenant, capacity)
 
     def tenant_slots(self, slots: int, capacity: int | None, tenant: str) -> int:
-        """Of ``slots``, those a request of ``tenant`` may use: all, but none of the
-        newcomer slots for a busy tenant."""
+        """Of ``slots``, those a request of ``tenant`` may use: all for a tenant with
+        nothing in flight; the engines' (``capacity``) for one with requests in flight below
+        an equal share (its next waits here, first in the fair order, rather than inside
+        vLLM behind the busy tenants'); and none of the newcomer slots for a busy tenant."""
         if self.busy(tenant, capacity):
             return min(slots, max(1, capacity - self.newcomer_slots))
+        if self.applies(tenant, capacity) and self.running.get(tenant):
+            return min(slots, capacity)
         return slots
 
     def held_against(self, tenant: str, in_flight: int, capacity: int | None) -> int:
@@ -181,15 +201,14 @@ class FairShare:
 
     def work(self, tenant: str, size: float, capacity: int | None) -> float:
         """What a queued request of ``tenant`` (``size``) adds to the wait of those behind
-        it: its size, or nothing when it will start in a newcomer slot (its tenant has
-        nothing in flight), which the requests of busy tenants may not use anyway."""
-        newcomer = self.applies(tenant, capacity) and not self.running.get(tenant)
-        return 0.0 if newcomer else size
+        it: its size, or nothing when it may start in a newcomer slot (:meth:`newcomer`),
+        which the requests of busy tenants may not use anyway."""
+        return 0.0 if self.applies(tenant, capacity) and self.newcomer(tenant, capacity) else size
 
     def takes_newcomer_slot(self, tenant: str, in_flight: int, capacity: int | None) -> bool:
         """Whether a request of ``tenant`` starting now runs in a newcomer slot: its tenant
-        has nothing in flight, one is free, and the busy tenants' share is full."""
-        return (self.applies(tenant, capacity) and not self.running.get(tenant)
+        is a newcomer (:meth:`newcomer`), one is free, and the busy tenants' share is full."""
+        return (self.applies(tenant, capacity) and self.newcomer(tenant, capacity)
                 and self.newcomers < self.newcomer_slots
                 and in_flight - self.newcomers >= capacity - self.newcomer_slots)
 

@@ -50,4 +50,4 @@ class Slot:
     released: bool = False
     priority: int = 0
     top: bool = True
-    newcomer: bool = False  # in a newcomer slot: its tenant had nothing in flight
+    newcomer: bool = False  # in a newcomer slot (FairShare.newcomer)
