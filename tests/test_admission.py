@@ -428,6 +428,51 @@ def test_a_tenant_under_an_equal_share_of_the_slots_may_take_the_newcomer_slots(
     run(main())
 
 
+def test_a_tenant_that_turns_busy_counts_its_newcomer_slots_against_its_share():
+    """A tenant that took newcomer slots while under an equal share counts them once it is
+    busy: it takes no more while it holds the busy share in all, and the slots its busy
+    neighbour frees go to a real newcomer (else it could hold every engine slot)."""
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=2)
+        q.set_capacity(8, full_batch_service_s=1.0)  # 6 for the busy tenants
+        a = [await q.acquire(0, True, "a") for _ in range(6)]
+        b = [await asyncio.wait_for(q.acquire(0, True, "b"), 1) for _ in range(2)]
+        assert all(s.newcomer for s in b) and q.in_flight == 8
+        more_b = [asyncio.create_task(q.acquire(0, True, "b")) for _ in range(3)]
+        await settle()
+        q.release(a.pop(), cost=100.0)  # b (less served, 2 x 3 < 8: a newcomer) takes it
+        await settle()
+        assert sum(t.done() for t in more_b) == 1 and q.shares.busy("b", 8)  # 3 x 3 >= 8
+        q.release(a.pop(), cost=100.0)  # b holds 3 (2 in newcomer slots): its busy share
+        await settle()
+        assert sum(t.done() for t in more_b) == 1 and q.in_flight == 7
+        c = await asyncio.wait_for(q.acquire(0, True, "c"), 1)  # the free slot is c's
+        assert q.in_flight == 8 and c.tenant == "c"
+        for t in more_b:
+            t.cancel()
+    run(main())
+
+
+def test_a_newcomers_burst_is_refused_at_arrival_past_what_can_start_in_time():
+    """Only as many of a newcomer's queued requests as there are free newcomer slots count
+    as starting at once in the wait estimate: a light tenant (1 of 8 slots, a newcomer)
+    sending a burst is refused at arrival once the rest could not start in time, as a busy
+    tenant is (0.9 x 30 s x 8 slots / 1 s a request: 216 wait)."""
+    async def main():
+        q = VariantAdmission("v", headroom=0, queue_timeout_s=30, newcomer_slots=1)
+        q.set_capacity(8, full_batch_service_s=1.0)
+        for _ in range(7):
+            await q.acquire(0, True, "heavy")
+        await q.acquire(0, True, "light")  # in the newcomer slot
+        queued = 0
+        with pytest.raises(Rejected) as refused:
+            for _ in range(1000):
+                q.enter(0, True, "light")
+                queued += 1
+        assert refused.value.reason == "overloaded" and queued == 216, queued
+    run(main())
+
+
 def test_a_newcomer_in_its_slot_leaves_the_busy_tenants_theirs():
     """A newcomer's request runs in the slot kept for newcomers, not in the busy tenants'
     share: a heavy request that ends meanwhile gives its slot to the heavy tenant's next,

@@ -179,8 +179,8 @@ class VariantAdmission:
         slots kept for other tenants are taken)."""
         return self.shares.kept_for_others(tenant) < self._room(top, tenant)
 
-    def _work(self, w: Waiter) -> float:
-        return self.shares.work(w.tenant, w.size, self.capacity)
+    def _work(self, waiters: list[Waiter]) -> list[float]:
+        return self.shares.work(((w.tenant, w.size) for w in waiters), self.capacity)
 
     def _keep(self, slot: Slot) -> None:
         """Keep the slot ``slot`` freed for its tenant a moment (``anticipation_s``)."""
@@ -250,7 +250,7 @@ class VariantAdmission:
         else:
             if not ahead and self.may_start(top, tenant):
                 return self._start(tenant, now, size, priority, top, counts)
-            wait_s = self.service_time.wait_s(sum(self._work(w) for w in ahead) + size,
+            wait_s = self.service_time.wait_s(sum(self._work(ahead)) + size,
                                     self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
@@ -380,10 +380,11 @@ class VariantAdmission:
         priority first to go."""
         now = self._clock() if now is None else now
         ahead = 0.0
-        for w in sorted((w for w in self._waiting() if not w.held), key=self._order()):
+        queue = sorted((w for w in self._waiting() if not w.held), key=self._order())
+        for w, work in zip(queue, self._work(queue)):
             if now + self.service_time.wait_s(ahead + w.size,
                                     self.tenant_slots(w.top, w.tenant)) <= w.deadline:
-                ahead += self._work(w)  # it stays: those behind it wait for it
+                ahead += work  # it stays: those behind it wait for it
             else:
                 w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
                                                      self.service_time.s))

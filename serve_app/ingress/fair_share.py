@@ -25,8 +25,9 @@ tenants (``routes.<route>.admission`` in the router config):
   measured against).
 - **Slots for newcomers** (``newcomer_slots``, default 1). A *busy* tenant, one that holds
   an equal share of the variant's slots or more (among the tenants with requests in flight
-  and one more, the next to arrive), may hold at most ``capacity - newcomer_slots`` of its
-  engine slots (and none of the best priority's headroom), so a *newcomer*'s request (a
+  and one more, the next to arrive), takes no further slot once it holds ``capacity -
+  newcomer_slots`` (counting those it took in newcomer slots before it was busy), and none
+  of the best priority's headroom, so a *newcomer*'s request (a
   tenant with less: nothing in flight, or a light tenant with a few requests running)
   finds an engine slot free and starts at once. A request running in a newcomer slot does
   not count against the busy tenants' share (counted, it left one more engine slot idle
@@ -85,7 +86,8 @@ class FairShare:
         self._unrelayed: dict[str, list[Slot]] = {}  # ... its running non-streams' so far
         self.running: dict[str, int] = {}  # tenant -> slots held
         self.tenants_in_flight = 0  # tenants holding a slot (read per queued request)
-        self.newcomers = 0  # slots held in newcomer slots (at most newcomer_slots)
+        self.newcomers = 0  # slots held in newcomer slots (at most newcomer_slots) ...
+        self.in_newcomer_slots: dict[str, int] = {}  # ... and by each tenant
         self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
         self._clock = clock
         self._tokens_per_s = tokens_per_s
@@ -134,6 +136,8 @@ class FairShare:
         if kept is not None:
             self._kept.remove(kept)
         self.newcomers += slot.newcomer
+        if slot.newcomer:
+            self.in_newcomer_slots[tenant] = self.in_newcomer_slots.get(tenant, 0) + 1
         self.tenants_in_flight += not self.running.get(tenant)
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if slot.counts.non_stream_up_to:
@@ -151,6 +155,8 @@ class FairShare:
         stands, a non-stream's time included)."""
         tenant = slot.tenant
         self.newcomers -= slot.newcomer
+        if slot.newcomer:
+            self.in_newcomer_slots[tenant] -= 1
         if self.running.get(tenant):
             self.running[tenant] -= 1
             self.tenants_in_flight -= not self.running[tenant]
@@ -175,7 +181,7 @@ class FairShare:
         tenants with requests in flight and one more, the next to arrive (none in flight:
         the plain case; a tenant alone on the variant is a newcomer only below half)."""
         mine = self.running.get(tenant, 0)
-        return mine * (self.tenants_in_flight + 1) < capacity
+        return not mine or mine * (self.tenants_in_flight + 1) < capacity
 
     def busy(self, tenant: str, capacity: int | None) -> bool:
         """The newcomer rule holds ``tenant`` to the busy tenants' share: it holds an equal
@@ -195,15 +201,27 @@ class FairShare:
 
     def held_against(self, tenant: str, in_flight: int, capacity: int | None) -> int:
         """Of ``in_flight``, the slots that count against ``tenant``'s share: all, but for a
-        busy tenant not those in newcomer slots, which it may not use (else a newcomer
-        running would leave one engine slot idle)."""
-        return in_flight - self.newcomers if self.busy(tenant, capacity) else in_flight
+        busy tenant not those others hold in newcomer slots, which it may not use (else a
+        newcomer running would leave one engine slot idle); its own there count (it took
+        them before it was busy: counted, it holds no more than the busy share in all)."""
+        if not self.busy(tenant, capacity):
+            return in_flight
+        return in_flight - self.newcomers + self.in_newcomer_slots.get(tenant, 0)
 
-    def work(self, tenant: str, size: float, capacity: int | None) -> float:
-        """What a queued request of ``tenant`` (``size``) adds to the wait of those behind
-        it: its size, or nothing when it may start in a newcomer slot (:meth:`newcomer`),
-        which the requests of busy tenants may not use anyway."""
-        return 0.0 if self.applies(tenant, capacity) and self.newcomer(tenant, capacity) else size
+    def work(self, queued: Iterable[tuple[str, float]], capacity: int | None) -> list[float]:
+        """What each of ``queued`` ((tenant, size), in the queue's order) adds to the wait of
+        those behind it: its size, or nothing when it may start in a newcomer slot still free
+        (its tenant a newcomer, :meth:`newcomer`), which the requests of busy tenants may
+        not use anyway; one such request a free newcomer slot."""
+        free = max(0, self.newcomer_slots - self.newcomers)
+        out = []
+        for tenant, size in queued:
+            if free and self.applies(tenant, capacity) and self.newcomer(tenant, capacity):
+                free -= 1
+                out.append(0.0)
+            else:
+                out.append(size)
+        return out
 
     def takes_newcomer_slot(self, tenant: str, in_flight: int, capacity: int | None) -> bool:
         """Whether a request of ``tenant`` starting now runs in a newcomer slot: its tenant
