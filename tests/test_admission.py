@@ -547,6 +547,39 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
     run(main())
 
 
+def test_a_light_tenants_freed_slot_is_kept_for_it_beside_the_newcomer_slots():
+    """Anticipation with newcomer slots: a light tenant (a newcomer: under an equal share)
+    with one request in the newcomer slot and one in a busy tenant's freed slot keeps that
+    slot, when its request there ends, for its next one, while the busy heavy tenant waits
+    (without anticipation_s the heavy tenant takes it)."""
+    for anticipation_s, kept in ((0.05, True), (0.0, False)):
+        async def main():
+            q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=1,
+                                 anticipation_s=anticipation_s, clock=Clock())
+            q.set_capacity(6, full_batch_service_s=1.0)  # 5 for the busy tenants
+            heavy = [await q.acquire(0, True, "heavy") for _ in range(5)]
+            for slot in heavy:
+                q.served(slot, 100.0)
+            first = await asyncio.wait_for(q.acquire(0, True, "light"), 1)  # lifted to 500
+            assert first.newcomer and q.in_flight == 6
+            for slot in heavy:
+                q.served(slot, 100.0)  # the heavy streams run on: 1,000
+            second = asyncio.create_task(q.acquire(0, True, "light"))
+            waiting = asyncio.create_task(q.acquire(0, True, "heavy"))
+            await settle()
+            q.release(heavy.pop(), cost=100.0, size=1.0)  # the light tenant, less served,
+            await settle()  # takes it
+            assert second.done() and not second.result().newcomer and not waiting.done()
+            q.release(second.result(), cost=10.0, size=1.0)
+            await settle()
+            assert waiting.done() is not kept
+            if kept:
+                await asyncio.wait_for(q.acquire(0, True, "light"), 1)  # its next: at once
+                assert q.in_flight == 6 and not waiting.done()
+                waiting.cancel()
+        run(main())
+
+
 def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
     from serve_app.ingress.service_time import request_size
 
