@@ -84,10 +84,8 @@ class FairShare:
         self.anticipation_s = 0.0
         self.service: dict[str, float] = {}  # tenant -> service counted (VTC), but ...
         self._unrelayed: dict[str, list[Slot]] = {}  # ... its running non-streams' so far
-        self.running: dict[str, int] = {}  # tenant -> slots held
-        self.tenants_in_flight = 0  # tenants holding a slot (read per queued request)
-        self.newcomers = 0  # slots held in newcomer slots (at most newcomer_slots) ...
-        self.in_newcomer_slots: dict[str, int] = {}  # ... and by each tenant
+        self.running: dict[str, int] = {}  # tenant -> slots held (only tenants holding one)
+        self.in_newcomer_slots: dict[str, int] = {}  # tenant -> its slots in newcomer slots (> 0)
         self._kept: list[tuple[str, float]] = []  # (tenant, until): slots kept for it
         self._clock = clock
         self._tokens_per_s = tokens_per_s
@@ -123,7 +121,7 @@ class FairShare:
         one's history from before counts."""
         if self.running.get(tenant) or tenant in waiting:
             return
-        active = waiting | {t for t, n in self.running.items() if n}
+        active = waiting | set(self.running)
         floor = (min(self.served_so_far(t) for t in active) if active
                  else max(self.service.values(), default=0.0))
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
@@ -135,10 +133,8 @@ class FairShare:
         kept = next((k for k in self._kept if k[0] == tenant), None)
         if kept is not None:
             self._kept.remove(kept)
-        self.newcomers += slot.newcomer
         if slot.newcomer:
             self.in_newcomer_slots[tenant] = self.in_newcomer_slots.get(tenant, 0) + 1
-        self.tenants_in_flight += not self.running.get(tenant)
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if slot.counts.non_stream_up_to:
             self._unrelayed.setdefault(tenant, []).append(slot)
@@ -154,12 +150,14 @@ class FairShare:
         usage), replaces what was counted for it while it ran (None: what was counted
         stands, a non-stream's time included)."""
         tenant = slot.tenant
-        self.newcomers -= slot.newcomer
         if slot.newcomer:
             self.in_newcomer_slots[tenant] -= 1
-        if self.running.get(tenant):
+            if not self.in_newcomer_slots[tenant]:
+                del self.in_newcomer_slots[tenant]
+        if self.running.get(tenant, 0) > 1:
             self.running[tenant] -= 1
-            self.tenants_in_flight -= not self.running[tenant]
+        else:
+            self.running.pop(tenant, None)
         running = self._unrelayed.get(tenant, [])
         if any(s is slot for s in running):
             if cost is None:  # how far it got is not known: what its time counted stands
@@ -169,6 +167,11 @@ class FairShare:
             self.served(slot, cost - slot.counted)
 
     # -- slots for newcomers ----------------------------------------------------------------
+
+    @property
+    def newcomers(self) -> int:
+        """Slots held in newcomer slots (at most ``newcomer_slots``)."""
+        return sum(self.in_newcomer_slots.values())
 
     def applies(self, tenant: str, capacity: int | None) -> bool:
         """Whether the newcomer rule applies to ``tenant``'s requests (a named tenant,
@@ -181,7 +184,7 @@ class FairShare:
         tenants with requests in flight and one more, the next to arrive (none in flight:
         the plain case; a tenant alone on the variant is a newcomer only below half)."""
         mine = self.running.get(tenant, 0)
-        return not mine or mine * (self.tenants_in_flight + 1) < capacity
+        return not mine or mine * (len(self.running) + 1) < capacity
 
     def busy(self, tenant: str, capacity: int | None) -> bool:
         """The newcomer rule holds ``tenant`` to the busy tenants' share: it holds an equal
