@@ -9,7 +9,8 @@ multi-turn load: ``--sessions`` conversations of ``--turns`` turns, each turn re
 the history, at most ``--in-flight`` requests at a time; a session that finishes a turn queues
 behind the others (FIFO), so every session stays in the working set while the engines are not
 swamped (a turn's TTFT is then its prefill, not its wait behind other sessions' decoding). Conversations belong to ``--tenants`` tenants; each starts with its
-tenant's system prompt and a document of its own, ``--prefix-tokens`` tokens in all, so the
+tenant's system prompt and a document of its own, ``--prefix-tokens`` tokens in all (counted
+with the model's tokenizer), so the
 sessions' KV (~45 KB per token here in float32) outgrows one replica's
 ``VLLM_CPU_KVCACHE_SPACE`` but fits in two. Then, affinity only, one hot prefix: every request
 with the same system prompt, no sessions, to see it spread.
@@ -38,20 +39,25 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.paths import REPO_ROOT  # noqa: E402
-from serve_app.common.serve_configs import load_yaml  # noqa: E402
+from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
 from serve_app.common.wire import REPLICA_HEADER  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.release.deploy import deploy, replica_ids  # noqa: E402
 from serve_app.tools.servers import start_local_ray  # noqa: E402
+from serve_app.tools.tokenizer import hf_tokenizer  # noqa: E402
 
-CHARS_PER_TOKEN = 4  # English text and this model's tokenizer, roughly
+CONFIG = REPO_ROOT / "serve_configs" / "affinity.yaml"
+
 WORDS = ("order invoice parcel refund account ticket router engine replica cache tenant "
          "adapter token stream window budget canary rollout mirror shadow").split()
 
 
-def document(seed: str, tokens: int) -> str:
+def document(seed: str, tokens: int, tokenizer) -> str:
+    """Words drawn by ``seed``, about ``tokens`` tokens of the model's ``tokenizer``."""
     rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(tokens * CHARS_PER_TOKEN // 7))
+    words = [rng.choice(WORDS) for _ in range(tokens)]  # each word is a token or more
+    n = len(tokenizer.encode(" ".join(words), add_special_tokens=False))
+    return " ".join(words[:round(len(words) * tokens / n)])
 
 
 async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
@@ -73,21 +79,52 @@ async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
     return out
 
 
-async def sessions_load(url: str, a) -> tuple[list[dict], float]:
-    systems = [f"You are the assistant of tenant {t}. " + document(f"tenant-{t}", 200)
-               for t in range(a.tenants)]
+def opening(s: int, tenants: int, prefix_tokens: int, tokenizer) -> list[dict]:
+    """Session ``s``'s first turn: its tenant's system prompt (~200 tokens) and a document
+    of its own, ``prefix_tokens`` in all."""
+    tenant = s % tenants
+    return [{"role": "system", "content": f"You are the assistant of tenant {tenant}. "
+             + document(f"tenant-{tenant}", 190, tokenizer)},
+            {"role": "user", "content": "Read this: " + document(
+                f"session-{s}", prefix_tokens - 200, tokenizer) + " What is it about?"}]
 
+
+def after_turn(t: int) -> list[dict]:
+    """What the history gains after turn ``t``: a fixed answer (not the generated one, so
+    the next prompt's length does not depend on the engine) and the next question."""
+    return [{"role": "assistant", "content": "It is about orders."},
+            {"role": "user", "content": f"And point {t + 1}?"}]
+
+
+def prompt_token_ids(tokenizer, *, sessions: int, turns: int, prefix_tokens: int,
+                     tenants: int) -> list[list[tuple[int, ...]]]:
+    """Each session's prompt at each turn (``[session][turn]``), token ids as vLLM renders
+    the chat (the model's chat template, generation prompt, no special tokens added): the
+    load this benchmark sends, for the simulation to replay (``bench.py --sim --trust``)."""
+    def ids(messages: list[dict]) -> tuple[int, ...]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+    out = []
+    for s in range(sessions):
+        history, prompts = opening(s, tenants, prefix_tokens, tokenizer), []
+        for t in range(turns):
+            prompts.append(ids(history))
+            history += after_turn(t)
+        out.append(prompts)
+    return out
+
+
+async def sessions_load(url: str, a, tokenizer) -> tuple[list[dict], float]:
     async def conversation(http, s: int) -> list[dict]:
-        history = [{"role": "system", "content": systems[s % a.tenants]},
-                   {"role": "user", "content": "Read this: " + document(
-                       f"session-{s}", a.prefix_tokens - 200) + " What is it about?"}]
+        history = opening(s, a.tenants, a.prefix_tokens, tokenizer)
         results = []
         for t in range(a.turns):
             async with turn_slots:  # FIFO: a finished turn queues behind the other sessions
                 r = await chat(http, history, a.max_tokens, f"bench-{s}")
             results.append({**r, "turn": t})
-            history += [{"role": "assistant", "content": "It is about orders."},
-                        {"role": "user", "content": f"And point {t + 1}?"}]
+            history += after_turn(t)
         return results
 
     turn_slots = asyncio.Semaphore(a.in_flight or a.sessions)
@@ -97,8 +134,9 @@ async def sessions_load(url: str, a) -> tuple[list[dict], float]:
         return [r for c in done for r in c], time.monotonic() - t0
 
 
-async def hot_load(url: str, a) -> list[dict]:
-    system = "You are the one assistant everybody uses. " + document("hot", a.prefix_tokens)
+async def hot_load(url: str, a, tokenizer) -> list[dict]:
+    system = ("You are the one assistant everybody uses. "
+              + document("hot", a.prefix_tokens, tokenizer))
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         async def one(i: int) -> dict:
@@ -143,14 +181,20 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
     return sorted((served[r] for r in replicas), reverse=True)
 
 
+def tokenizer_of(config: dict):
+    """The tokenizer of ``config``'s variant (what its engines count tokens with)."""
+    return hf_tokenizer(next(iter(mesh_parts(config).variant_apps.values()))["args"]["model"])
+
+
 def run(a) -> None:
     """The whole benchmark (see the module docstring); ``a``: bench.py's arguments."""
     import ray
     from ray import serve
 
+    base = load_yaml(CONFIG)
+    tokenizer = tokenizer_of(base)
     dashboard, http_port, metrics = start_local_ray()
     url = f"http://127.0.0.1:{http_port}"
-    base = load_yaml(REPO_ROOT / "serve_configs" / "affinity.yaml")
     base["http_options"] = {"host": "127.0.0.1", "port": http_port}
     rows = {}
     workdir = Path(a.workdir)
@@ -168,13 +212,13 @@ def run(a) -> None:
             asyncio.run(warm_up(url))
             time.sleep(6)  # the metrics export catches up
             h0, q0 = prefix_counters(metrics)
-            results, wall = asyncio.run(sessions_load(url, a))
+            results, wall = asyncio.run(sessions_load(url, a, tokenizer))
             time.sleep(6)
             h1, q1 = prefix_counters(metrics)
             rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
             print(f"[bench] {setup}: {rows[setup]}", flush=True)
             if setup == "affinity":
-                hot = asyncio.run(hot_load(url, a))
+                hot = asyncio.run(hot_load(url, a, tokenizer))
                 rows["hot"] = per_replica(hot, replicas)
                 print(f"[bench] one hot prefix, {len(hot)} requests: per replica {rows['hot']}",
                       flush=True)

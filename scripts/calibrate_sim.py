@@ -33,6 +33,7 @@ from serve_app.sim import calibration
 from serve_app.sim.profile import PROFILES_DIR, load_profile
 from serve_app.tools.script_args import run as run_script
 from serve_app.tools.script_args import script_parser
+from serve_app.tools.tokenizer import hf_tokenizer
 
 #: Engine args on top of the shipped variant's, so that every row's batch fits one step.
 CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 8}
@@ -71,15 +72,6 @@ async def load_adapters(engine, n: int = 8) -> tuple[list[str], list[float]]:
         seconds.append(time.monotonic() - t0)
         names.append(name)
     return names, seconds
-
-
-def tokenizer_of(args: VariantArgs):
-    """The model's tokenizer (Hugging Face's, the one vLLM loads for it)."""
-    from transformers import AutoTokenizer
-
-    from serve_app.common.paths import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(args.model))
 
 
 def prompt_sizes(tokenizer) -> dict[str, int]:
@@ -146,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         last = yaml.safe_load(path.read_text())
         real_rows = calibration.rows_from_fit(last["fit"])
         profile = calibration.refit(
-            last, **prompt_sizes(tokenizer_of(variant_args("sim", args.name))))
+            last, **prompt_sizes(hf_tokenizer(variant_args("sim", args.name).model)))
         profile["source"] = last["source"].split(";")[0] + (
             f"; prefill terms refitted on {datetime.date.today()} (--refit)")
     else:

@@ -18,7 +18,8 @@ from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest
 from serve_app.sim.fleet_routing import make_router
 from serve_app.sim.profile import load_profile
 from serve_app.sim.virtual_time import run_virtual
-from serve_app.sim.workloads import ClosedLoop, Sessions, many_adapters, reachable_hit_rate
+from serve_app.sim.workloads import (ClosedLoop, SessionQueue, Sessions, many_adapters,
+                                     reachable_hit_rate)
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.wire import CALIBRATION_TOKENS
 
@@ -90,6 +91,58 @@ def test_workloads_are_seeded_and_sessions_grow_their_history():
         assert turn.prompt_ids[:len(last.prompt_ids)] == last.prompt_ids
         assert len(turn.prompt_ids) == len(last.prompt_ids) + last.generated + 64
     assert 0.5 < reachable_hit_rate(done, H100.block_size) < 1
+
+
+def test_a_session_queue_replays_its_prompts_turn_by_turn_first_come_first_served():
+    """bench.py --sessions' load: 3 sessions of 2 turns, 2 in flight; a session that ends a
+    turn queues its next behind the sessions waiting."""
+    prompts = [[tuple(range(s, s + 40)), tuple(range(s, s + 60))] for s in (0, 100, 200)]
+    load = SessionQueue(prompts, in_flight=2, max_tokens=4)
+    first = load.requests()
+    assert [r.prompt_ids for r in first] == [prompts[0][0], prompts[1][0]]
+    done, _ = serve(first, follow_up=load.follow_up)
+    assert sorted(r.prompt_ids for r in done) == sorted(p for s in prompts for p in s)
+    assert [load.turn(r) for r in done].count(1) == 3
+    order = [(r.session, load.turn(r)) for r in sorted(done, key=lambda r: r.arrival)]
+    assert order.index(("s2", 0)) < order.index(("s0", 1))  # s2 waited first
+
+
+def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
+    """``--trust`` replays bench.py --sessions' chats as the model's chat template renders
+    them: each turn's prompt extends the last (the prefix a cache can serve), and a
+    tenant's sessions share the leading block of its system prompt."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    import bench_sessions
+
+    from serve_app.tools.tokenizer import hf_tokenizer
+
+    prompts = bench_sessions.prompt_token_ids(hf_tokenizer("smollm2-135m-instruct"),
+                                              sessions=3, turns=3, prefix_tokens=1500,
+                                              tenants=2)
+    for turns in prompts:
+        assert 1450 < len(turns[0]) < 1550  # --prefix-tokens 1500, and the chat template
+        for last, nxt in zip(turns, turns[1:]):
+            assert nxt[:len(last)] == last and 15 < len(nxt) - len(last) < 30
+    block = 128  # the profile's block_size
+    assert prompts[0][0][:block] == prompts[2][0][:block] != prompts[1][0][:block]
+
+
+def test_a_fleet_draws_step_times_around_the_profile_by_its_seed():
+    """With the profile's step_time_cv, each engine step takes its price x a draw of mean 1:
+    the same seed gives the same times, another seed others, and a cv of 0 the price."""
+    jittery = H100.model_copy(update={"step_time_cv": 0.1})
+
+    def tpots(profile, seed):
+        async def main():
+            fleet = Fleet(profile, 1, EngineLimits(), seed=seed)
+            return await fleet.run([FleetRequest(0.0, tuple(range(64)), 200)],
+                                   make_router("default"))
+        [r] = run_virtual(main())
+        return r.tpot_s
+
+    assert tpots(jittery, 1) == tpots(jittery, 1) != tpots(jittery, 2)
+    assert tpots(jittery, 1) == pytest.approx(H100.decode_s(1), rel=0.05)  # 199 steps' mean
+    assert tpots(H100, 1) == pytest.approx(H100.decode_s(1))
 
 
 def test_adapter_affinity_loads_less_and_answers_sooner_than_serves_default_router():
@@ -269,5 +322,8 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     assert figures["router_cost"][0]["replicas"] == 8
     assert {row["run"] for row in figures["trust"]} >= {"K=16 adapters, affinity",
                                                          "sessions, default"}
+    assert [row["run"] for row in figures["trust"] if row["fit"]] == [
+        "base-only, mesh, 2 replicas"]  # the one run that is no test
+    assert all(row["tokens_per_s"]["sim"] > 0 for row in figures["trust"])
     for name in ("many-adapters", "sessions", "tenants"):
         assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import statistics
 
 import pytest
 
@@ -48,6 +50,20 @@ def test_profile_interpolates_the_decode_table_and_adds_prefill_and_adapters():
     assert PROFILE.step_s(batch=1, prefill_tokens=0, adapters=3) == pytest.approx(0.015)
 
 
+def test_attention_prices_new_tokens_by_the_context_before_them_cached_or_not():
+    """The quadratic part is n x (c + n): 100 new tokens after 900 cached cost 100 x 1,000,
+    more than the same 100 alone (100²) and less than all 1,000 uncached (1,000²)."""
+    quad = PROFILE.model_copy(update={"prefill_s_per_token_squared": 1e-6})
+    alone = quad.step_s(batch=1, prefill_tokens=100, adapters=0, prefill_lengths=[100])
+    after = quad.step_s(batch=1, prefill_tokens=100, adapters=0, prefill_lengths=[100],
+                        prefill_cached=[900])
+    assert after - alone == pytest.approx(1e-6 * 100 * 900)
+    two = quad.step_s(batch=2, prefill_tokens=150, adapters=0, prefill_lengths=[100, 50],
+                      prefill_cached=[900, 0])
+    assert two == pytest.approx(PROFILE.step_s(batch=2, prefill_tokens=150, adapters=0)
+                                + 1e-6 * (100 * 1000 + 50 * 50))
+
+
 def test_a_scaled_profile_takes_that_share_of_every_duration():
     quick = PROFILE.scaled(0.25)
     for kw in ({"batch": 1, "prefill_tokens": 500, "adapters": 0},
@@ -56,6 +72,32 @@ def test_a_scaled_profile_takes_that_share_of_every_duration():
     assert quick.adapter_load_s == pytest.approx(0.25 * PROFILE.adapter_load_s)
     assert quick.description.endswith("every duration x0.25")
     assert PROFILE.scaled(1) is PROFILE
+
+
+def test_a_steps_factor_has_mean_1_and_the_profiles_cv():
+    rng = random.Random(0)
+    draws = [PROFILE.model_copy(update={"step_time_cv": 0.1}).step_factor(rng)
+             for _ in range(20_000)]
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.005)
+    assert statistics.pstdev(draws) == pytest.approx(0.1, abs=0.005)
+    state = rng.getstate()
+    assert PROFILE.step_factor(rng) == 1.0 and rng.getstate() == state  # cv 0: no draw
+
+
+def test_a_fit_takes_a_steps_spread_from_the_decode_rows_at_1_and_8():
+    rows = [calibration.Row(f"decode c={c}", tokens_per_s=c / 0.1, ttft_p50_s=0.1 + 0.01 * c,
+                            tpot_p50_s=0.1 + 0.001 * c, tpot_cv=cv)
+            for c, cv in zip(calibration.CONCURRENCIES, (0.08, 0.1, 0.5))]
+    rows += [calibration.Row("prefill", ttft_p50_s=3.0)]
+    rows += [calibration.Row(f"adapters k={k}", ttft_p50_s=0.3, tpot_p50_s=0.11 + 0.01 * k)
+             for k in calibration.ADAPTER_COUNTS]
+    out = calibration.fit(rows, name="t", description="d", source="s", load_s=0.1,
+                          start_s=1.0, kv_blocks=10, block_size=16, prompt_tokens=1000,
+                          short_prompt_tokens=20)
+    assert out["step_time_cv"] == pytest.approx(0.09)  # the rows at 1 and 8 in flight
+    assert out["decode_step_s"] == {1: 0.101, 8: 0.108, 32: 0.132}
+    assert out["step_s_per_adapter"] == pytest.approx(0.01)
+    SimProfile.model_validate(out)
 
 
 def test_a_refit_moves_the_prefill_terms_by_the_recorded_gaps():

@@ -5,7 +5,8 @@ The same workload rows run on an engine through vLLM's OpenAI layer
 them), first on real vLLM, then on the simulated engine with the fitted profile:
 
 * ``decode c=N`` (N = 1, 8, 32): requests of :data:`DECODE_TOKENS` tokens (``ignore_eos``)
-  at concurrency N: tokens/s, TTFT p50 and time per output token (TPOT) p50;
+  at concurrency N: tokens/s, TTFT p50, time per output token (TPOT) p50 and the spread of
+  the gaps between a stream's tokens (their coefficient of variation);
 * ``prefill``: prompts of about :data:`PREFILL_WORDS` tokens, one token each: TTFT p50;
 * ``adapters k`` (k = 1, 2, 4, 8): concurrency 8, request i on adapter i mod k: tokens/s;
 * ``adapter load``: seconds to load each of 8 adapters.
@@ -13,7 +14,10 @@ them), first on real vLLM, then on the simulated engine with the fitted profile:
 :func:`fit` turns the real rows into a :class:`~serve_app.sim.profile.SimProfile`:
 the decode table from TPOT at each concurrency, the prefill rate from the prefill row's TTFT
 less one decode step, the per-adapter step cost from the slope of TPOT over k, the load time
-and start time as measured, and the KV blocks the real engine allocated.
+and start time as measured, the KV blocks the real engine allocated, and a step's spread
+from the gaps between tokens in the decode rows at concurrency 1 and 8 (a row's requests
+start and end together, so no other request's prefill lands between two of its tokens; 1 to
+8 in flight is what ``bench.py --sim --trust`` replays).
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ class Row:
     tokens_per_s: float | None = None
     ttft_p50_s: float | None = None
     tpot_p50_s: float | None = None
+    tpot_cv: float | None = None  # the gaps between a stream's tokens: sd / mean
 
 
-async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int]:
-    """TTFT (s), the time of the last token (s) and the tokens of one streamed request."""
+async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int, list[float]]:
+    """TTFT (s), the time of the last token (s), the tokens of one streamed request and the
+    gaps between its chunks after the first (s)."""
     t0 = time.monotonic()
     first = last = None
     tokens = 0
+    gaps: list[float] = []
     answer = await engine.run("completion", {**body, "stream": True,
                                              "stream_options": {"include_usage": True}})
     async for line in answer:
@@ -61,13 +68,16 @@ async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int]:
                 continue
             chunk = json.loads(data)
             if any(c.get("text") for c in chunk.get("choices") or ()):
-                last = time.monotonic()
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
                 first = first or last
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     if first is None:
         raise RuntimeError(f"no token in the answer to {body}")
-    return first - t0, last - t0, tokens
+    return first - t0, last - t0, tokens, gaps[1:]  # the first gap ends the first decode
 
 
 def _prompt(i: int, words: int = 12) -> str:
@@ -81,7 +91,7 @@ async def run_row(engine, name: str, n: int, concurrency: int, *, max_tokens: in
                   words: int = 12, adapters: list[str] | None = None, route: str) -> Row:
     """``n`` streamed completions at ``concurrency``; request i on ``adapters[i % k]``."""
     sem = asyncio.Semaphore(concurrency)
-    results: list[tuple[float, float, int]] = []
+    results: list[tuple[float, float, int, list[float]]] = []
 
     async def one(i: int) -> None:
         model = f"{adapters[i % len(adapters)]}" if adapters else route
@@ -94,10 +104,13 @@ async def run_row(engine, name: str, n: int, concurrency: int, *, max_tokens: in
     await asyncio.gather(*(one(i) for i in range(n)))
     elapsed = time.monotonic() - t0
     tokens = sum(r[2] for r in results)
-    tpots = [(last - first) / (k - 1) for first, last, k in results if k > 1]
+    tpots = [(last - first) / (k - 1) for first, last, k, _ in results if k > 1]
+    gaps = [g for r in results for g in r[3]]
     return Row(name, tokens_per_s=tokens / elapsed,
                ttft_p50_s=statistics.median(r[0] for r in results),
-               tpot_p50_s=statistics.median(tpots) if tpots else None)
+               tpot_p50_s=statistics.median(tpots) if tpots else None,
+               tpot_cv=statistics.pstdev(gaps) / statistics.fmean(gaps) if len(gaps) > 1
+               else None)
 
 
 async def measure(engine, route: str, adapter_names: list[str], *, quick: bool = False
@@ -162,7 +175,9 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
             "lora_step_s": round(max(base_with_lora - decode[8], 0.0), 5),
             "adapter_load_s": round(load_s, 4), "adapter_unload_s": 0.0,
             "engine_start_s": round(start_s, 1), "kv_blocks": kv_blocks,
-            "block_size": block_size}
+            "block_size": block_size,
+            "step_time_cv": round(statistics.fmean(by[f"decode c={c}"].tpot_cv for c in (1, 8)),
+                                  3)}
 
 
 def _quadratic(long_ttft_s: float, one_step_s: float, prompt_tokens: int, rate: float

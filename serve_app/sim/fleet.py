@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,14 +115,16 @@ class EngineLimits:
 class FleetReplica:
     """One simulated replica: an engine step loop and its adapter cache."""
 
-    def __init__(self, index: int, profile: SimProfile, limits: EngineLimits) -> None:
+    def __init__(self, index: int, profile: SimProfile, limits: EngineLimits,
+                 seed: int = 0) -> None:
         self.index = index
         self.profile = profile
         self.limits = limits
         self.scheduler = SimScheduler(
             profile, _Book(), max_num_seqs=limits.max_num_seqs, max_loras=limits.max_loras,
             max_model_len=limits.max_model_len,
-            max_num_batched_tokens=limits.max_num_batched_tokens)
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            step_jitter=random.Random(f"{seed}/{index}"))
         self.in_flight = 0
         self.resident: OrderedDict[str, int] = OrderedDict()  # adapter -> lora_int_id, LRU
         self.loads = 0
@@ -226,6 +229,7 @@ class Fleet:
         stats_period_s: how often replicas report resident adapters, s.
         admission: the mesh's admission in front (None: no admission; requests wait in the
             router until a replica has room).
+        seed: seeds each engine's step times (the profile's ``step_time_cv``).
     """
 
     profile: SimProfile
@@ -233,6 +237,7 @@ class Fleet:
     limits: EngineLimits = field(default_factory=EngineLimits)
     stats_period_s: float = 2.0
     admission: VariantAdmission | None = None
+    seed: int = 0
 
     async def run(self, requests: list[FleetRequest], route_with: Callable[[Fleet], Router],
                   follow_up: Callable[[FleetRequest], FleetRequest | None] | None = None
@@ -243,7 +248,8 @@ class Fleet:
         ``route_with(fleet)`` makes the router once
         the replicas exist (it may read :attr:`pool` and :attr:`reports`)."""
         loop = asyncio.get_running_loop()
-        self.pool = [FleetReplica(i, self.profile, self.limits) for i in range(self.replicas)]
+        self.pool = [FleetReplica(i, self.profile, self.limits, self.seed)
+                     for i in range(self.replicas)]
         self.reports: dict[int, tuple[list[str], float]] = {}
         self.adapters_in_flight: list[tuple[float, int, int]] = []
         self._report()

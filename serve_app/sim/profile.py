@@ -10,15 +10,21 @@ decisions depend on (a continuous-batching engine stepping its running sequences
   the profile's table by batch size (linear between rows, and past the last two rows);
 * a step that admits new sequences also prefills their *uncached* prompt tokens at
   ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing), plus
-  ``prefill_s_per_token_squared`` x n² for a sequence prefilling n tokens (attention over
-  the prompt: a 1,000-token prompt costs more than 50 prompts of 20), plus
+  ``prefill_s_per_token_squared`` x n x (c + n) for a sequence prefilling n tokens after c
+  cached ones (attention: each new token attends to every token before it, cached or not,
+  2·n·(c + n)·d FLOPs a layer; a 1,000-token prompt costs more than 50 prompts of 20, and
+  a turn's new tokens after a cached history more than the same tokens alone), plus
   ``lora_prefill_s_per_token`` for each prefilled token of a sequence on an adapter;
 * a batch with any LoRA adapter adds ``lora_step_s`` s, and every distinct adapter in it
   ``step_s_per_adapter`` s more (the Punica/S-LoRA gather cost, which grows with the
   adapters a batch mixes);
 * loading an adapter into the engine takes ``adapter_load_s`` s, unloading
   ``adapter_unload_s`` s; starting the engine ``engine_start_s`` s;
-* the prefix cache holds ``kv_blocks`` blocks of ``block_size`` tokens (LRU).
+* the prefix cache holds ``kv_blocks`` blocks of ``block_size`` tokens (LRU);
+* a real step's time varies around its price (coefficient of variation ``step_time_cv``,
+  measured from the gaps between a stream's tokens); a fleet on a virtual clock draws each
+  step's factor (gamma, mean 1), so closed-loop loads do not run in a lockstep no real
+  engine keeps.
 
 So a request's time to first token is its queueing plus the step that prefills it, and its
 time per output token is the step time of the batches it runs in.
@@ -26,9 +32,11 @@ time per output token is the step time of the batches it runs in.
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import zip_longest
 from pathlib import Path
 
 import yaml
@@ -53,8 +61,8 @@ class SimProfile(Strict):
         source: where the figures come from: the calibration run (command, date, host) or
             the published benchmarks and papers they are taken from.
         prefill_tokens_per_s: uncached prompt tokens prefilled per second (short prompts).
-        prefill_s_per_token_squared: seconds a sequence's prefill of n tokens takes more,
-            per n² (attention's quadratic part).
+        prefill_s_per_token_squared: seconds a sequence's prefill of n tokens after c
+            cached ones takes more, per n x (c + n) (attention's quadratic part).
         lora_prefill_s_per_token: seconds each prefilled token of a sequence on a LoRA
             adapter takes more.
         decode_step_s: seconds per decode step by running sequences, ``{batch: s}``; at
@@ -65,6 +73,7 @@ class SimProfile(Strict):
         engine_start_s: seconds from a replica's start to an engine that serves.
         kv_blocks: KV-cache blocks (the prefix cache's size).
         block_size: tokens per KV-cache block.
+        step_time_cv: a step's time's standard deviation over its mean (0: exact).
         fit: the calibration rows and each one's error (informational; written by
             ``scripts/calibrate_sim.py``).
     """
@@ -83,6 +92,7 @@ class SimProfile(Strict):
     engine_start_s: float = Field(default=0.0, ge=0)
     kv_blocks: int = Field(gt=0)
     block_size: int = Field(default=16, gt=0)
+    step_time_cv: float = Field(default=0.0, ge=0, lt=1)
     fit: list[dict] = Field(default_factory=list)
 
     @field_validator("decode_step_s")
@@ -104,6 +114,14 @@ class SimProfile(Strict):
         b0, b1, t0, t1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
         return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), min(times))
 
+    def step_factor(self, rng: random.Random) -> float:
+        """What one step's time is multiplied by: a gamma draw of mean 1 and coefficient of
+        variation :attr:`step_time_cv` (1.0 when it is 0; ``rng`` is then not drawn from)."""
+        if not self.step_time_cv:
+            return 1.0
+        k = 1 / self.step_time_cv ** 2  # gamma(shape k, scale 1/k): mean 1, cv 1/sqrt(k)
+        return rng.gammavariate(k, 1 / k)
+
     def scaled(self, time_scale: float) -> SimProfile:
         """This profile with every duration times ``time_scale`` (> 0) and the prefill rate
         divided by it: the same engine, faster (< 1) or slower (> 1). Its ``description``
@@ -119,13 +137,17 @@ class SimProfile(Strict):
                 "engine_start_s", "prefill_s_per_token_squared", "lora_prefill_s_per_token")}})
 
     def step_s(self, *, batch: int, prefill_tokens: int, adapters: int,
-               prefill_lengths: Sequence[int] = (), lora_prefill_tokens: int = 0) -> float:
+               prefill_lengths: Sequence[int] = (), prefill_cached: Sequence[int] = (),
+               lora_prefill_tokens: int = 0) -> float:
         """Seconds of one engine step: decode ``batch`` sequences, prefill
         ``prefill_tokens`` uncached prompt tokens (``prefill_lengths``: each admitted
-        sequence's, for the quadratic part; ``lora_prefill_tokens``: those of sequences on
-        an adapter), with ``adapters`` distinct adapters."""
+        sequence's, and ``prefill_cached``: the tokens it found cached, for the quadratic
+        part; ``lora_prefill_tokens``: those of sequences on an adapter), with ``adapters``
+        distinct adapters."""
         return (self.decode_s(batch) + prefill_tokens / self.prefill_tokens_per_s
-                + self.prefill_s_per_token_squared * sum(n * n for n in prefill_lengths)
+                + self.prefill_s_per_token_squared * sum(
+                    n * (c + n) for n, c in zip_longest(prefill_lengths, prefill_cached,
+                                                        fillvalue=0))
                 + self.lora_prefill_s_per_token * lora_prefill_tokens
                 + (self.lora_step_s if adapters else 0.0) + adapters * self.step_s_per_adapter)
 

@@ -19,6 +19,7 @@ What it honours, as vLLM's v1 scheduler does:
 from __future__ import annotations
 
 import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
@@ -95,11 +96,14 @@ class SimScheduler:
         book: the deterministic answers.
         max_num_seqs, max_loras, max_model_len, max_num_batched_tokens: the engine's limits.
         priority: ``scheduling_policy: priority``.
+        step_jitter: draws each step's time around its price (the profile's
+            ``step_time_cv``); None: every step exactly as priced (the Serve sim engine, on
+            the wall clock, whose own noise is real).
     """
 
     def __init__(self, profile: SimProfile, book: AnswerBook, *, max_num_seqs: int,
                  max_loras: int, max_model_len: int, max_num_batched_tokens: int,
-                 priority: bool = False) -> None:
+                 priority: bool = False, step_jitter: random.Random | None = None) -> None:
         self.profile = profile
         self.book = book
         self.max_num_seqs = max_num_seqs
@@ -107,6 +111,7 @@ class SimScheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority = priority
+        self.step_jitter = step_jitter
         self.waiting: list[SimRequest] = []
         self.running: dict[str, SimRequest] = {}
         self.cache = PrefixCache(profile.kv_blocks, profile.block_size)
@@ -142,6 +147,7 @@ class SimScheduler:
         admitted: list[SimRequest] = []
         prefill = lora_prefill = 0
         lengths: list[int] = []
+        cached: list[int] = []
         for req in order:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -154,6 +160,7 @@ class SimScheduler:
             req.scheduled_at = now
             prefill += uncached
             lengths.append(uncached)
+            cached.append(req.cached_tokens)
             lora_prefill += uncached if req.lora else 0
             admitted.append(req)
             self.running[req.request_id] = req
@@ -163,10 +170,12 @@ class SimScheduler:
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         batch = len(self.running)
-        return Step(self.profile.step_s(batch=batch, prefill_tokens=prefill,
-                                        adapters=len(loras), prefill_lengths=lengths,
-                                        lora_prefill_tokens=lora_prefill),
-                    tuple(admitted), batch, len(loras), prefill)
+        seconds = self.profile.step_s(batch=batch, prefill_tokens=prefill, adapters=len(loras),
+                                      prefill_lengths=lengths, prefill_cached=cached,
+                                      lora_prefill_tokens=lora_prefill)
+        if self.step_jitter is not None:
+            seconds *= self.profile.step_factor(self.step_jitter)
+        return Step(seconds, tuple(admitted), batch, len(loras), prefill)
 
     def finish(self, step: Step) -> list[Token]:
         """One token for every request still running after ``step``; finished ones leave."""

@@ -192,41 +192,36 @@ class ClosedLoop:
 
 @dataclass
 class SessionQueue:
-    """``bench.py --sessions``' load: ``sessions`` conversations of ``turns`` turns, each a
-    ``system_tokens`` system prompt of one of ``tenants`` and a document of its own
-    (``prefix_tokens`` in all), then a question; ``in_flight`` requests at once, taking turns
-    first come first served (a session that finishes a turn queues its next behind the
-    others)."""
+    """``bench.py --sessions``' load, replayed: session ``s`` sends ``prompts[s][t]`` (token
+    ids, as that benchmark's chat template renders them) at turn ``t``; ``in_flight``
+    requests at once, taking turns first come first served (a session that finishes a turn
+    queues its next behind the others)."""
 
-    sessions: int
-    turns: int
-    prefix_tokens: int
+    prompts: list[list[tuple[int, ...]]]
     in_flight: int
     max_tokens: int
-    tenants: int = 4
-    system_tokens: int = 200
-    question_tokens: int = 12
 
     def __post_init__(self) -> None:
-        rng = random.Random(0)
-        systems = [_tokens(rng, self.system_tokens) for _ in range(self.tenants)]
-        self._queue = [FleetRequest(0.0, ids, self.max_tokens, as_text(ids), session=f"s{s}")
-                       for s in range(self.sessions)
-                       for ids in [systems[s % self.tenants] + _tokens(
-                           rng, self.prefix_tokens - self.system_tokens)]]
-        self._turn = {f"s{s}": 1 for s in range(self.sessions)}
+        self._queue = [self._turn(s, 0) for s in range(len(self.prompts))]
+
+    def _turn(self, s: int, t: int) -> FleetRequest:
+        ids = self.prompts[s][t]
+        return FleetRequest(0.0, ids, self.max_tokens, as_text(ids), session=f"s{s}")
+
+    def turn(self, request: FleetRequest) -> int:
+        """Which turn of its session ``request`` is (0: the first); a session's prompts
+        grow turn by turn."""
+        lengths = [len(p) for p in self.prompts[int(request.session[1:])]]
+        return lengths.index(len(request.prompt_ids))
 
     def requests(self) -> list[FleetRequest]:
         first, self._queue = self._queue[:self.in_flight], self._queue[self.in_flight:]
         return first
 
     def follow_up(self, done: FleetRequest) -> FleetRequest | None:
-        if self._turn[done.session] < self.turns:
-            self._turn[done.session] += 1
-            rng = random.Random(f"{done.session}/{self._turn[done.session]}")
-            ids = next_turn(done, rng, self.question_tokens)
-            self._queue.append(FleetRequest(0.0, ids, self.max_tokens, as_text(ids),
-                                            session=done.session))
+        s, t = int(done.session[1:]), self.turn(done)
+        if t + 1 < len(self.prompts[s]):
+            self._queue.append(self._turn(s, t + 1))
         if not self._queue:
             return None
         nxt = self._queue.pop(0)
