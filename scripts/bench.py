@@ -310,8 +310,9 @@ def build_parser(description: str | None = __doc__, prog: str | None = None):
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
                         help="requests in flight, one row each (--adapters: the first, 8 "
                         "when not given)")
-    parser.add_argument("--requests", type=int, default=32,
-                        help="requests per round (--adapters: 48 when not given)")
+    parser.add_argument("--requests", type=int,
+                        help="requests per round (default 32; --adapters: 48; "
+                        "--router-throughput: 600)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="direct and mesh alternate this many times per row; the row "
                         "shows each figure's median and the spread of the tokens/s ratio")
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None, parser=None) -> None:
 
         if a.config == "serve_configs/local.yaml":  # the default of the other modes
             a.config = "serve_configs/tenants.yaml"
-        a.requests = a.requests if a.requests != 32 else 600
+        a.requests = a.requests or 600
         a.concurrency = a.concurrency[0] if a.concurrency != [1, 8, 32] else 32
         a.max_tokens = a.max_tokens if a.max_tokens != 64 else 16
         return bench_router.run(a)
@@ -384,14 +385,14 @@ def main(argv: list[str] | None = None, parser=None) -> None:
         raise ScriptError(f"--config {a.config}: no such file")
     if a.adapters:
         import bench_adapters
-        if a.requests == 32:  # the default of the other modes: give this one more
-            a.requests = 48
+        a.requests = a.requests or 48
         a.concurrency = a.concurrency[0] if a.concurrency != [1, 8, 32] else 8
         return bench_adapters.run(a)
     if a.sessions:
         import bench_sessions
 
         return bench_sessions.run(a)
+    a.requests = a.requests or 32
 
     targets = {"mesh": a.mesh_url}
     if a.direct_ingress:  # its own cluster: both ways into the same mesh, one run

@@ -564,7 +564,7 @@ def run(a) -> None:
 AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
                                max_num_batched_tokens=2048, max_ongoing_requests=64)
 K16 = tuple(f"copy-{i}@v1" for i in range(16))
-ADAPTERS_CMD = "bench.py --adapters 16 --requests 32 --max-tokens 32 (2026-12-04)"
+ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-04)"
 SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
                 "--max-tokens 16 (2026-12-04)")
 
@@ -589,11 +589,11 @@ class TrustRun:
 
 
 def base_only():
-    return ClosedLoop(32, 8, 35, 32)
+    return ClosedLoop(48, 8, 35, 32)  # the run's 8 warm-up requests before it are not replayed
 
 
 def k16():
-    return ClosedLoop(32, 8, 35, 32, K16)
+    return ClosedLoop(48, 8, 35, 32, K16)
 
 
 def sessions():
@@ -649,14 +649,13 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
     figures = []
     for seed in TRUST_SEEDS:
         work = run.load()
-        served, _ = simulate(profile, run.replicas, AFFINITY_LIMITS, run.router,
-                             work.requests(), work.follow_up, seed=seed)
+        served, fleet = simulate(profile, run.replicas, AFFINITY_LIMITS, run.router,
+                                 work.requests(), work.follow_up, seed=seed)
         later = [r for r in served if not isinstance(work, SessionQueue) or work.turn(r)]
-        span = max(r.done_at for r in served) - min(r.arrival for r in served)
-        figures.append({"tokens_per_s": sum(r.generated for r in served) / span,
+        whole = summarize(served, fleet, 0.0)  # every request arrives from 0 s on
+        figures.append({"tokens_per_s": whole["tokens_per_s"],
                         "ttft_p50_s": percentile([r.ttft_s for r in later], 50),
-                        "hit_rate": sum(r.cached_tokens for r in served)
-                        / sum(len(r.prompt_ids) for r in served)})
+                        "hit_rate": whole["prefix_hit_rate"]})
     return {k: (statistics.median(v), min(v), max(v))
             for k in figures[0] for v in [[f[k] for f in figures]]}
 
@@ -670,7 +669,7 @@ def trust() -> list[dict]:
     rows = []
     for run in TRUST_RUNS:
         scale = shared if run.where == "mesh" and run.replicas > 1 else 1.0
-        sim = replay(run, scale)
+        sim = replay(run, scale)  # the fit's own too: at its scale, not at 1
         row = {"run": run.name, "source": run.source, "where": run.where,
                "time_scale": round(scale, 3), "fit": run is fit}
         for key, real in (("tokens_per_s", run.tokens_per_s), ("ttft_p50_s", run.ttft_p50_s),
@@ -726,7 +725,8 @@ def add_arguments(parser) -> None:
                         "default is 1)")
     g.add_argument("--plots", default="docs/images", help="where the PNGs go")
     g.add_argument("--trust", action="store_true", help="replay this host's real-engine "
-                   "benchmark runs (2 replicas, 16 adapters; sessions) on its sim profile")
+                   "benchmark runs (2 replicas, 16 adapters; sessions) on cpu-smollm2-trust, "
+                   "its profile of the day they ran (whatever --sim is)")
     g.add_argument("--router-cost", type=int, nargs="*", metavar="N",
                    help="time the replica-routing decision at N replicas (default 8 32 128 "
                    "512 1000)")

@@ -54,6 +54,8 @@ WORDS = ("order invoice parcel refund account ticket router engine replica cache
 
 def document(seed: str, tokens: int, tokenizer) -> str:
     """Words drawn by ``seed``, about ``tokens`` tokens of the model's ``tokenizer``."""
+    if tokens <= 0:
+        return ""
     rng = random.Random(seed)
     words = [rng.choice(WORDS) for _ in range(tokens)]  # each word is a token or more
     n = len(tokenizer.encode(" ".join(words), add_special_tokens=False))

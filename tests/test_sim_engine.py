@@ -51,17 +51,20 @@ def test_profile_interpolates_the_decode_table_and_adds_prefill_and_adapters():
 
 
 def test_attention_prices_new_tokens_by_the_context_before_them_cached_or_not():
-    """The quadratic part is n x (c + n): 100 new tokens after 900 cached cost 100 x 1,000,
-    more than the same 100 alone (100²) and less than all 1,000 uncached (1,000²)."""
+    """The quadratic part is n x (n + 2c) (causal attention's n·c + n²/2 pairs, the term
+    fitted as x n² at c = 0): 100 new tokens after 900 cached cost 100 x 1,900, more than
+    the same 100 alone (100²) and less than all 1,000 uncached (1,000²)."""
     quad = PROFILE.model_copy(update={"prefill_s_per_token_squared": 1e-6})
     alone = quad.step_s(batch=1, prefill_tokens=100, adapters=0, prefill_lengths=[100])
     after = quad.step_s(batch=1, prefill_tokens=100, adapters=0, prefill_lengths=[100],
                         prefill_cached=[900])
-    assert after - alone == pytest.approx(1e-6 * 100 * 900)
+    assert after - alone == pytest.approx(1e-6 * 100 * 1800)
+    whole = quad.step_s(batch=1, prefill_tokens=1000, adapters=0, prefill_lengths=[1000])
+    assert alone < after < whole
     two = quad.step_s(batch=2, prefill_tokens=150, adapters=0, prefill_lengths=[100, 50],
                       prefill_cached=[900, 0])
     assert two == pytest.approx(PROFILE.step_s(batch=2, prefill_tokens=150, adapters=0)
-                                + 1e-6 * (100 * 1000 + 50 * 50))
+                                + 1e-6 * (100 * 1900 + 50 * 50))
 
 
 def test_a_scaled_profile_takes_that_share_of_every_duration():

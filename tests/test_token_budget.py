@@ -183,11 +183,9 @@ def test_the_prompt_bound_holds_for_smollm2s_own_tokenizer_and_chat_template():
     character, which bytes / 3 under-reserved 2.6x.)"""
     import random
 
-    from transformers import AutoTokenizer
+    from serve_app.tools.tokenizer import hf_tokenizer
 
-    from serve_app.common.paths import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    tok = hf_tokenizer("smollm2-135m-instruct")
     rng = random.Random(27)
     alphabets = {"ascii": [chr(c) for c in range(32, 127)],
                  "cjk": [chr(c) for c in range(0x4E00, 0x9FFF)],

@@ -54,7 +54,9 @@ class Row:
 
 async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int, list[float]]:
     """TTFT (s), the time of the last token (s), the tokens of one streamed request and the
-    gaps between its chunks after the first (s)."""
+    gaps between its tokens (s) from the second on (the first gap holds the first decode
+    after the prefill step); no gaps when a chunk held more than one token (the client fell
+    behind and vLLM merged them), which would count two steps as one gap."""
     t0 = time.monotonic()
     first = last = None
     tokens = 0
@@ -77,7 +79,7 @@ async def _stream(engine, body: dict[str, Any]) -> tuple[float, float, int, list
                 tokens = chunk["usage"]["completion_tokens"]
     if first is None:
         raise RuntimeError(f"no token in the answer to {body}")
-    return first - t0, last - t0, tokens, gaps[1:]  # the first gap ends the first decode
+    return first - t0, last - t0, tokens, gaps[1:] if len(gaps) == tokens - 1 else []
 
 
 def _prompt(i: int, words: int = 12) -> str:
@@ -176,8 +178,9 @@ def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: fl
             "adapter_load_s": round(load_s, 4), "adapter_unload_s": 0.0,
             "engine_start_s": round(start_s, 1), "kv_blocks": kv_blocks,
             "block_size": block_size,
-            "step_time_cv": round(statistics.fmean(by[f"decode c={c}"].tpot_cv for c in (1, 8)),
-                                  3)}
+            "step_time_cv": round(statistics.fmean(
+                [cv for c in (1, 8) if (cv := by[f"decode c={c}"].tpot_cv) is not None] or [0.0]),
+                3)}
 
 
 def _quadratic(long_ttft_s: float, one_step_s: float, prompt_tokens: int, rate: float

@@ -10,10 +10,12 @@ decisions depend on (a continuous-batching engine stepping its running sequences
   the profile's table by batch size (linear between rows, and past the last two rows);
 * a step that admits new sequences also prefills their *uncached* prompt tokens at
   ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing), plus
-  ``prefill_s_per_token_squared`` x n x (c + n) for a sequence prefilling n tokens after c
-  cached ones (attention: each new token attends to every token before it, cached or not,
-  2·n·(c + n)·d FLOPs a layer; a 1,000-token prompt costs more than 50 prompts of 20, and
-  a turn's new tokens after a cached history more than the same tokens alone), plus
+  ``prefill_s_per_token_squared`` x n x (n + 2c) for a sequence prefilling n tokens after c
+  cached ones (causal attention: each new token attends to every token before it, cached
+  or not, n·c + n²/2 pairs; the term is fitted as x n² on prompts with nothing cached, so
+  the cached part counts twice per pair what a new one does per n². A 1,000-token prompt
+  costs more than 50 prompts of 20, and a turn's new tokens after a cached history more
+  than the same tokens alone), plus
   ``lora_prefill_s_per_token`` for each prefilled token of a sequence on an adapter;
 * a batch with any LoRA adapter adds ``lora_step_s`` s, and every distinct adapter in it
   ``step_s_per_adapter`` s more (the Punica/S-LoRA gather cost, which grows with the
@@ -62,7 +64,7 @@ class SimProfile(Strict):
             the published benchmarks and papers they are taken from.
         prefill_tokens_per_s: uncached prompt tokens prefilled per second (short prompts).
         prefill_s_per_token_squared: seconds a sequence's prefill of n tokens after c
-            cached ones takes more, per n x (c + n) (attention's quadratic part).
+            cached ones takes more, per n x (n + 2c) (attention's quadratic part).
         lora_prefill_s_per_token: seconds each prefilled token of a sequence on a LoRA
             adapter takes more.
         decode_step_s: seconds per decode step by running sequences, ``{batch: s}``; at
@@ -146,8 +148,8 @@ class SimProfile(Strict):
         distinct adapters."""
         return (self.decode_s(batch) + prefill_tokens / self.prefill_tokens_per_s
                 + self.prefill_s_per_token_squared * sum(
-                    n * (c + n) for n, c in zip_longest(prefill_lengths, prefill_cached,
-                                                        fillvalue=0))
+                    n * (n + 2 * c) for n, c in zip_longest(prefill_lengths, prefill_cached,
+                                                            fillvalue=0))
                 + self.lora_prefill_s_per_token * lora_prefill_tokens
                 + (self.lora_step_s if adapters else 0.0) + adapters * self.step_s_per_adapter)
 

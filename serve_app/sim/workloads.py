@@ -209,10 +209,8 @@ class SessionQueue:
         return FleetRequest(0.0, ids, self.max_tokens, as_text(ids), session=f"s{s}")
 
     def turn(self, request: FleetRequest) -> int:
-        """Which turn of its session ``request`` is (0: the first); a session's prompts
-        grow turn by turn."""
-        lengths = [len(p) for p in self.prompts[int(request.session[1:])]]
-        return lengths.index(len(request.prompt_ids))
+        """Which turn of its session ``request`` is (0: the first)."""
+        return self.prompts[int(request.session[1:])].index(tuple(request.prompt_ids))
 
     def requests(self) -> list[FleetRequest]:
         first, self._queue = self._queue[:self.in_flight], self._queue[self.in_flight:]
