@@ -189,8 +189,8 @@ def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[f
                     [r for r in served if r.arrival >= a.warmup_s and r.rejected is None],
                     a.replicas, a.replicas * limits.max_cpu_loras)
             if name == "sessions":
-                s["reachable_hit_rate"] = reachable_hit_rate(
-                    [r for r in served if r.arrival >= a.warmup_s], profile.block_size)
+                s["reachable_hit_rate"] = reachable_hit_rate(served, profile.block_size,
+                                                             a.warmup_s)
             print(f"[sim {profile.name}] {name} {router:>19} {rate:>7.1f}/s: "
                   f"TTFT p50 {s['ttft_p50_s']:.3f} s p95 {s['ttft_p95_s']:.3f} s, TPOT p95 "
                   f"{s['tpot_p95_s'] * 1000:.1f} ms, {s['tokens_per_s']:.0f} tok/s, "

@@ -93,6 +93,24 @@ def test_workloads_are_seeded_and_sessions_grow_their_history():
     assert 0.5 < reachable_hit_rate(done, H100.block_size) < 1
 
 
+def test_a_next_turn_resends_the_answer_and_finds_it_cached_with_the_prompt():
+    """As vLLM caches a sequence's blocks generated tokens included, a conversation's next
+    turn (prompt, answer, new message) finds the answer cached on the replica that wrote it,
+    and the reachable hit rate counts it; requests before ``measured_from`` fill the cache
+    but are not counted."""
+    s = Sessions(1.0, 4.0, turns=(2, 2), seed=5)
+    firsts = s.requests()[:1]
+    done, _ = serve(firsts, follow_up=s.follow_up)
+    first, second = sorted(done, key=lambda r: r.arrival)
+    assert len(first.output_ids) == first.generated
+    assert second.prompt_ids[:len(first.prompt_ids) + first.generated] == (
+        first.prompt_ids + first.output_ids)
+    computed = len(first.prompt_ids) + first.generated - 1  # the last token has no KV
+    assert second.cached_tokens == computed // H100.block_size * H100.block_size
+    assert reachable_hit_rate(done, H100.block_size, measured_from=second.arrival) == (
+        second.cached_tokens / len(second.prompt_ids))
+
+
 def test_a_session_queue_replays_its_prompts_turn_by_turn_first_come_first_served():
     """bench.py --sessions' load: 3 sessions of 2 turns, 2 in flight; a session that ends a
     turn queues its next behind the sessions waiting."""

@@ -196,6 +196,26 @@ def test_scheduler_batches_up_to_max_num_seqs_and_prices_each_step():
     assert step4.seconds == pytest.approx(PROFILE.decode_s(1))
 
 
+def test_a_finished_requests_answer_is_cached_for_the_next_turn_that_resends_it():
+    """As vLLM caches a sequence's blocks as they fill, generated tokens included: a next
+    turn (prompt, answer, new message) finds the prompt and the answer's full blocks, up to
+    the answer's last token (whose KV no step computed)."""
+    s = scheduler()
+    first = req("t1", n=6)  # 8 prompt tokens, 6 generated: blocks of 4
+    s.add(first)
+    while s.running or s.waiting:
+        s.finish(s.plan(0.0))
+    assert len(first.output_ids) == 6
+    turn = (*first.prompt_ids, *first.output_ids, 90, 91, 92)
+    s.add(req("t2", prompt=turn))
+    [admitted] = s.plan(1.0).admitted
+    assert admitted.cached_tokens == 12  # 8 + 5 computed = 13 tokens: 3 full blocks
+    other = req("t3", prompt=(*first.prompt_ids, 99, 99, 99, 99, 99))
+    s.add(other)
+    s.finish(s.plan(2.0))
+    assert other.cached_tokens == 8  # another answer: the prompt's blocks only
+
+
 def test_priority_order_and_max_loras_per_batch():
     s = scheduler(priority=True)
     s.add(req("low", priority=5))

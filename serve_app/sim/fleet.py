@@ -64,6 +64,7 @@ class FleetRequest:
     first_token_at: float | None = None
     done_at: float | None = None
     generated: int = 0
+    output_ids: tuple[int, ...] = ()  # what it generated, once done
     cached_tokens: int = 0
     loaded_adapter: bool = False
     rejected: str | None = None  # admission's reason (``Rejected.reason``)
@@ -202,6 +203,7 @@ class FleetReplica:
                     req.cached_tokens = token.request.cached_tokens
                 if token.finish:
                     req.done_at = now
+                    req.output_ids = tuple(token.request.output_ids)
                     del self._requests[token.request.request_id]
                     done.set_result(None)
 

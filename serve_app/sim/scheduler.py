@@ -11,7 +11,9 @@ What it honours, as vLLM's v1 scheduler does:
   value first (arrival order among equals);
 * ``max_num_batched_tokens`` uncached prompt tokens prefilled per step (the first admitted
   request always goes);
-* the prefix cache: a request's leading cached blocks are not prefilled;
+* the prefix cache: a request's leading cached blocks are not prefilled, and a finished
+  request's full blocks of prompt and output are cached (vLLM caches a sequence's blocks as
+  they fill, generated tokens included, so a next turn that resends the answer hits it);
 * stopping: EOS (unless ``ignore_eos``, and not before ``min_tokens``), ``stop_token_ids``,
   ``max_tokens``, and ``max_model_len``.
 """
@@ -52,6 +54,7 @@ class SimRequest:
     scheduled_at: float | None = None
     cached_tokens: int = 0
     generated: int = 0
+    output_ids: list[int] = field(default_factory=list)  # the tokens generated so far
     answer: list[int] = field(default_factory=list)  # the natural answer, EOS last
 
 
@@ -178,16 +181,19 @@ class SimScheduler:
         return Step(seconds, tuple(admitted), batch, len(loras), prefill)
 
     def finish(self, step: Step) -> list[Token]:
-        """One token for every request still running after ``step``; finished ones leave."""
+        """One token for every request still running after ``step``; finished ones leave,
+        their blocks cached up to the last token (the one whose KV no step computed)."""
         first = {id(r) for r in step.admitted}
         tokens = []
         for req in list(self.running.values()):
             token_id = self._next_token(req)
             req.generated += 1
+            req.output_ids.append(token_id)
             finish, stop_reason = self._stop(req, token_id)
             tokens.append(Token(req, token_id, id(req) in first, finish, stop_reason))
             if finish:
                 del self.running[req.request_id]
+                self.cache.insert((*req.prompt_ids, *req.output_ids[:-1]), req.lora)
         return tokens
 
     def _next_token(self, req: SimRequest) -> int:

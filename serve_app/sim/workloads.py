@@ -40,9 +40,10 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def next_turn(done: FleetRequest, rng: random.Random, user_tokens: int) -> tuple[int, ...]:
-    """The prompt of a conversation's next turn: ``done``'s prompt, its answer and a new user
-    message of ``user_tokens`` (token ids drawn from ``rng``)."""
-    return done.prompt_ids + _tokens(rng, done.generated + user_tokens)
+    """The prompt of a conversation's next turn: ``done``'s prompt, its answer (the tokens it
+    generated, as a chat client resends them) and a new user message of ``user_tokens``
+    (token ids drawn from ``rng``)."""
+    return done.prompt_ids + done.output_ids + _tokens(rng, user_tokens)
 
 
 def poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[float]:
@@ -144,17 +145,22 @@ def tenants(heavy_rate: float, light_rate: float, duration_s: float, *, light: i
     return sorted(out, key=lambda r: r.arrival)
 
 
-def reachable_hit_rate(requests: list[FleetRequest], block_size: int) -> float:
-    """Share of the prompt tokens of ``requests`` a single engine with an unbounded prefix
-    cache would find cached (their arrival order, whole blocks, per adapter): the most
-    any routing can get from this workload."""
+def reachable_hit_rate(requests: list[FleetRequest], block_size: int,
+                       measured_from: float = 0.0) -> float:
+    """Share of the prompt tokens of ``requests`` arriving from ``measured_from`` (s) on that
+    a single engine with an unbounded prefix cache would find cached (every request in
+    arrival order, whole blocks, per adapter; a served request's answer cached after its
+    prompt, as the engine caches it): the most any routing can get from this workload."""
     cache = PrefixCache(10**12, block_size)
     lora = {}
     hits = total = 0
     for r in sorted(requests, key=lambda r: r.arrival):
         key = lora.setdefault(r.adapter, len(lora)) if r.adapter else 0
-        hits += cache.insert(r.prompt_ids, key)
-        total += len(r.prompt_ids)
+        cached = cache.insert(r.prompt_ids, key)
+        if r.arrival >= measured_from:
+            hits, total = hits + cached, total + len(r.prompt_ids)
+        if r.output_ids:  # computed up to the last token, as SimScheduler caches it
+            cache.insert((*r.prompt_ids, *r.output_ids[:-1]), key)
     return hits / total if total else 0.0
 
 
