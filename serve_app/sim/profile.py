@@ -12,10 +12,9 @@ decisions depend on (a continuous-batching engine stepping its running sequences
   ``prefill_tokens_per_s`` (tokens found in the prefix cache cost nothing), plus
   ``prefill_s_per_token_squared`` x n x (n + 2c) for a sequence prefilling n tokens after c
   cached ones (causal attention: each new token attends to every token before it, cached
-  or not, n·c + n²/2 pairs; the term is fitted as x n² on prompts with nothing cached, so
-  the cached part counts twice per pair what a new one does per n². A 1,000-token prompt
-  costs more than 50 prompts of 20, and a turn's new tokens after a cached history more
-  than the same tokens alone), plus
+  or not: n·c + n²/2 query-key pairs; the coefficient is fitted per n² with nothing cached,
+  that is per two pairs, hence 2c. A 1,000-token prompt costs more than 50 prompts of 20,
+  and a turn's new tokens after a cached history more than the same tokens alone), plus
   ``lora_prefill_s_per_token`` for each prefilled token of a sequence on an adapter;
 * a batch with any LoRA adapter adds ``lora_step_s`` s, and every distinct adapter in it
   ``step_s_per_adapter`` s more (the Punica/S-LoRA gather cost, which grows with the
