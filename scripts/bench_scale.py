@@ -572,7 +572,7 @@ SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flig
 @dataclass(frozen=True)
 class TrustRun:
     """A run of real vLLM on this host (docs/benchmarks.md), on the same day as the profile's
-    calibration (the host's speed moves 3x from day to day): where it ran (``direct``:
+    calibration (the host's speed moves 3-4x from day to day): where it ran (``direct``:
     vLLM's own server, one engine, no mesh; ``mesh``: through the mesh, whose processes
     share the 2 cores with the engines), replicas, the replica router, the load, and the
     real tokens/s, TTFT p50 (s) and prefix-cache hit rate (None: not a prefix load)."""
@@ -616,9 +616,9 @@ TRUST_RUNS = [
     TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 9.60, 0.854,
              0.513),
 ]
-#: The run that fits the 2-replica mesh's time scale (so it is no test): two engines and the
-#: mesh's processes share this host's 2 cores, which the profile (one engine with both
-#: cores) does not model.
+#: The run that fits the 2-replica mesh's time scale (its tokens/s is no test): two engines
+#: and the mesh's processes share this host's 2 cores, which the profile (one engine with
+#: both cores) does not model.
 SHARED_CORES_FIT = "base-only, mesh, 2 replicas"
 #: This host's profile fitted on the day of :data:`TRUST_RUNS` (the shipped ``cpu-smollm2``,
 #: that the sim tier's tests are built on, is of a day when the host ran 3-4x slower).
@@ -688,7 +688,7 @@ def trust() -> list[dict]:
         hits = f"; hit rate {shown('hit_rate')}" if run.hit_rate is not None else ""
         print(f"[trust, {TRUST_PROFILE} x{scale:.2f}] {run.name}: tokens/s "
               f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}"
-              f"{' (fit: no test)' if run is fit else ''}", flush=True)
+              f"{' (tokens/s fitted: no test)' if run is fit else ''}", flush=True)
     return rows
 
 
