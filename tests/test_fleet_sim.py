@@ -341,7 +341,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     assert {row["run"] for row in figures["trust"]} >= {"K=16 adapters, affinity",
                                                          "sessions, default"}
     assert [row["run"] for row in figures["trust"] if row["fit"]] == [
-        "base-only, mesh, 2 replicas"]  # the one run that is no test
+        "base-only, mesh, 2 replicas"]  # the one whose tokens/s is fitted
     assert all(row["tokens_per_s"]["sim"] > 0 for row in figures["trust"])
     for name in ("many-adapters", "sessions", "tenants"):
         assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000
