@@ -59,5 +59,12 @@ class PrefixCache:
             self._blocks.popitem(last=False)
         return cached
 
+    def insert_finished(self, prompt_ids: tuple[int, ...], output_ids: list[int] | tuple[int, ...],
+                        lora: int = 0) -> None:
+        """Cache a finished sequence's full blocks, as vLLM caches a sequence's blocks as
+        they fill, generated tokens included (``KVCacheManager.allocate_slots``): its prompt
+        and output up to the output's last token, whose KV no step computed."""
+        self.insert((*prompt_ids, *output_ids[:-1]), lora)
+
     def reset(self) -> None:
         self._blocks.clear()

@@ -53,9 +53,13 @@ class SimRequest:
     seq: int = 0  # arrival order
     scheduled_at: float | None = None
     cached_tokens: int = 0
-    generated: int = 0
     output_ids: list[int] = field(default_factory=list)  # the tokens generated so far
     answer: list[int] = field(default_factory=list)  # the natural answer, EOS last
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -187,13 +191,12 @@ class SimScheduler:
         tokens = []
         for req in list(self.running.values()):
             token_id = self._next_token(req)
-            req.generated += 1
             req.output_ids.append(token_id)
             finish, stop_reason = self._stop(req, token_id)
             tokens.append(Token(req, token_id, id(req) in first, finish, stop_reason))
             if finish:
                 del self.running[req.request_id]
-                self.cache.insert((*req.prompt_ids, *req.output_ids[:-1]), req.lora)
+                self.cache.insert_finished(req.prompt_ids, req.output_ids, req.lora)
         return tokens
 
     def _next_token(self, req: SimRequest) -> int:

@@ -159,8 +159,8 @@ def reachable_hit_rate(requests: list[FleetRequest], block_size: int,
         cached = cache.insert(r.prompt_ids, key)
         if r.arrival >= measured_from:
             hits, total = hits + cached, total + len(r.prompt_ids)
-        if r.output_ids:  # computed up to the last token, as SimScheduler caches it
-            cache.insert((*r.prompt_ids, *r.output_ids[:-1]), key)
+        if r.output_ids:
+            cache.insert_finished(r.prompt_ids, r.output_ids, key)
     return hits / total if total else 0.0
 
 
