@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.ingress.admission import VariantAdmission  # noqa: E402
+from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission  # noqa: E402
+from serve_app.ingress.refusals import Rejected  # noqa: E402
 from serve_app.ingress.slots import Slot  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest  # noqa: E402
@@ -494,33 +495,74 @@ def affinity_table_memory(replicas: int = 1000) -> float:
 
 
 def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) -> list[dict]:
-    """The mesh's admission (:class:`VariantAdmission`, token-fair) per request with
-    ``depth`` requests queued: one ``enter`` (queued) and one ``release`` (which grants the
-    head of the queue), timed on this host."""
+    """The mesh's admission (:class:`VariantAdmission`, token-fair, 8 tenants taking turns,
+    64 slots of 1 s as measured at start-up) per request with about ``depth`` requests
+    queued: one ``enter`` and one ``release`` (which grants the head of the queue), timed on
+    this host, in two queues:
+
+    - ``far``: deadlines far off (``queue_timeout_s`` 1e9, the clock still);
+    - ``at the bound`` (``depth`` 100 or more): an overload on the virtual clock, 80
+      requests a second arriving and 50 ending (the engines slower than measured: a request
+      holds its slot 1.6 s), ``queue_timeout_s`` set so the queue stops growing near
+      ``depth``; timed once 0.9 ``depth`` are queued, so the requests at the back are near
+      their deadlines, checked one by one, and some shed.
+    """
     rows = []
     for depth in depths:
-        async def main():
-            adm = VariantAdmission("sim", queue_timeout_s=1e9, fairness="tokens",
-                                   newcomer_slots=1, clock=asyncio.get_running_loop().time)
-            adm.set_capacity(64, full_batch_service_s=1.0)
-            slots, pending = [], []
-            for i in range(64 + 16 + depth):  # the engines' slots and headroom, then a queue
-                ticket = adm.enter(0, True, f"t{i % tenants_n}")
-                (slots if isinstance(ticket, Slot) else pending).append(ticket)
-            times = []
-            for i in range(samples):
-                t0 = time.perf_counter()
-                pending.append(adm.enter(0, True, f"t{i % tenants_n}"))
-                adm.release(slots.pop(0), 100.0, 1.0)
-                times.append(time.perf_counter() - t0)
-                slots += [w.future.result() for w in pending if w.future.done()]
-                pending = [w for w in pending if not w.future.done()]
-            return times
-        times = run_virtual(main())
-        rows.append({"queued": depth, "p50_ms": percentile(times, 50) * 1000,
-                     "p99_ms": percentile(times, 99) * 1000})
-        print(f"[admission cost, this host] {depth:>6} queued: enter + release p50 "
-              f"{rows[-1]['p50_ms']:.3f} ms, p99 {rows[-1]['p99_ms']:.3f} ms", flush=True)
+        for case in ("far", "at the bound") if depth >= 100 else ("far",):
+            async def main():
+                clock = asyncio.get_running_loop().time
+                # at the bound: the queue holds what starts within ADMIT_MARGIN x the timeout,
+                # ~63 slots of 1.6 s: ~40 a second
+                timeout = 1e9 if case == "far" else depth / 40 / ADMIT_MARGIN
+                adm = VariantAdmission("sim", queue_timeout_s=timeout, fairness="tokens",
+                                       newcomer_slots=1, clock=clock)
+                adm.set_capacity(64, full_batch_service_s=1.0)
+                slots, pending, ended = [], [], 0.0
+                times: list[float] = []
+
+                def arrive_and_end(i: int, end: bool) -> None:
+                    """One arrival (refused or not) and, if ``end``, one end."""
+                    nonlocal slots, pending
+                    t0 = time.perf_counter()
+                    try:
+                        ticket = adm.enter(0, True, f"t{i % tenants_n}")
+                        (slots if isinstance(ticket, Slot) else pending).append(ticket)
+                    except Rejected:
+                        pass
+                    if end and slots:
+                        adm.release(slots.pop(0), 100.0, 1.0)
+                    if timing:
+                        times.append(time.perf_counter() - t0)
+                    slots += [w.future.result() for w in pending
+                              if w.future.done() and w.future.exception() is None]
+                    pending = [w for w in pending if not w.future.done()]
+
+                timing, i = False, 0
+                if case == "far":  # a queue of depth at once, then an end with each arrival
+                    while adm.queued < depth + 16:
+                        arrive_and_end(i, False)
+                        i += 1
+                else:  # the overload until the queue is near its bound
+                    while adm.queued < 0.9 * depth:
+                        arrive_and_end(i, ended >= 1)
+                        ended = ended % 1 + 50 / 80
+                        await asyncio.sleep(1 / 80)
+                        i += 1
+                queued, timing = adm.queued, True
+                for _ in range(samples):
+                    i += 1
+                    arrive_and_end(i, True)
+                    await asyncio.sleep(0.0 if case == "far" else 1 / 50)
+                return times, queued, adm.queued
+
+            times, queued, at_end = run_virtual(main())
+            rows.append({"queued": queued, "case": case, "queued_at_end": at_end,
+                         "p50_ms": percentile(times, 50) * 1000,
+                         "p99_ms": percentile(times, 99) * 1000})
+            print(f"[admission cost, this host] {queued:>6} queued, {case:<12}: enter + release "
+                  f"p50 {rows[-1]['p50_ms']:.3f} ms, p99 {rows[-1]['p99_ms']:.3f} ms "
+                  f"({at_end} queued at the end)", flush=True)
     return rows
 
 
@@ -548,7 +590,7 @@ def run(a) -> None:
     if a.router_cost is not None:
         results["router_cost"] = router_cost(a.router_cost or [8, 32, 128, 512, 1000])
         results["admission_cost"] = admission_cost([0, 100] if a.small else
-                                                   [0, 100, 1000, 5000])
+                                                   [0, 100, 1000, 5000, 20000])
         if not a.small:  # filling the table to its bounds takes a minute
             results["affinity_table_mib"] = affinity_table_memory()
     for path in plot(results, profile, slo, Path(a.plots)):

@@ -28,18 +28,21 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
   ``cold_start_timeout_s`` ends, whichever is later.
 
 Admission holds per router replica. Refusals are 503 (the tenant's own limits, in
-:mod:`serve_app.tenancy.limits`, cluster-wide, are 429).
+:mod:`serve_app.tenancy.limits`, cluster-wide, are 429). A decision costs about the number of
+tenants queued, not of requests (:mod:`serve_app.ingress.fair_queue`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import math
 import time
 from collections.abc import Callable
 
 from serve_app.ingress import refusals
+from serve_app.ingress.fair_queue import FairQueue, Group
 from serve_app.ingress.fair_share import FairShare
 from serve_app.ingress.refusals import Rejected
 from serve_app.ingress.service_time import ServiceTime
@@ -82,7 +85,7 @@ class VariantAdmission:
         self.shares = FairShare(clock, self.service_time.tokens_per_s)
         self.capacity: int | None = None  # None: not known yet (treated as available)
         self.in_flight = 0
-        self._queue: list[Waiter] = []
+        self._queue = FairQueue()
         self._seq = itertools.count()
         self.starting_slots = 0  # slots of the replica a cold start brings (0: none under way)
         self.configure(queue_timeout_s=queue_timeout_s, reserved_slots=reserved_slots,
@@ -115,9 +118,9 @@ class VariantAdmission:
         if slots:
             self.starting_slots = 0
             deadline = self._clock() + self.queue_timeout_s
-            for w in self._waiting():
-                if w.held:  # see the module docstring: kept until its hold would have ended
-                    w.held, w.deadline = False, max(deadline, w.deadline)
+            for w in self._queue.held:  # see the module docstring: kept until its hold ends
+                w.deadline = max(deadline, w.deadline)
+            self._queue.unhold()
         self._grant()
 
     # -- cold starts ----------------------------------------------------------------------------
@@ -130,10 +133,9 @@ class VariantAdmission:
     def fail_start(self, rejected: Rejected) -> None:
         """The cold start failed: every held request gets ``rejected`` now."""
         self.starting_slots = 0
-        for w in self._waiting():
-            if w.held:
-                w.future.set_exception(rejected)
-        self._prune()
+        for w in list(self._queue.held):
+            w.future.set_exception(rejected)
+            self._queue.leave(w)
 
     def _kept_back(self) -> int:
         """Engine slots a busy tenant of an ordinary priority may not take."""
@@ -179,18 +181,15 @@ class VariantAdmission:
         slots kept for other tenants are taken)."""
         return self.shares.kept_for_others(tenant) < self._room(top, tenant)
 
-    def _work(self, waiters: list[Waiter]) -> list[float]:
-        return self.shares.work(((w.tenant, w.size) for w in waiters), self.capacity)
-
     def _keep(self, slot: Slot) -> None:
         """Keep the slot ``slot`` freed for its tenant a moment (``anticipation_s``)."""
-        waiting = [(w.tenant, w.priority) for w in self._waiting() if not w.held]
+        waiting = [(g.tenant, g.priority) for g in self._queue.groups]
         self.shares.keep(slot.tenant, slot.priority, waiting,
                          self._room(slot.top, slot.tenant) > 0, self.capacity, then=self._grant)
 
     @property
     def queued(self) -> int:
-        return len(self._waiting())
+        return len(self._queue)
 
     @property
     def max_queued(self) -> int:
@@ -234,24 +233,25 @@ class VariantAdmission:
         held = self.capacity == 0 and hold_s is not None and self.starting_slots > 0
         if self.capacity == 0 and not held:
             raise refusals.unavailable(self.variant)
-        self.shares.lift(tenant, {w.tenant for w in self._waiting()})
-        order = self._order()
-        key = order(Waiter(priority, math.inf, 0.0, top, None, tenant))  # last of its rank
-        ahead = [w for w in self._waiting() if order(w) <= key]
+        self.shares.lift(tenant, self._queue.tenants())
+        counter = self._counters()
+        rank = (priority, counter(tenant))  # it goes last of its rank
+        ahead = [g for g in self._queue.groups if (g.priority, counter(g.tenant)) <= rank]
+        held_ahead = [w for w in self._queue.held if (w.priority, counter(w.tenant)) <= rank]
         if held:
             # held work (first-come) starts on the first replica: _held_slots at once, the rest
             # at service_s each
-            work, slots = sum(w.size for w in self._waiting()) + size, self._held_slots()
+            work, slots = self._queue.size + size, self._held_slots()
             wait_s = self.service_time.wait_s(max(0.0, work - slots), slots)
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s:
                 raise refusals.holds_all_it_can(self.variant, self.queue_timeout_s,
                                                 self.held_limit(size), wait_s)
             deadline = now + hold_s
         else:
-            if not ahead and self.may_start(top, tenant):
+            if not ahead and not held_ahead and self.may_start(top, tenant):
                 return self._start(tenant, now, size, priority, top, counts)
-            wait_s = self.service_time.wait_s(sum(self._work(ahead)) + size,
-                                    self.tenant_slots(top, tenant))
+            wait_s = self.service_time.wait_s(self._work_ahead(ahead, held_ahead) + size,
+                                              self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
                     fixed_bound and self.queued >= self.max_queued):
@@ -261,7 +261,7 @@ class VariantAdmission:
         waiter = Waiter(priority, next(self._seq), deadline, top,
                          asyncio.get_running_loop().create_future(), tenant, size, counts,
                          held=held, hold_s=hold_s or 0.0)
-        self._queue.append(waiter)
+        self._queue.add(waiter)
         if not held:
             self._shed_behind(waiter, now)
             self._grant()  # those ahead may be held back by newcomer_slots: this one may not
@@ -296,7 +296,8 @@ class VariantAdmission:
             waiter.future.cancel()
             raise
         finally:
-            self._prune()
+            if waiter.future.done():
+                self._queue.leave(waiter)
 
     def release(self, slot: Slot, cost: float | None = None, size: float | None = None
                 ) -> None:
@@ -327,19 +328,32 @@ class VariantAdmission:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _order(self) -> Callable[[Waiter], tuple]:
-        """The queue's order now: priority, then (``fairness: tokens``) the tenant's service
-        (it moves with time: read once a tenant, so a decision sees one order), arrival."""
+    def _counters(self) -> Callable[[str], float]:
+        """Each tenant's place in the order within a priority (its service with ``fairness:
+        tokens``, :meth:`FairShare.counter`), read once a tenant: it moves with time, and a
+        decision sees one order."""
         counters: dict[str, float] = {}
 
-        def key(w: Waiter) -> tuple:
-            if w.tenant not in counters:
-                counters[w.tenant] = self.shares.counter(w.tenant)
-            return (w.priority, counters[w.tenant], w.seq)
-        return key
+        def counter(tenant: str) -> float:
+            if tenant not in counters:
+                counters[tenant] = self.shares.counter(tenant)
+            return counters[tenant]
+        return counter
 
-    def _waiting(self) -> list[Waiter]:
-        return [w for w in self._queue if not w.future.done()]
+    def _work_ahead(self, groups: list[Group], held: list[Waiter]) -> float:
+        """The work (sizes) queued in ``groups`` and ``held`` that a request behind them waits
+        for: all of it but the requests that may start in a newcomer slot still free
+        (:meth:`FairShare.fits_newcomer_slot`; the first ones in arrival order, one a free
+        slot), which a busy tenant's request may not use anyway."""
+        work = sum(g.size for g in groups) + sum(w.size for w in held)
+        free = self.shares.free_newcomer_slots
+        if free:
+            fits = [g for g in groups if self.shares.fits_newcomer_slot(g.tenant, self.capacity)]
+            fits.append([w for w in held
+                         if self.shares.fits_newcomer_slot(w.tenant, self.capacity)])
+            for w in itertools.islice(heapq.merge(*fits, key=lambda w: w.seq), free):
+                work -= w.size
+        return work
 
     def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
                top: bool = True, counts: Counted = Counted()) -> Slot:
@@ -351,48 +365,91 @@ class VariantAdmission:
         return slot
 
     def _grant(self) -> None:
-        """Hand free slots to the best waiters that may use them."""
-        self._prune()
-        while waiting := sorted((w for w in self._waiting() if not w.held), key=self._order()):
-            best = waiting[0]
+        """Hand free slots to the best waiters that may use them. The queue's order is
+        priority, then the tenant's counter (:meth:`_counters`), then arrival; each
+        :class:`~serve_app.ingress.fair_queue.Group` is one tenant's requests of one priority,
+        first-come, so the candidates are the groups' heads."""
+        while True:
+            counter = self._counters()  # read again: a start moves its tenant's counter
+            heads = [((g.priority, counter(g.tenant), g.head().seq), g)
+                     for g in self._queue.groups]
+            if not heads:
+                return
+            (best_priority, _, _), best = min(heads, key=lambda h: h[0])
             if self.in_flight >= self.slots_for(best.top):
                 return
             # The best waiter, else (newcomer_slots held it back) the next of its priority
             # whose tenant is a newcomer.
-            chosen = next((w for w in waiting if w.priority == best.priority
-                           and self.may_start(w.top, w.tenant)), None)
+            chosen = min((h for h in heads if h[1].priority == best_priority
+                          and self.may_start(h[1].top, h[1].tenant)),
+                         key=lambda h: h[0], default=None)
             if chosen is None:
                 return
-            chosen.future.set_result(self._start(
-                chosen.tenant, self._clock(), chosen.size, chosen.priority, chosen.top,
-                chosen.counts))
-        self._prune()
+            waiter = chosen[1].head()
+            self._queue.leave(waiter)
+            waiter.future.set_result(self._start(
+                waiter.tenant, self._clock(), waiter.size, waiter.priority, waiter.top,
+                waiter.counts))
 
     def _shed_behind(self, newcomer: Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
         deadline."""
-        order = self._order()
-        if any(order(w) > order(newcomer) for w in self._waiting()):
+        counter = self._counters()
+        rank = (newcomer.priority, counter(newcomer.tenant))
+        if any((g.priority, counter(g.tenant)) > rank for g in self._queue.groups):
             self._shed_late(now)
 
     def _shed_late(self, now: float | None = None) -> None:
         """Reject the queued requests whose estimated start is past their deadline, worst
-        priority first to go."""
-        now = self._clock() if now is None else now
-        ahead = 0.0
-        queue = sorted((w for w in self._waiting() if not w.held), key=self._order())
-        for w, work in zip(queue, self._work(queue)):
-            if now + self.service_time.wait_s(ahead + w.size,
-                                    self.tenant_slots(w.top, w.tenant)) <= w.deadline:
-                ahead += work  # it stays: those behind it wait for it
-            else:
-                w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
-                                                     self.service_time.s))
-        self._prune()
+        priority first to go.
 
-    def _prune(self) -> None:
-        """Drop finished waiters (granted, timed out, shed, cancelled)."""
-        self._queue = self._waiting()
+        The order is walked by ranks (priority, counter): the groups of one rank (tenants
+        whose counters are equal: their requests interleave by arrival) are passed whole when
+        even their last request would start, at the rate of its tenant's slots, by their
+        earliest deadline; else request by request, and, while deadlines follow arrival
+        (:attr:`FairQueue.deadlines_in_order`), only until the rest of the rank would start
+        by the next one's deadline."""
+        now = self._clock() if now is None else now
+        counter = self._counters()
+        in_order = self._queue.deadlines_in_order
+        free = self.shares.free_newcomer_slots
+        ahead = 0.0
+        groups = sorted(self._queue.groups, key=lambda g: (g.priority, counter(g.tenant)))
+        for _, rank in itertools.groupby(groups, key=lambda g: (g.priority, counter(g.tenant))):
+            rank = list(rank)
+            slots = {id(g): self.tenant_slots(g.top, g.tenant) for g in rank}
+            fits = {id(g): self.shares.fits_newcomer_slot(g.tenant, self.capacity)
+                    for g in rank}
+            rest = sum(g.size for g in rank)
+            if all(now + self.service_time.wait_s(ahead + rest, slots[id(g)]) <= g.min_deadline
+                   for g in rank):  # none of them is late
+                fitting = [g for g in rank if fits[id(g)]]
+                for w in itertools.islice(heapq.merge(*fitting, key=lambda w: w.seq), free):
+                    rest -= w.size
+                    free -= 1
+                ahead += rest
+                continue
+            least, any_fits = min(slots.values()), any(fits.values())
+            # one rank's requests interleave by arrival
+            members = heapq.merge(*(zip(g, itertools.repeat(g)) for g in rank),
+                                  key=lambda m: m[0].seq)
+            for w, g in members:
+                if in_order and not (free and any_fits) and now + self.service_time.wait_s(
+                        ahead + rest, least) <= w.deadline:
+                    ahead += rest  # it and all behind it start by its deadline, or theirs
+                    break
+                rest -= w.size
+                work = w.size
+                if free and fits[id(g)]:
+                    free, work = free - 1, 0.0
+                if now + self.service_time.wait_s(ahead + w.size, slots[id(g)]) <= w.deadline:
+                    ahead += work  # it stays: those behind it wait for it
+                else:
+                    self._queue.leave(w)
+                    w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
+                                                         self.service_time.s))
+            for g in rank:
+                g.refresh_min_deadline(in_order)
 
 
 def _granted(future: asyncio.Future) -> bool:

@@ -211,20 +211,16 @@ class FairShare:
             return in_flight
         return in_flight - self.newcomers + self.in_newcomer_slots.get(tenant, 0)
 
-    def work(self, queued: Iterable[tuple[str, float]], capacity: int | None) -> list[float]:
-        """What each of ``queued`` ((tenant, size), in the queue's order) adds to the wait of
-        those behind it: its size, or nothing when it may start in a newcomer slot still free
-        (its tenant a newcomer, :meth:`newcomer`), which the requests of busy tenants may
-        not use anyway; one such request a free newcomer slot."""
-        free = max(0, self.newcomer_slots - self.newcomers)
-        out = []
-        for tenant, size in queued:
-            if free and self.applies(tenant, capacity) and self.newcomer(tenant, capacity):
-                free -= 1
-                out.append(0.0)
-            else:
-                out.append(size)
-        return out
+    @property
+    def free_newcomer_slots(self) -> int:
+        """Newcomer slots no request holds now."""
+        return max(0, self.newcomer_slots - self.newcomers)
+
+    def fits_newcomer_slot(self, tenant: str, capacity: int | None) -> bool:
+        """Whether a request of ``tenant`` may start in a free newcomer slot (the rule
+        applies, its tenant is a newcomer: :meth:`newcomer`): queued, it adds nothing to the
+        wait of a busy tenant's requests behind it, which may not use that slot anyway."""
+        return self.applies(tenant, capacity) and self.newcomer(tenant, capacity)
 
     def takes_newcomer_slot(self, tenant: str, in_flight: int, capacity: int | None) -> bool:
         """Whether a request of ``tenant`` starting now runs in a newcomer slot: its tenant

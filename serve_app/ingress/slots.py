@@ -36,6 +36,7 @@ class Waiter:
     counts: Counted = field(default_factory=Counted)
     held: bool = False  # waits for a cold start (no slot may be granted before it is warm)
     hold_s: float = 0.0  # the longest it may wait for that, s
+    left: bool = False  # no longer queued (FairQueue.leave)
 
 
 @dataclass
