@@ -109,8 +109,8 @@ def start_direct(config_path: str, variant: str | None, nice: int = 0):
     """Start vLLM's own server like the variant, at niceness ``nice``; returns (process,
     base url, served name, adapters served)."""
     parts = mesh_parts(load_yaml(config_path))
-    name = variant or next(iter(parts.variant_apps))
-    app = parts.variant_apps[name]
+    app = parts.variant(variant)
+    name = app["name"]
     args = VariantArgs.model_validate(app.get("args") or {})
     adapters = variant_adapters(app)
     env = {**os.environ, **(app.get("runtime_env", {}).get("env_vars") or {})}

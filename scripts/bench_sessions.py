@@ -185,7 +185,7 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
 
 def tokenizer_of(config: dict):
     """The tokenizer of ``config``'s variant (what its engines count tokens with)."""
-    return hf_tokenizer(next(iter(mesh_parts(config).variant_apps.values()))["args"]["model"])
+    return hf_tokenizer(mesh_parts(config).variant()["args"]["model"])
 
 
 def run(a) -> None:

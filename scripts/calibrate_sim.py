@@ -42,7 +42,7 @@ CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 
 def shipped_variant() -> dict:
     """serve_configs/local.yaml's variant application."""
     cfg = load_yaml(REPO_ROOT / "serve_configs" / "local.yaml")
-    return next(iter(mesh_parts(cfg).variant_apps.values()))
+    return mesh_parts(cfg).variant()
 
 
 def variant_args(engine: str, profile: str) -> VariantArgs:

@@ -321,3 +321,16 @@ def test_a_merged_variant_must_hold_the_adapter_in_its_weights():
     assert validate_config(cfg)[0] == (
         f"{MERGED_AT}: 'smollm-acme' serves 'other'; set its args.served_model_name to "
         "'smollm'")
+
+
+def test_a_configs_variant_is_found_by_name_or_first_and_a_wrong_name_lists_the_variants():
+    from serve_app.common.serve_configs import mesh_parts
+
+    parts = mesh_parts(load_yaml(REPO_ROOT / "serve_configs" / "canary.yaml"))
+    names = list(parts.variant_apps)
+    assert len(names) >= 2
+    assert parts.variant() is parts.variant_apps[names[0]]
+    assert parts.variant(names[1])["name"] == names[1]
+    with pytest.raises(KeyError) as e:
+        parts.variant("nope")
+    assert "'nope'" in str(e.value) and all(n in str(e.value) for n in names)

@@ -80,6 +80,20 @@ class MeshParts:
     variant_apps: dict[str, dict[str, Any]]  # application name -> application entry
     app_index: dict[str, int]  # application name -> index in `applications`
 
+    def variant(self, name: str | None = None) -> dict[str, Any]:
+        """The variant application ``name``, else the config's first one (what the
+        benchmarks and calibration run against).
+
+        Raises:
+            KeyError: no variant application of that name, or none at all.
+        """
+        if name is None:
+            name = next(iter(self.variant_apps), None)
+        if name not in self.variant_apps:
+            raise KeyError(f"no variant application {name!r} in the config (variant "
+                           f"applications: {', '.join(self.variant_apps) or 'none'})")
+        return self.variant_apps[name]
+
 
 def mesh_parts(config: dict[str, Any]) -> MeshParts:
     apps = applications(config)
