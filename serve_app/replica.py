@@ -101,10 +101,11 @@ class LLMReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the
         adapters resident here, when (``time.time()``, s), and the engine's ``max_loras``
-        (adapters one batch can mix; 0: LoRA off), for the replica router."""
+        (adapters one batch can mix; 0: LoRA off) and ``max_num_seqs``, for the replica
+        router."""
         self._adapter_metrics.refresh()
         return {"adapters": self.server.adapters.resident_names(), "at": time.time(),
-                "max_loras": self.engine.max_loras}
+                "max_loras": self.engine.max_loras, "max_num_seqs": self.engine.max_num_seqs}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (pushed every ``metrics_interval_s``):

@@ -289,10 +289,29 @@ def test_a_cold_adapter_is_packed_among_the_replicas_with_a_lora_slot():
     assert first not in table.running
 
 
-def test_the_router_reads_max_loras_from_the_routing_stats():
+def test_the_router_reads_max_loras_and_max_num_seqs_from_the_routing_stats():
     from types import SimpleNamespace
-    from serve_app.ingress.replica_router import reported_max_loras
-    replicas = [SimpleNamespace(replica_id="a", routing_stats={"max_loras": 4, "adapters": []}),
+    from serve_app.ingress.replica_router import reported_limit
+    replicas = [SimpleNamespace(replica_id="a", routing_stats={"max_loras": 4, "adapters": [],
+                                                               "max_num_seqs": 64}),
                 SimpleNamespace(replica_id="b", routing_stats={"max_loras": 0}),
                 SimpleNamespace(replica_id="c", routing_stats=None)]
-    assert reported_max_loras(replicas) == {"a": 4}
+    assert reported_limit(replicas, "max_loras") == {"a": 4}
+    assert reported_limit(replicas, "max_num_seqs") == {"a": 64}
+
+
+def test_unless_configured_a_hot_adapter_fills_its_holders_batch_before_it_spreads():
+    """The adapter bound defaults to the holder's max_num_seqs (Punica's consolidation): a
+    holder 40 requests above the least loaded still takes its adapter's request when it
+    runs 64 at once, and spills past 64; a replica that reported nothing gets 8."""
+    table = ReplicaAffinity()
+    reported = {"a": (["hot@v1"], 1.0), "b": ([], 1.0)}
+    holders = table.adapter_holders("hot@v1", reported)
+    seqs = {"a": 64, "b": 64}
+    packed = table.choose([], None, {"a": 40, "b": 0}, "hot@v1", holders, None, seqs)
+    assert (packed.decision, packed.ranks[0]) == ("adapter", ["a"])
+    spilled = table.choose([], None, {"a": 65, "b": 0}, "hot@v1", holders, None, seqs)
+    assert (spilled.decision, spilled.ranks[0]) == ("spill", ["b"])
+    unreported = table.choose([], None, {"a": 9, "b": 0}, "hot@v1", holders)
+    assert unreported.decision == "spill" and table.adapter_bound("a", None) == 8
+    assert ReplicaAffinity(adapter_imbalance_bound=2).adapter_bound("a", seqs) == 2

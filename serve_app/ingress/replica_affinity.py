@@ -38,8 +38,12 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    *spills* to the least-loaded replica, which then holds the prefix (or the adapter) too, so
    one hot prefix or adapter spreads over more replicas as its load grows instead of queueing
    behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound). Adapters
-   get the wider bound because a spill costs more: a load, and one more adapter in the other
-   replica's batches (each past one costs throughput, up to ``max_loras``);
+   get a wider bound because a spill costs more: a load, and one more adapter in the other
+   replica's batches, which mix at most ``max_loras``. Unless configured it is the holder's
+   ``max_num_seqs`` (each replica reports its own): a hot adapter fills its replica's batch
+   before it spreads, as Punica consolidates a LoRA's requests on as few GPUs as possible
+   (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024, §5), so the fleet's
+   LoRA batch slots are left for the other adapters (docs/scale.md, "Many adapters");
 5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
    hashing of the first key, so routers agree and a new replica takes only new prefixes. A
@@ -69,7 +73,8 @@ Decision = Literal["session", "hit", "adapter", "spill", "new"]
 BLOCK_CHARS = 128
 IMBALANCE_BOUND = 4  # requests in flight
 MIN_MATCH_RATE = 0.5  # of the prompt's blocks
-ADAPTER_IMBALANCE_BOUND = 8  # requests in flight (the demo engines' max_num_seqs)
+#: The adapter bound for a replica that reported no ``max_num_seqs`` (the demo engines').
+ADAPTER_IMBALANCE_BOUND = 8  # requests in flight
 MAX_BLOCKS = 200_000  # block keys per router process (~30 MB at most)
 MAX_SESSIONS = 100_000
 MAX_ADAPTER_ROUTES = 10_000  # (adapter, replica) pairs remembered since the replicas' reports
@@ -133,7 +138,8 @@ class ReplicaAffinity:
             least-loaded one before a request spills (>= 0).
         max_blocks, max_sessions: LRU bounds of the table.
         adapter_imbalance_bound: the same bound for a replica preferred only because it
-            holds the request's adapter (>= 0).
+            holds the request's adapter (>= 0); None: that replica's ``max_num_seqs`` as
+            reported (:meth:`choose`), else :data:`ADAPTER_IMBALANCE_BOUND`.
         min_match_rate: the share of a prompt's blocks a held run must cover to count as a
             prefix hit (0 to 1; 0: any held block).
 
@@ -143,9 +149,9 @@ class ReplicaAffinity:
 
     def __init__(self, imbalance_bound: int = IMBALANCE_BOUND, max_blocks: int = MAX_BLOCKS,
                  max_sessions: int = MAX_SESSIONS,
-                 adapter_imbalance_bound: int = ADAPTER_IMBALANCE_BOUND,
+                 adapter_imbalance_bound: int | None = None,
                  min_match_rate: float = MIN_MATCH_RATE) -> None:
-        if min(imbalance_bound, adapter_imbalance_bound) < 0 or max_blocks < 1 \
+        if min(imbalance_bound, adapter_imbalance_bound or 0) < 0 or max_blocks < 1 \
                 or max_sessions < 1 or not 0 <= min_match_rate <= 1:
             raise ValueError("imbalance_bound and adapter_imbalance_bound must be >= 0, "
                              "max_blocks and max_sessions >= 1, min_match_rate in [0, 1] (got "
@@ -166,11 +172,14 @@ class ReplicaAffinity:
 
     def choose(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
                adapter: str | None = None, adapter_holders: Collection[Hashable] = (),
-               max_loras: Mapping[Hashable, int] | None = None) -> Choice:
+               max_loras: Mapping[Hashable, int] | None = None,
+               max_num_seqs: Mapping[Hashable, int] | None = None) -> Choice:
         """Rank ``loads``' replicas for a request with prefix ``keys``, ``session`` and LoRA
         ``adapter`` (``name`` or ``name@vN``; None for the base model), which the replicas in
         ``adapter_holders`` hold (:meth:`adapter_holders`). ``max_loras``: each replica's
-        adapters per batch, as reported (a replica missing from it: no LoRA slot rule).
+        adapters per batch, as reported (a replica missing from it: no LoRA slot rule);
+        ``max_num_seqs``: each replica's requests at once, as reported (the adapter bound
+        when none is configured: :meth:`adapter_bound`).
 
         Raises:
             ValueError: ``loads`` is empty.
@@ -180,12 +189,13 @@ class ReplicaAffinity:
         least = min(loads.values())
         by_load = sorted(loads, key=lambda r: (loads[r], str(r)))
         preferred, decision = self._preferred(keys, session, loads, adapter_holders)
-        near = [r for r in by_load if loads[r] - least <= self.adapter_imbalance_bound]
+        near = [r for r in by_load
+                if loads[r] - least <= self.adapter_bound(r, max_num_seqs)]
         free = [r for r in near if self.lora_slot(r, adapter, max_loras)] if adapter else near
         if preferred:
-            bound = self.adapter_imbalance_bound if decision == "adapter" \
-                else self.imbalance_bound
-            within = [r for r in preferred if loads[r] - least <= bound]
+            within = [r for r in preferred if loads[r] - least <= (
+                self.adapter_bound(r, max_num_seqs) if decision == "adapter"
+                else self.imbalance_bound)]
             if decision == "adapter" and within:
                 fits = [r for r in within if r in free]
                 if fits:
@@ -210,6 +220,15 @@ class ReplicaAffinity:
         """The replica of ``among`` that rendezvous hashing gives ``adapter``, first."""
         top = min(among, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
         return Choice([[top], [r for r in by_load if r != top]], decision)
+
+    def adapter_bound(self, replica: Hashable,
+                      max_num_seqs: Mapping[Hashable, int] | None) -> int:
+        """Requests in flight ``replica`` may carry above the least-loaded replica and still
+        take a request for an adapter it holds: ``adapter_imbalance_bound`` if configured,
+        else its ``max_num_seqs`` as reported, else :data:`ADAPTER_IMBALANCE_BOUND`."""
+        if self.adapter_imbalance_bound is not None:
+            return self.adapter_imbalance_bound
+        return (max_num_seqs or {}).get(replica) or ADAPTER_IMBALANCE_BOUND
 
     def lora_slot(self, replica: Hashable, adapter: str | None,
                   max_loras: Mapping[Hashable, int] | None) -> bool:

@@ -47,10 +47,9 @@ from ray.serve.request_router import FIFOMixin, RequestRouter  # Serve's public 
 from ray.util.metrics import Counter
 
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.replica_affinity import (ADAPTER_IMBALANCE_BOUND, BLOCK_CHARS,
-                                                IMBALANCE_BOUND, MAX_BLOCKS, MIN_MATCH_RATE,
-                                                MAX_SESSIONS, ReplicaAffinity, prefix_keys,
-                                                prompt_text)
+from serve_app.ingress.replica_affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
+                                                MIN_MATCH_RATE, MAX_SESSIONS, ReplicaAffinity,
+                                                prefix_keys, prompt_text)
 
 #: ``request_router_class`` of a variant that routes with :class:`AffinityRouter`.
 AFFINITY_ROUTER = "serve_app.ingress.replica_router:AffinityRouter"
@@ -79,14 +78,14 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
     """
     known = {"imbalance_bound": IMBALANCE_BOUND, "block_chars": BLOCK_CHARS,
              "max_blocks": MAX_BLOCKS, "max_sessions": MAX_SESSIONS,
-             "adapter_imbalance_bound": ADAPTER_IMBALANCE_BOUND,
-             "min_match_rate": MIN_MATCH_RATE}
+             "adapter_imbalance_bound": None, "min_match_rate": MIN_MATCH_RATE}
     if unknown := sorted(set(kwargs) - set(known)):
         raise ValueError(f"unknown AffinityRouter keyword {', '.join(unknown)} "
                          f"(known: {', '.join(known)})")
     s = {**known, **kwargs}
     rate = s.pop("min_match_rate")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in s.values()):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in s.items()
+               if not (k == "adapter_imbalance_bound" and v is None)):
         raise ValueError(f"AffinityRouter keywords other than min_match_rate are integers, "
                          f"got {kwargs}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)):
@@ -107,11 +106,11 @@ def affinity_inputs(request: GenerateRequest, block_chars: int
     return prefix_keys(text, adapter, block_chars), request.session, adapter
 
 
-def reported_max_loras(replicas) -> dict[Any, int]:
-    """replica id -> its engine's ``max_loras`` from Serve's routing stats (replicas that
-    have not reported, or run without LoRA, are left out)."""
-    return {r.replica_id: int(r.routing_stats["max_loras"]) for r in replicas
-            if (r.routing_stats or {}).get("max_loras")}
+def reported_limit(replicas, limit: str) -> dict[Any, int]:
+    """replica id -> its engine's ``limit`` (``max_loras``, ``max_num_seqs``) from Serve's
+    routing stats (replicas that have not reported it, or report 0, are left out)."""
+    return {r.replica_id: int(r.routing_stats[limit]) for r in replicas
+            if (r.routing_stats or {}).get(limit)}
 
 
 def reported_adapters(replicas) -> dict[Any, tuple[list[str], float]]:
@@ -128,7 +127,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
     """Serve request router with prefix and session affinity under a load bound.
 
     ``request_router_kwargs``: ``imbalance_bound`` (requests in flight, default 4),
-    ``adapter_imbalance_bound`` (the same for adapter residency, default 8), ``block_chars``
+    ``adapter_imbalance_bound`` (the same for adapter residency, default each replica's
+    ``max_num_seqs``), ``block_chars``
     (characters per prefix block, default 128), ``min_match_rate`` (share of the prompt's
     blocks a cached run must cover to count as a hit, default 0.5), ``max_blocks``,
     ``max_sessions`` (LRU bounds of the table).
@@ -163,7 +163,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
         holders = self.affinity.adapter_holders(adapter, reported_adapters(candidate_replicas))
         choice = self.affinity.choose(keys, session, loads, adapter, holders,
-                                      reported_max_loras(candidate_replicas))
+                                      reported_limit(candidate_replicas, "max_loras"),
+                                      reported_limit(candidate_replicas, "max_num_seqs"))
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]

@@ -68,6 +68,7 @@ class MeshAffinity(Router):
         self.affinity = ReplicaAffinity(**kwargs)
         self.prefix, self.adapter, self.block_chars = prefix, adapter, block_chars
         self.max_loras = {r.index: r.limits.max_loras for r in fleet.pool}
+        self.max_num_seqs = {r.index: r.limits.max_num_seqs for r in fleet.pool}
 
     def choose(self, req: FleetRequest, pool: list[FleetReplica]) -> FleetReplica | None:
         keys = prefix_keys(req.text, req.adapter, self.block_chars) if self.prefix else []
@@ -75,7 +76,8 @@ class MeshAffinity(Router):
         lora = req.adapter if self.adapter else None
         loads = {r.index: r.in_flight for r in pool}
         holders = self.affinity.adapter_holders(lora, self.fleet.reports)
-        choice = self.affinity.choose(keys, session, loads, lora, holders, self.max_loras)
+        choice = self.affinity.choose(keys, session, loads, lora, holders, self.max_loras,
+                                      self.max_num_seqs)
         for rank in choice.ranks:
             room = [pool[i] for i in rank if pool[i].has_room()]
             if room:
