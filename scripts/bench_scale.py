@@ -501,18 +501,22 @@ def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) ->
     this host, in two queues:
 
     - ``far``: deadlines far off (``queue_timeout_s`` 1e9, the clock still);
-    - ``at the bound`` (``depth`` 100 or more): an overload on the virtual clock, 80
+    - ``overloaded`` (``depth`` 100 or more): an overload built on the virtual clock, 80
       requests a second arriving and 50 ending (the engines slower than measured: a request
-      holds its slot 1.6 s), ``queue_timeout_s`` set so the queue stops growing near
-      ``depth``; timed once 0.9 ``depth`` are queued, so the requests at the back are near
-      their deadlines, checked one by one, and some shed.
+      holds its slot 1.6 s), ``queue_timeout_s`` set so the queue would stop growing near
+      ``depth``; once 0.9 ``depth`` are queued, timed at 50 arrivals and 50 ends a second.
+      The oldest requests are then near their deadlines, so shedding checks some of them
+      one by one.
+
+    ``far`` queues ``depth`` beyond the 16 of headroom the best priority may also run
+    (:data:`~serve_app.ingress.admission.HEADROOM`), which a busy tenant may not use.
     """
     rows = []
     for depth in depths:
-        for case in ("far", "at the bound") if depth >= 100 else ("far",):
+        for case in ("far", "overloaded") if depth >= 100 else ("far",):
             async def main():
                 clock = asyncio.get_running_loop().time
-                # at the bound: the queue holds what starts within ADMIT_MARGIN x the timeout,
+                # overloaded: the queue holds what starts within ADMIT_MARGIN x the timeout,
                 # ~63 slots of 1.6 s: ~40 a second
                 timeout = 1e9 if case == "far" else depth / 40 / ADMIT_MARGIN
                 adm = VariantAdmission("sim", queue_timeout_s=timeout, fairness="tokens",

@@ -331,6 +331,6 @@ def test_a_configs_variant_is_found_by_name_or_first_and_a_wrong_name_lists_the_
     assert len(names) >= 2
     assert parts.variant() is parts.variant_apps[names[0]]
     assert parts.variant(names[1])["name"] == names[1]
-    with pytest.raises(KeyError) as e:
+    with pytest.raises(ValueError) as e:
         parts.variant("nope")
     assert "'nope'" in str(e.value) and all(n in str(e.value) for n in names)

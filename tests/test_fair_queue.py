@@ -92,10 +92,12 @@ def test_tenants_with_equal_service_start_in_arrival_order():
 
 def test_when_service_runs_late_only_the_requests_past_their_deadline_are_shed():
     """One slot of 2 s (the replicas' measure); requests arrive every 0.5 s while the
-    running one holds its slot. At 16 s it ends (it generated nothing: the measure stays):
-    the head starts, and the queued request k (k = 1..10, deadline 30 + 0.5 k) would start
-    at 16 + 2 k, so only k = 10 (36 > 35) is past its deadline: the walk must reach the
-    back of the queue, past requests that are all in time."""
+    running one holds its slot, and two more at 15.9 s (deadline 45.9). At 16 s it ends (it
+    generated nothing: the measure stays): the head starts, and the queued request k
+    (k = 1..10, deadline 30 + 0.5 k) would start at 16 + 2 k, so only k = 10 (36 > 35) is
+    past its deadline: the walk must reach it past requests that are all in time, shed it,
+    then stop at the first late arrival (it and the one behind it start by 16 + 2 x 11 =
+    38 < 45.9)."""
     async def main():
         clock = Clock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=30, clock=clock)
@@ -105,12 +107,14 @@ def test_when_service_runs_late_only_the_requests_past_their_deadline_are_shed()
         for k in range(11):  # the 12th would wait past 0.9 x 30 s: refused at arrival
             clock.t = 0.5 * k
             queued.append(q.enter(0, True, "a"))
+        clock.t = 15.9
+        queued += [q.enter(0, True, "a"), q.enter(0, True, "a")]  # 24 s and 26 s <= 27 s
         clock.t = 16.0
         q.release(running)
         await asyncio.sleep(0)
         outcomes = ["started" if w.future.done() and not w.future.exception() else
                     w.future.exception().reason if w.future.done() else "queued"
                     for w in queued]
-        assert outcomes == ["started"] + ["queued"] * 9 + ["shed"]
-        assert q.queued == 9
+        assert outcomes == ["started"] + ["queued"] * 9 + ["shed"] + ["queued"] * 2
+        assert q.queued == 11 and q._queue.size == 11.0
     asyncio.run(main())

@@ -81,16 +81,16 @@ class MeshParts:
     app_index: dict[str, int]  # application name -> index in `applications`
 
     def variant(self, name: str | None = None) -> dict[str, Any]:
-        """The variant application ``name``, else the config's first one (what the
-        benchmarks and calibration run against).
+        """The variant application ``name``, else (None or "") the config's first one (what
+        the benchmarks and calibration run against).
 
         Raises:
-            KeyError: no variant application of that name, or none at all.
+            ValueError: no variant application of that name, or none at all.
         """
-        if name is None:
+        if not name:
             name = next(iter(self.variant_apps), None)
         if name not in self.variant_apps:
-            raise KeyError(f"no variant application {name!r} in the config (variant "
+            raise ValueError(f"no variant application {name!r} in the config (variant "
                            f"applications: {', '.join(self.variant_apps) or 'none'})")
         return self.variant_apps[name]
 

@@ -9,8 +9,9 @@ summed. Then:
 
 - the next request to start is the head of one group (O(groups));
 - the work queued ahead of a new request is a sum over groups (O(groups));
-- shedding walks a group request by request only when the group's earliest deadline is
-  in reach (:meth:`VariantAdmission._shed_late`).
+- shedding walks the requests of a rank (the groups whose tenants' counters are equal) one
+  by one only when a group's earliest deadline is in reach
+  (:meth:`VariantAdmission._shed_late`).
 
 Held requests (waiting for a cold start, first-come) are kept apart until the variant is
 warm (:meth:`FairQueue.unhold`).
@@ -28,7 +29,8 @@ from serve_app.ingress.slots import Waiter
 
 @dataclass
 class Group:
-    """The queued requests of one tenant at one priority, in arrival order.
+    """The queued requests of one tenant at one priority (and ``top``, which follows it), in
+    arrival order.
 
     ``live``, ``size`` and ``min_deadline`` cover the requests still queued (``size`` in
     ``request_size`` units; ``min_deadline`` may be earlier than the earliest still queued,

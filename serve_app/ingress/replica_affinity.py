@@ -40,8 +40,9 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound). Adapters
    get a wider bound because a spill costs more: a load, and one more adapter in the other
    replica's batches, which mix at most ``max_loras``. Unless configured it is the holder's
-   ``max_num_seqs`` (each replica reports its own): a hot adapter fills its replica's batch
-   before it spreads, as Punica consolidates a LoRA's requests on as few GPUs as possible
+   ``max_num_seqs`` (each replica reports its own): a hot adapter's holder may run up to a
+   whole batch more than the least-loaded replica before the adapter spreads (and rule 5
+   packs a cold adapter within the same bound), as Punica consolidates a LoRA's requests on as few GPUs as possible
    (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024, §5), so the fleet's
    LoRA batch slots are left for the other adapters (docs/scale.md, "Many adapters");
 5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a

@@ -86,7 +86,8 @@ def affinity_settings(kwargs: dict[str, Any]) -> tuple[ReplicaAffinity, int]:
     rate = s.pop("min_match_rate")
     if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in s.items()
                if not (k == "adapter_imbalance_bound" and v is None)):
-        raise ValueError(f"AffinityRouter keywords other than min_match_rate are integers, "
+        raise ValueError(f"AffinityRouter keywords other than min_match_rate are integers "
+                         f"(adapter_imbalance_bound may be null: each replica's max_num_seqs), "
                          f"got {kwargs}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)):
         raise ValueError(f"min_match_rate is a number from 0 to 1, not {rate!r}")
