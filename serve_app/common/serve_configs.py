@@ -91,7 +91,7 @@ class MeshParts:
             name = next(iter(self.variant_apps), None)
         if name not in self.variant_apps:
             raise ValueError(f"no variant application {name!r} in the config (variant "
-                           f"applications: {', '.join(self.variant_apps) or 'none'})")
+                             f"applications: {', '.join(self.variant_apps) or 'none'})")
         return self.variant_apps[name]
 
 

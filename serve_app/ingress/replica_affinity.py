@@ -42,9 +42,10 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    replica's batches, which mix at most ``max_loras``. Unless configured it is the holder's
    ``max_num_seqs`` (each replica reports its own): a hot adapter's holder may run up to a
    whole batch more than the least-loaded replica before the adapter spreads (and rule 5
-   packs a cold adapter within the same bound), as Punica consolidates a LoRA's requests on as few GPUs as possible
-   (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024, §5), so the fleet's
-   LoRA batch slots are left for the other adapters (docs/scale.md, "Many adapters");
+   packs a cold adapter within the same bound), as Punica consolidates a LoRA's requests
+   on as few GPUs as possible (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys
+   2024, §5), so the fleet's LoRA batch slots are left for the other adapters
+   (docs/scale.md, "Many adapters");
 5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
    hashing of the first key, so routers agree and a new replica takes only new prefixes. A

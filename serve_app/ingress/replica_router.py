@@ -129,10 +129,9 @@ class AffinityRouter(FIFOMixin, RequestRouter):
 
     ``request_router_kwargs``: ``imbalance_bound`` (requests in flight, default 4),
     ``adapter_imbalance_bound`` (the same for adapter residency, default each replica's
-    ``max_num_seqs``), ``block_chars``
-    (characters per prefix block, default 128), ``min_match_rate`` (share of the prompt's
-    blocks a cached run must cover to count as a hit, default 0.5), ``max_blocks``,
-    ``max_sessions`` (LRU bounds of the table).
+    ``max_num_seqs``), ``block_chars`` (characters per prefix block, default 128),
+    ``min_match_rate`` (share of the prompt's blocks a cached run must cover to count as a
+    hit, default 0.5), ``max_blocks``, ``max_sessions`` (LRU bounds of the table).
 
     Raises:
         ValueError: a bad keyword (:func:`affinity_settings`), when Serve makes the handle.
