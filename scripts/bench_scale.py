@@ -156,9 +156,11 @@ def goodput(rows: dict[float, dict], slo: tuple[float, float]) -> float:
 
 def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: str,
              requests: list[FleetRequest], follow_up=None, fairness: str | None = None,
-             seed: int = 0, newcomer_slots: int = 1) -> tuple[list[FleetRequest], Fleet]:
+             seed: int = 0, newcomer_slots: int = 1, adapter_imbalance_bound: int | None = None
+             ) -> tuple[list[FleetRequest], Fleet]:
     """One run on a fresh fleet (``fairness``: the mesh's admission in front, ``tokens`` or
-    ``fifo``, with ``newcomer_slots``; None: none)."""
+    ``fifo``, with ``newcomer_slots``; None: none; ``adapter_imbalance_bound``: the mesh's
+    router's, None: its default, each replica's ``max_num_seqs``)."""
     async def main():
         admission = None
         if fairness:
@@ -167,7 +169,8 @@ def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: s
                                          clock=asyncio.get_running_loop().time)
             admission.set_capacity(replicas * limits.max_num_seqs)
         fleet = Fleet(profile, replicas, limits, admission=admission, seed=seed)
-        return await fleet.run(requests, make_router(router, seed), follow_up), fleet
+        route = make_router(router, seed, adapter_imbalance_bound=adapter_imbalance_bound)
+        return await fleet.run(requests, route, follow_up), fleet
     return run_virtual(main())
 
 
@@ -183,7 +186,8 @@ def sweep(name: str, a, profile: SimProfile, limits: EngineLimits, rates: list[f
         def measure(rate: float) -> dict:
             t0 = time.perf_counter()
             requests, follow_up = make_requests(rate)
-            served, fleet = simulate(profile, a.replicas, limits, router, requests, follow_up)
+            served, fleet = simulate(profile, a.replicas, limits, router, requests, follow_up,
+                                     adapter_imbalance_bound=a.adapter_imbalance_bound)
             s = summarize(served, fleet, a.warmup_s)
             if name == "many-adapters":
                 s["loads_by_popularity"] = loads_by_popularity(
@@ -765,6 +769,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--small", action="store_true", help="2 replicas, 8 adapters (and a "
                    "shorter --router-cost: admission up to 100 queued, no table memory)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--adapter-imbalance-bound", type=int, metavar="N",
+                   help="the mesh's router: requests in flight a holder of the adapter may "
+                        "carry above the least-loaded replica (default: each replica's "
+                        "max_num_seqs, as the router does unless configured)")
     g.add_argument("--newcomer-slots", type=int, nargs="+", default=[1], metavar="K",
                    help="tenants: also run token-fair with K of the fleet's slots kept for "
                         "newcomers, so the busy heavy tenant holds the rest (the router's "

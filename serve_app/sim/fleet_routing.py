@@ -92,8 +92,10 @@ class MeshAffinity(Router):
             self.affinity.completed(replica.index, req.adapter)
 
 
-def make_router(name: str, seed: int = 0, block_chars: int = BLOCK_CHARS):
-    """A factory ``fleet -> router`` for the router called ``name`` (:data:`ROUTERS`).
+def make_router(name: str, seed: int = 0, block_chars: int = BLOCK_CHARS, **bounds):
+    """A factory ``fleet -> router`` for the router called ``name`` (:data:`ROUTERS`);
+    ``bounds``: :class:`ReplicaAffinity`'s (``adapter_imbalance_bound``, ...) for the mesh's
+    router (Serve's routers have none).
 
     Raises:
         ValueError: an unknown name.
@@ -105,5 +107,6 @@ def make_router(name: str, seed: int = 0, block_chars: int = BLOCK_CHARS):
     flags = {"affinity": {}, "affinity-no-prefix": {"prefix": False},
              "affinity-no-adapter": {"adapter": False}}
     if name in flags:
-        return lambda fleet: MeshAffinity(fleet, block_chars=block_chars, **flags[name])
+        return lambda fleet: MeshAffinity(fleet, block_chars=block_chars, **flags[name],
+                                          **bounds)
     raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
