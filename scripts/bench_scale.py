@@ -553,6 +553,9 @@ def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) ->
                         i += 1
                 else:  # the overload until the queue is near its bound
                     while adm.queued < 0.9 * depth:
+                        if i > 10 * depth:  # it grows ~30 a second, 80 arrivals: ~3 x depth
+                            raise RuntimeError(f"admission_cost: the queue stopped at "
+                                               f"{adm.queued}, short of 0.9 x {depth}")
                         arrive_and_end(i, ended >= 1)
                         ended = ended % 1 + 50 / 80
                         await asyncio.sleep(1 / 80)
