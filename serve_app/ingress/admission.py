@@ -342,18 +342,22 @@ class VariantAdmission:
 
     def _work_ahead(self, groups: list[Group], held: list[Waiter]) -> float:
         """The work (sizes) queued in ``groups`` and ``held`` that a request behind them waits
-        for: all of it but the requests that may start in a newcomer slot still free
-        (:meth:`FairShare.fits_newcomer_slot`; the first ones in arrival order, one a free
-        slot), which a busy tenant's request may not use anyway."""
-        work = sum(g.size for g in groups) + sum(w.size for w in held)
-        free = self.shares.free_newcomer_slots
-        if free:
-            fits = [g for g in groups if self.shares.fits_newcomer_slot(g.tenant, self.capacity)]
-            fits.append([w for w in held
-                         if self.shares.fits_newcomer_slot(w.tenant, self.capacity)])
-            for w in itertools.islice(heapq.merge(*fits, key=lambda w: w.seq), free):
-                work -= w.size
-        return work
+        for: all of it but what :meth:`_newcomer_slot_takers` take."""
+        takers = self._newcomer_slot_takers(groups, held, self.shares.free_newcomer_slots)
+        return (sum(g.size for g in groups) + sum(w.size for w in held)
+                - sum(w.size for w in takers))
+
+    def _newcomer_slot_takers(self, groups: list[Group], held: list[Waiter],
+                              free: int) -> list[Waiter]:
+        """Of the requests queued in ``groups`` and ``held``, those that would start in the
+        ``free`` newcomer slots (:meth:`FairShare.fits_newcomer_slot`; the first in arrival
+        order, one a slot): they add nothing to the wait of a busy tenant's request behind
+        them, which may not use those slots anyway."""
+        if not free:
+            return []
+        fits = [g for g in groups if self.shares.fits_newcomer_slot(g.tenant, self.capacity)]
+        fits.append([w for w in held if self.shares.fits_newcomer_slot(w.tenant, self.capacity)])
+        return list(itertools.islice(heapq.merge(*fits, key=lambda w: w.seq), free))
 
     def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
                top: bool = True, counts: Counted = Counted()) -> Slot:
@@ -423,11 +427,9 @@ class VariantAdmission:
             rest = sum(g.size for g in rank)
             if all(now + self.service_time.wait_s(ahead + rest, slots[id(g)]) <= g.min_deadline
                    for g in rank):  # none of them is late
-                fitting = [g for g in rank if fits[id(g)]]
-                for w in itertools.islice(heapq.merge(*fitting, key=lambda w: w.seq), free):
-                    rest -= w.size
-                    free -= 1
-                ahead += rest
+                takers = self._newcomer_slot_takers(rank, [], free)
+                ahead += rest - sum(w.size for w in takers)
+                free -= len(takers)
                 continue
             least, any_fits = min(slots.values()), any(fits.values())
             # one rank's requests interleave by arrival
