@@ -445,15 +445,15 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
     from types import SimpleNamespace
 
     from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys
-    from serve_app.ingress.replica_router import reported_adapters
+    from serve_app.ingress.replica_router import reported_adapters, reported_limit
 
     rng = random.Random(0)
     reqs = many_adapters(100.0, requests / 100.0, adapters=adapters, seed=1)
     rows = []
     for n in sizes:
         replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats={
-            "adapters": [f"lora-{(i * 8 + j) % adapters}@v1" for j in range(8)], "at": 0.0})
-            for i in range(n)]
+            "adapters": [f"lora-{(i * 8 + j) % adapters}@v1" for j in range(8)], "at": 0.0,
+            "max_loras": 4, "max_num_seqs": 64}) for i in range(n)]
         by_id = {r.replica_id: r for r in replicas}
         affinity = ReplicaAffinity()
         times = []
@@ -463,7 +463,9 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
             loads = {r.replica_id: queue_len[r.replica_id] for r in replicas}
             keys = prefix_keys(req.text, req.adapter)
             holders = affinity.adapter_holders(req.adapter, reported_adapters(replicas))
-            choice = affinity.choose(keys, None, loads, req.adapter, holders)
+            choice = affinity.choose(keys, None, loads, req.adapter, holders,
+                                     reported_limit(replicas, "max_loras"),
+                                     reported_limit(replicas, "max_num_seqs"))
             ranks = [[by_id[rid] for rid in rank] for rank in choice.ranks]
             affinity.record(keys, None, ranks[0][0].replica_id, req.adapter, at=float(i))
             times.append(time.perf_counter() - t0)
