@@ -445,7 +445,7 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
     from types import SimpleNamespace
 
     from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys
-    from serve_app.ingress.replica_router import reported_adapters, reported_limit
+    from serve_app.ingress.replica_router import rank_replicas
 
     rng = random.Random(0)
     reqs = many_adapters(100.0, requests / 100.0, adapters=adapters, seed=1)
@@ -462,10 +462,7 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
             t0 = time.perf_counter()
             loads = {r.replica_id: queue_len[r.replica_id] for r in replicas}
             keys = prefix_keys(req.text, req.adapter)
-            holders = affinity.adapter_holders(req.adapter, reported_adapters(replicas))
-            choice = affinity.choose(keys, None, loads, req.adapter, holders,
-                                     reported_limit(replicas, "max_loras"),
-                                     reported_limit(replicas, "max_num_seqs"))
+            choice = rank_replicas(affinity, keys, None, req.adapter, loads, replicas)
             ranks = [[by_id[rid] for rid in rank] for rank in choice.ranks]
             affinity.record(keys, None, ranks[0][0].replica_id, req.adapter, at=float(i))
             times.append(time.perf_counter() - t0)

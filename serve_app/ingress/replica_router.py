@@ -124,6 +124,18 @@ def reported_adapters(replicas) -> dict[Any, tuple[list[str], float]]:
     return out
 
 
+def rank_replicas(affinity: ReplicaAffinity, keys: list[bytes], session: str | None,
+                  adapter: str | None, loads: dict[Any, int], replicas):
+    """``affinity``'s choice among ``replicas`` (Serve's running replicas, ``loads``: their
+    requests in flight) for a request with prefix ``keys``, ``session`` and ``adapter``, with
+    what the replicas report in their routing stats: resident adapters, ``max_loras`` and
+    ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
+    holders = affinity.adapter_holders(adapter, reported_adapters(replicas))
+    return affinity.choose(keys, session, loads, adapter, holders,
+                           reported_limit(replicas, "max_loras"),
+                           reported_limit(replicas, "max_num_seqs"))
+
+
 class AffinityRouter(FIFOMixin, RequestRouter):
     """Serve request router with prefix and session affinity under a load bound.
 
@@ -161,10 +173,7 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
-        holders = self.affinity.adapter_holders(adapter, reported_adapters(candidate_replicas))
-        choice = self.affinity.choose(keys, session, loads, adapter, holders,
-                                      reported_limit(candidate_replicas, "max_loras"),
-                                      reported_limit(candidate_replicas, "max_num_seqs"))
+        choice = rank_replicas(self.affinity, keys, session, adapter, loads, candidate_replicas)
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
