@@ -66,8 +66,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import load_manifest, resolve_uri  # noqa: E402
 from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
+from serve_app.common.deployment_options import REPLICA_ACTOR_OPTIONS  # noqa: E402
 from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
+from serve_app.tools.host_cpu import EngineShare  # noqa: E402
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
 from serve_app.tools.script_args import ScriptError, run, script_parser  # noqa: E402
 from serve_app.tools.servers import ServerDidNotStart, free_port, wait_until_ready  # noqa: E402
@@ -114,6 +116,11 @@ def start_direct(config_path: str, variant: str | None, nice: int = 0):
     args = VariantArgs.model_validate(app.get("args") or {})
     adapters = variant_adapters(app)
     env = {**os.environ, **(app.get("runtime_env", {}).get("env_vars") or {})}
+    # The OpenMP threads Ray gives the variant's replica (its num_cpus, at least 1) when the
+    # config leaves them to it: with VLLM_CPU_OMP_THREADS_BIND nobind, vLLM takes that count.
+    options = ((deployment(app, REPLICA_DEPLOYMENT) or {}).get("ray_actor_options")
+               or REPLICA_ACTOR_OPTIONS)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, int(options.get("num_cpus", 1)))))
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", resolve_model_path(args.model), "--served-model-name",
@@ -170,13 +177,19 @@ def start_direct_ingress_mesh(config_path: str) -> dict[str, str]:
 
 
 def measure(label: str, spec: LoadSpec) -> dict:
+    """``spec``'s load after a warm-up of one request per slot: :func:`summarize`'s figures,
+    and ``worker_cores`` / ``busy_engines``: the cores each busy vLLM engine's workers got
+    meanwhile (:class:`~serve_app.tools.host_cpu.EngineShare`)."""
     asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": spec.concurrency})))  # warm
     t0 = time.monotonic()
-    results = asyncio.run(run_load(spec))
+    with EngineShare() as share:
+        results = asyncio.run(run_load(spec))
     s = summarize(results, time.monotonic() - t0)
+    s.update(worker_cores=round(share.worker_cores, 3), busy_engines=share.engines)
     print(f"[bench] {label:12s} c={spec.concurrency}: {s['tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, latency p50 {s['latency_p50_ms']:.0f} ms, "
-          f"errors {s['errors']}", flush=True)
+          f"errors {s['errors']}; {share.engines} engine(s) busy, their workers "
+          f"{share.worker_cores:.2f} cores each", flush=True)
     return s
 
 

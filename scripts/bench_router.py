@@ -32,6 +32,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.serve_configs import load_yaml, on_sim_engine  # noqa: E402
 from serve_app.release.deploy import deploy  # noqa: E402
+from serve_app.tools.host_cpu import cpu_seconds  # noqa: E402
 from serve_app.tools.loadgen import LoadSpec, run_load, summarize  # noqa: E402
 from serve_app.tools.servers import start_local_ray  # noqa: E402
 
@@ -69,14 +70,6 @@ def serve_processes() -> dict[str, list[int]]:
     return roles
 
 
-def cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
-
-
 def run(a) -> None:
     """The benchmark (see the module docstring); ``a``: bench.py's arguments."""
     import ray
@@ -96,14 +89,14 @@ def run(a) -> None:
         asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": 32})))  # warm up
         roles = serve_processes()
         # what each process spends with no request (polls, metrics), per second, to subtract
-        idle0 = {role: cpu_s(pids) for role, pids in roles.items()}
+        idle0 = {role: cpu_seconds(pids) for role, pids in roles.items()}
         time.sleep(IDLE_S)
-        idle = {role: (cpu_s(pids) - idle0[role]) / IDLE_S for role, pids in roles.items()}
-        before = {role: cpu_s(pids) for role, pids in roles.items()}
+        idle = {role: (cpu_seconds(pids) - idle0[role]) / IDLE_S for role, pids in roles.items()}
+        before = {role: cpu_seconds(pids) for role, pids in roles.items()}
         t0 = time.monotonic()
         results = asyncio.run(run_load(spec))
         wall = time.monotonic() - t0
-        spent = {role: max(0.0, cpu_s(pids) - before[role] - idle[role] * wall)
+        spent = {role: max(0.0, cpu_seconds(pids) - before[role] - idle[role] * wall)
                  for role, pids in roles.items()}
         rss = {role: max(psutil.Process(p).memory_info().rss for p in pids) / 2**20
                for role, pids in roles.items()}

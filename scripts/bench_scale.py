@@ -616,9 +616,9 @@ def run(a) -> None:
 AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
                                max_num_batched_tokens=2048, max_ongoing_requests=64)
 K16 = tuple(f"copy-{i}@v1" for i in range(16))
-ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-04)"
+ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-04, 21:54)"
 SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
-                "--max-tokens 16 (2026-12-04)")
+                "--max-tokens 16 (2026-12-04, 22:05)")
 
 
 @dataclass(frozen=True)
@@ -626,8 +626,11 @@ class TrustRun:
     """A run of real vLLM on this host (docs/benchmarks.md), on the same day as the profile's
     calibration (the host's speed moves 3-4x from day to day): where it ran (``direct``:
     vLLM's own server, one engine, no mesh; ``mesh``: through the mesh, whose processes
-    share the 2 cores with the engines), replicas, the replica router, the load, and the
-    real tokens/s, TTFT p50 (s) and prefix-cache hit rate (None: not a prefix load)."""
+    share the 2 cores with the engines), replicas, the replica router, the load, the real
+    tokens/s, TTFT p50 (s), the cores each engine's workers got during the run (``busy
+    engines x worker cores each`` in the benchmark's table:
+    :class:`~serve_app.tools.host_cpu.EngineShare`) and the prefix-cache hit rate (None: not
+    a prefix load)."""
 
     name: str
     source: str
@@ -637,6 +640,7 @@ class TrustRun:
     load: Callable[[], object]
     tokens_per_s: float
     ttft_p50_s: float
+    worker_cores: float
     hit_rate: float | None = None
 
 
@@ -654,24 +658,25 @@ def sessions():
 
 TRUST_RUNS = [
     TrustRun("base-only, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", base_only,
-             143.2, 0.408),
+             96.0, 0.732, 0.99),
     TrustRun("K=16 adapters, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", k16,
-             36.2, 5.220),
+             19.2, 10.169, 0.99),
     TrustRun("base-only, mesh, 1 replica", ADAPTERS_CMD, "mesh", 1, "default", base_only,
-             98.9, 0.442),
+             71.2, 0.748, 0.83),
     TrustRun("base-only, mesh, 2 replicas", ADAPTERS_CMD, "mesh", 2, "default", base_only,
-             75.4, 0.478),
-    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 27.2, 4.842),
-    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 26.5, 5.175),
-    TrustRun("sessions, affinity", SESSIONS_CMD, "mesh", 2, "affinity", sessions, 12.57, 0.507,
-             0.735),
-    TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 9.60, 0.854,
-             0.513),
+             91.5, 0.476, 0.74),
+    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 28.3, 4.675,
+             0.78),
+    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 26.5, 5.051,
+             0.78),
+    TrustRun("sessions, affinity", SESSIONS_CMD, "mesh", 2, "affinity", sessions, 13.63, 0.462,
+             0.80, 0.735),
+    TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 8.20, 4.693,
+             0.85, 0.422),
 ]
-#: The run that fits the 2-replica mesh's time scale (its tokens/s is no test): two engines
-#: and the mesh's processes share this host's 2 cores, which the profile (one engine with
-#: both cores) does not model.
-SHARED_CORES_FIT = "base-only, mesh, 2 replicas"
+#: The run whose engine had the host as the profile's calibration did (one engine, no Ray):
+#: every run is replayed on the profile slowed by its engines' worker cores against this one's.
+HOST_REFERENCE = "base-only, vLLM's own server"
 #: This host's profile fitted on the day of :data:`TRUST_RUNS` (the shipped ``cpu-smollm2``,
 #: that the sim tier's tests are built on, is of a day when the host ran 3-4x slower).
 TRUST_PROFILE = "cpu-smollm2-trust"
@@ -714,16 +719,18 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
 
 def trust() -> list[dict]:
     """Each run of :data:`TRUST_RUNS` on the sim beside the real figures, with each one's
-    error (sim / real - 1). Runs through the mesh on 2 replicas take every duration x the
-    scale that makes :data:`SHARED_CORES_FIT`'s tokens/s the real one."""
-    fit = next(r for r in TRUST_RUNS if r.name == SHARED_CORES_FIT)
-    shared = replay(fit, 1.0)["tokens_per_s"][0] / fit.tokens_per_s
+    error (sim / real - 1). A run's every duration is x its time scale: the cores
+    :data:`HOST_REFERENCE`'s engine workers got / those each of the run's engines' workers
+    got (the mesh's processes and a second engine take theirs from the same 2 cores; the
+    profile is of one engine alone). Read off the run's processes, not fitted to its
+    tokens/s."""
+    reference = next(r for r in TRUST_RUNS if r.name == HOST_REFERENCE)
     rows = []
     for run in TRUST_RUNS:
-        scale = shared if run.where == "mesh" and run.replicas > 1 else 1.0
-        sim = replay(run, scale)  # the fit's own too: at its scale, not at 1
+        scale = reference.worker_cores / run.worker_cores
+        sim = replay(run, scale)
         row = {"run": run.name, "source": run.source, "where": run.where,
-               "time_scale": round(scale, 3), "fit": run is fit}
+               "worker_cores": run.worker_cores, "time_scale": round(scale, 3)}
         for key, real in (("tokens_per_s", run.tokens_per_s), ("ttft_p50_s", run.ttft_p50_s),
                           ("hit_rate", run.hit_rate)):
             if real is not None:
@@ -739,8 +746,8 @@ def trust() -> list[dict]:
                     f"seeds {f['sim_range'][0]:.2f}-{f['sim_range'][1]:.2f})")
         hits = f"; hit rate {shown('hit_rate')}" if run.hit_rate is not None else ""
         print(f"[trust, {TRUST_PROFILE} x{scale:.2f}] {run.name}: tokens/s "
-              f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}"
-              f"{' (tokens/s fitted: no test)' if run is fit else ''}", flush=True)
+              f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}",
+              flush=True)
     return rows
 
 

@@ -43,6 +43,7 @@ from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
 from serve_app.common.wire import REPLICA_HEADER  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.release.deploy import deploy, replica_ids  # noqa: E402
+from serve_app.tools.host_cpu import EngineShare  # noqa: E402
 from serve_app.tools.servers import start_local_ray  # noqa: E402
 from serve_app.tools.tokenizer import hf_tokenizer  # noqa: E402
 
@@ -214,10 +215,13 @@ def run(a) -> None:
             asyncio.run(warm_up(url))
             time.sleep(6)  # the metrics export catches up
             h0, q0 = prefix_counters(metrics)
-            results, wall = asyncio.run(sessions_load(url, a, tokenizer))
+            with EngineShare() as share:
+                results, wall = asyncio.run(sessions_load(url, a, tokenizer))
             time.sleep(6)
             h1, q1 = prefix_counters(metrics)
             rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
+            rows[setup].update(worker_cores=round(share.worker_cores, 3),
+                               busy_engines=share.engines)
             print(f"[bench] {setup}: {rows[setup]}", flush=True)
             if setup == "affinity":
                 hot = asyncio.run(hot_load(url, a, tokenizer))
@@ -232,11 +236,12 @@ def run(a) -> None:
           f"prefix tokens each, {a.max_tokens} tokens per answer, "
           f"{a.in_flight or a.sessions} in flight, 2 replicas")
     print("| router | TTFT p50 ms | TTFT p95 ms | tokens/s | prefix-cache hit rate | "
-          "requests per replica | errors |")
-    print("|---|---|---|---|---|---|---|")
+          "requests per replica | errors | busy engines x worker cores each |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in (("affinity (mesh)", aff), ("Serve default", dflt)):
         print(f"| {name} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
-              f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.2f} | {r['share']} | {r['errors']} |")
+              f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.2f} | {r['share']} | {r['errors']} | "
+              f"{r['busy_engines']} x {r['worker_cores']:.2f} |")
     print(f"\nTTFT p50 affinity/default {aff['ttft_p50_ms'] / dflt['ttft_p50_ms']:.2f}x")
     print(f"tokens/s affinity/default {aff['tokens_per_s'] / dflt['tokens_per_s']:.2f}x")
     print(f"prefix-cache hit rate affinity {aff['hit_rate']:.2f}, default {dflt['hit_rate']:.2f}")
