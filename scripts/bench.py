@@ -66,7 +66,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import load_manifest, resolve_uri  # noqa: E402
 from serve_app.common.config import ReplicaConfig, VariantArgs  # noqa: E402
-from serve_app.common.deployment_options import REPLICA_ACTOR_OPTIONS  # noqa: E402
+from serve_app.common.deployment_options import replica_environment  # noqa: E402
 from serve_app.common.paths import resolve_model_path, resolve_repo_path  # noqa: E402
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts  # noqa: E402,E501
 from serve_app.tools.host_cpu import EngineShare  # noqa: E402
@@ -115,12 +115,7 @@ def start_direct(config_path: str, variant: str | None, nice: int = 0):
     name = app["name"]
     args = VariantArgs.model_validate(app.get("args") or {})
     adapters = variant_adapters(app)
-    env = {**os.environ, **(app.get("runtime_env", {}).get("env_vars") or {})}
-    # The OpenMP threads Ray gives the variant's replica (its num_cpus, at least 1) when the
-    # config leaves them to it: with VLLM_CPU_OMP_THREADS_BIND nobind, vLLM takes that count.
-    options = ((deployment(app, REPLICA_DEPLOYMENT) or {}).get("ray_actor_options")
-               or REPLICA_ACTOR_OPTIONS)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, int(options.get("num_cpus", 1)))))
+    env = {**os.environ, **replica_environment(app)}  # the replica's, threads included
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", resolve_model_path(args.model), "--served-model-name",
@@ -179,17 +174,18 @@ def start_direct_ingress_mesh(config_path: str) -> dict[str, str]:
 def measure(label: str, spec: LoadSpec) -> dict:
     """``spec``'s load after a warm-up of one request per slot: :func:`summarize`'s figures,
     and ``worker_cores`` / ``busy_engines``: the cores each busy vLLM engine's workers got
-    meanwhile (:class:`~serve_app.tools.host_cpu.EngineShare`)."""
+    meanwhile and how many were busy (:class:`~serve_app.tools.host_cpu.EngineShare`;
+    ``engines``: the two as the tables show them)."""
     asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": spec.concurrency})))  # warm
-    t0 = time.monotonic()
     with EngineShare() as share:
+        t0 = time.monotonic()
         results = asyncio.run(run_load(spec))
-    s = summarize(results, time.monotonic() - t0)
-    s.update(worker_cores=round(share.worker_cores, 3), busy_engines=share.engines)
+        wall = time.monotonic() - t0
+    s = summarize(results, wall)
+    s.update(worker_cores=share.worker_cores, busy_engines=share.engines, engines=str(share))
     print(f"[bench] {label:12s} c={spec.concurrency}: {s['tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, latency p50 {s['latency_p50_ms']:.0f} ms, "
-          f"errors {s['errors']}; {share.engines} engine(s) busy, their workers "
-          f"{share.worker_cores:.2f} cores each", flush=True)
+          f"errors {s['errors']}; busy engines x worker cores {share}", flush=True)
     return s
 
 

@@ -117,7 +117,8 @@ def report(a, rows: dict[str, dict]) -> None:
     print(f"\nK={k} registered adapters on 2 replicas, at most {a.max_resident} resident per "
           f"replica (max_loras 2); {a.requests} requests at {a.concurrency} in flight, "
           f"{a.max_tokens} tokens each, request i for adapter i % K")
-    print("| set-up | tokens/s | TTFT p50 ms | TTFT p95 ms | errors | busy engines x worker cores each |")
+    print("| set-up | tokens/s | TTFT p50 ms | TTFT p95 ms | errors | "
+          "busy engines x worker cores each |")
     print("|---|---|---|---|---|---|")
     labels = {"affinity": f"mesh, adapter affinity, K={k}", "default":
               f"mesh, Serve's default router, K={k}", "base-only": "mesh, base model only",
@@ -128,8 +129,7 @@ def report(a, rows: dict[str, dict]) -> None:
     for key, label in labels.items():
         r = rows[key]
         print(f"| {label} | {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_p95_ms']:.0f} | {r['errors']} | {r['busy_engines']} x "
-              f"{r['worker_cores']:.2f} |")
+              f"{r['ttft_p95_ms']:.0f} | {r['errors']} | {r['engines']} |")
     print()
     for num, den, what in (("affinity", "default", "affinity/default"),
                            ("affinity", "base-only", "affinity/base-only"),

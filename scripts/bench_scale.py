@@ -643,6 +643,12 @@ class TrustRun:
     worker_cores: float
     hit_rate: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.worker_cores <= 0:
+            raise ValueError(f"TrustRun {self.name!r}: worker_cores must be > 0 (the cores the "
+                             "run's engine workers got, from its table); 0 means no vLLM "
+                             "engine was measured")
+
 
 def base_only():
     return ClosedLoop(48, 8, 35, 32)  # the run's 8 warm-up requests before it are not replayed
@@ -677,8 +683,9 @@ TRUST_RUNS = [
 #: The run whose engine had the host as the profile's calibration did (one engine, no Ray):
 #: every run is replayed on the profile slowed by its engines' worker cores against this one's.
 HOST_REFERENCE = "base-only, vLLM's own server"
-#: This host's profile fitted on the day of :data:`TRUST_RUNS` (the shipped ``cpu-smollm2``,
-#: that the sim tier's tests are built on, is of a day when the host ran 3-4x slower).
+#: This host's profile fitted within the hour of :data:`TRUST_RUNS` (the shipped
+#: ``cpu-smollm2``, that the sim tier's tests are built on, is of a day when the host ran
+#: 2-3x slower).
 TRUST_PROFILE = "cpu-smollm2-trust"
 #: Seeds of each replay (Serve's default router picks at random, engine steps vary); the
 #: figures are their medians, with their range.

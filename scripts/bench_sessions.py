@@ -220,8 +220,8 @@ def run(a) -> None:
             time.sleep(6)
             h1, q1 = prefix_counters(metrics)
             rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
-            rows[setup].update(worker_cores=round(share.worker_cores, 3),
-                               busy_engines=share.engines)
+            rows[setup].update(worker_cores=share.worker_cores, busy_engines=share.engines,
+                               engines=str(share))
             print(f"[bench] {setup}: {rows[setup]}", flush=True)
             if setup == "affinity":
                 hot = asyncio.run(hot_load(url, a, tokenizer))
@@ -241,7 +241,7 @@ def run(a) -> None:
     for name, r in (("affinity (mesh)", aff), ("Serve default", dflt)):
         print(f"| {name} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
               f"{r['tokens_per_s']:.1f} | {r['hit_rate']:.2f} | {r['share']} | {r['errors']} | "
-              f"{r['busy_engines']} x {r['worker_cores']:.2f} |")
+              f"{r['engines']} |")
     print(f"\nTTFT p50 affinity/default {aff['ttft_p50_ms'] / dflt['ttft_p50_ms']:.2f}x")
     print(f"tokens/s affinity/default {aff['tokens_per_s'] / dflt['tokens_per_s']:.2f}x")
     print(f"prefix-cache hit rate affinity {aff['hit_rate']:.2f}, default {dflt['hit_rate']:.2f}")

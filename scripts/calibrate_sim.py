@@ -27,6 +27,7 @@ import time
 import yaml
 
 from serve_app.common.config import VariantArgs
+from serve_app.common.deployment_options import replica_environment
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml, mesh_parts
 from serve_app.sim import calibration
@@ -129,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="no real engine: move the profile's prefill terms by the gaps "
                              "its last fit recorded (calibration.refit), then rerun the sim")
     args = parser.parse_args(argv)
-    # The replica's environment (its runtime_env: the KV cache's size, thread counts), so
-    # the engine here is the one the mesh runs.
-    os.environ.update(shipped_variant().get("runtime_env", {}).get("env_vars", {}))
+    # The replica's environment (its runtime_env: the KV cache's size, vLLM's thread binding;
+    # the OpenMP threads Ray gives its actor), so the engine here is the one the mesh runs.
+    os.environ.update(replica_environment(shipped_variant()))
     path = PROFILES_DIR / f"{args.name}.yaml"
 
     if args.refit:

@@ -11,7 +11,13 @@ import time
 import psutil
 import pytest
 
-from serve_app.tools.host_cpu import ENGINE_CORE_TITLE, EngineShare, cpu_seconds, engine_workers
+from serve_app.tools.host_cpu import (
+    ENGINE_CORE_TITLE,
+    IDLE_ENGINE_CORES,
+    EngineShare,
+    cpu_seconds,
+    engine_workers,
+)
 
 WORKER = {"computing": "while True: pass", "idle": "import time; time.sleep(120)"}
 
@@ -27,25 +33,45 @@ def _engine(kind: str) -> subprocess.Popen:
 @pytest.fixture
 def engines():
     started = [_engine("computing"), _engine("idle")]
-    deadline = time.monotonic() + 20
-    while sum(len(w) for c, w in engine_workers().items()
-              if c in {p.pid for p in started}) < 2:
-        assert time.monotonic() < deadline, "the stand-in engines' workers did not start"
-        time.sleep(0.05)
-    yield started
-    for p in started:
-        for proc in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]:
-            proc.kill()
-        p.wait()
+    try:
+        deadline = time.monotonic() + 60
+        # both workers started, and the computing one computing (past Python's start-up)
+        while (len(workers := engine_workers(only=[p.pid for p in started])) < 2
+               or sum(len(w) for w in workers.values()) < 2
+               or workers[started[0].pid][0].cpu_times().user < 0.2):
+            assert time.monotonic() < deadline, "the stand-in engines' workers did not start"
+            time.sleep(0.05)
+        yield started
+    finally:
+        for p in started:
+            try:
+                for proc in [*psutil.Process(p.pid).children(recursive=True),
+                             psutil.Process(p.pid)]:
+                    proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+            p.wait()
 
 
 def test_engine_share_counts_a_computing_engines_workers_and_leaves_an_idle_one_out(engines):
-    assert {p.pid for p in engines} <= set(engine_workers())
-    with EngineShare() as share:
+    """The computing engine's worker is counted, at most of a core; the idle one is not."""
+    pids = [p.pid for p in engines]
+    assert set(pids) <= set(engine_workers())  # found by their title on the whole host
+    [worker] = engine_workers(only=pids[:1])[pids[0]]
+    before, t0 = worker.cpu_times(), time.monotonic()
+    with EngineShare(only=pids) as share:  # (only these: a real engine may be running)
         time.sleep(1.5)
+    after, wall = worker.cpu_times(), time.monotonic() - t0
     assert share.engines == 1  # the idle one (its worker asleep) is not counted
-    # one process spinning on a 2-core host shared with the test runner: most of a core
-    assert 0.4 < share.worker_cores <= 1.05
+    # the computing worker's CPU seconds over the block's wall seconds, and no more than a
+    # core (one process)
+    used = (after.user + after.system - before.user - before.system) / wall
+    assert share.worker_cores == pytest.approx(used, rel=0.1, abs=0.02)
+    assert IDLE_ENGINE_CORES <= share.worker_cores <= 1.05
+    assert str(share) == f"1 x {share.worker_cores:.2f}"
+    with EngineShare(only=[]) as none:
+        pass
+    assert (none.engines, none.worker_cores, str(none)) == (0, 0.0, "no vLLM engine")
 
 
 def test_cpu_seconds_counts_an_exited_process_as_nothing():

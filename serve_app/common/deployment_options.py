@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, deployment
 
 #: ``max_surge_percent`` of every ``LLMReplica`` (the shipped configs state it too): Serve
 #: starts a replacement before it stops the replica it replaces, so a changed ``args`` or a
@@ -23,6 +23,21 @@ SURGE_PERCENT = 100
 #: enough for two variants and the router on a 2-core host; GPU hosts set
 #: ``{num_cpus: 1, num_gpus: 1}`` in the config. ``meshctl kuberay`` sizes worker pods from it.
 REPLICA_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0.5}
+
+
+def replica_environment(app: dict[str, Any]) -> dict[str, str]:
+    """The environment a variant application's replica runs its engine with, to run the same
+    engine outside Ray (a benchmark's vLLM server, the profile's calibration): the
+    application's ``runtime_env.env_vars``, and ``OMP_NUM_THREADS`` as Ray sets it for the
+    replica's actor when they leave it out: its ``num_cpus`` rounded down, at least 1
+    (``ray._private.utils.set_omp_num_threads_if_unset``). With the shipped configs'
+    ``VLLM_CPU_OMP_THREADS_BIND: nobind``, vLLM computes with that many threads."""
+    env = {k: str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+    options = ((deployment(app, REPLICA_DEPLOYMENT) or {}).get("ray_actor_options")
+               or REPLICA_ACTOR_OPTIONS)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, int(options.get("num_cpus", 1)))))
+    return env
+
 
 #: Serve's own default ``num_replicas`` (a config without one runs this many).
 DEFAULT_NUM_REPLICAS = 1

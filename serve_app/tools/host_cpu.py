@@ -43,17 +43,28 @@ def _title(p: psutil.Process) -> str:
         return ""
 
 
-def engine_workers() -> dict[int, list[int]]:
-    """Each vLLM engine on this host: its ``EngineCore`` pid -> the pids of its workers (its
-    child processes, where the model runs)."""
+def engine_workers(only: Iterable[int] | None = None) -> dict[int, list[psutil.Process]]:
+    """Each vLLM engine on this host (or those whose ``EngineCore`` pid is in ``only``): its
+    ``EngineCore`` pid -> its workers (its child processes, where the model runs)."""
+    wanted = None if only is None else set(only)
     engines = {}
     for p in psutil.process_iter():
-        if _title(p).startswith(ENGINE_CORE_TITLE):
+        if (wanted is None or p.pid in wanted) and _title(p).startswith(ENGINE_CORE_TITLE):
             try:
-                engines[p.pid] = [c.pid for c in p.children(recursive=True)]
+                engines[p.pid] = p.children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
     return engines
+
+
+def _cpu(p: psutil.Process) -> float | None:
+    """``p``'s user + system CPU seconds; None once it has exited (psutil checks the pid is
+    still the same process, so a reused pid is not counted)."""
+    try:
+        t = p.cpu_times()
+    except psutil.NoSuchProcess:
+        return None
+    return t.user + t.system
 
 
 class EngineShare:
@@ -63,19 +74,34 @@ class EngineShare:
     busy engines: CPU seconds of an engine's workers / wall seconds) and ``share.engines``
     (how many were busy, their workers above :data:`IDLE_ENGINE_CORES`). The workers run the
     model; the ``EngineCore`` beside them schedules, and busy-polls for their output between
-    steps, so its CPU says little about the engine's speed. Engines are found when the block
-    starts; ``worker_cores`` is 0.0 when none was busy."""
+    steps, so its CPU says little about the engine's speed. The workers busy-poll too between
+    steps (for a second after their last one), so their share is what they got of the host,
+    not only what their steps needed. Engines are those on the host when the block starts
+    (``only``: the ``EngineCore`` pids to look at); a worker that exits meanwhile is left
+    out; ``worker_cores`` is 0.0 when none was busy (no vLLM engine: the simulated one, or
+    vLLM without its engine process)."""
+
+    def __init__(self, only: Iterable[int] | None = None) -> None:
+        self._only = only
 
     def __enter__(self) -> EngineShare:
-        self._engines = engine_workers()
-        self._before = {core: cpu_seconds(pids) for core, pids in self._engines.items()}
+        self._engines = {core: [(w, _cpu(w)) for w in workers]
+                         for core, workers in engine_workers(self._only).items()}
         self._t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
         wall = max(1e-9, time.monotonic() - self._t0)
-        cores = [(cpu_seconds(pids) - self._before[core]) / wall
-                 for core, pids in self._engines.items()]
+        cores = []
+        for workers in self._engines.values():
+            used = [(_cpu(w), before) for w, before in workers]
+            cores.append(sum(after - before for after, before in used
+                             if after is not None and before is not None) / wall)
         busy = [c for c in cores if c >= IDLE_ENGINE_CORES]
         self.engines = len(busy)
         self.worker_cores = sum(busy) / len(busy) if busy else 0.0
+
+    def __str__(self) -> str:
+        """``2 x 0.78`` (busy engines x the cores each one's workers got), or ``no vLLM
+        engine`` (the simulated engine)."""
+        return f"{self.engines} x {self.worker_cores:.2f}" if self.engines else "no vLLM engine"
