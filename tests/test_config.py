@@ -334,3 +334,29 @@ def test_a_configs_variant_is_found_by_name_or_first_and_a_wrong_name_lists_the_
     with pytest.raises(ValueError) as e:
         parts.variant("nope")
     assert "'nope'" in str(e.value) and all(n in str(e.value) for n in names)
+
+
+def test_replica_environment_is_the_runtime_env_with_the_threads_ray_gives_the_replica():
+    """What the benchmarks' vLLM server and the calibration run their engine with."""
+    from serve_app.common.deployment_options import replica_environment
+    from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
+
+    app = mesh_parts(load_yaml(REPO_ROOT / "serve_configs" / "local.yaml")).variant()
+    env = replica_environment(app)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"  # num_cpus 0.5 by default: Ray gives at least 1
+    deployment(app, REPLICA_DEPLOYMENT)["ray_actor_options"] = {"num_cpus": 4.5}
+    assert replica_environment(app)["OMP_NUM_THREADS"] == "4"  # rounded down, as Ray does
+    app["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] = 2
+    assert replica_environment(app)["OMP_NUM_THREADS"] == "2"  # the config's own wins
+
+
+def test_every_shipped_variant_leaves_its_engine_threads_unpinned():
+    """vLLM's default binding pins every engine's model to the same core (docs/operating.md):
+    two replicas on one host computed on one core."""
+    from serve_app.common.serve_configs import mesh_parts
+
+    for path in sorted((REPO_ROOT / "serve_configs").glob("*.yaml")):
+        for name, app in mesh_parts(load_yaml(path)).variant_apps.items():
+            env = (app.get("runtime_env") or {}).get("env_vars") or {}
+            assert env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind", f"{path.name}: {name}"
