@@ -16,10 +16,11 @@ from collections.abc import Iterable
 
 import psutil
 
-#: vLLM's process titles (``setproctitle``): the engine core (scheduler) and its workers.
-ENGINE_CORE_TITLE, WORKER_TITLE = "VLLM::EngineCore", "VLLM::Worker"
-#: An engine that used less than this share of a core during a load was idle (another
-#: variant's engine, say); it is not counted among the engines that shared the host.
+#: vLLM's title (``setproctitle``) of an engine's core process (its scheduler), whose child
+#: processes are the engine's workers (``VLLM::Worker``).
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+#: An engine whose workers used less than this share of a core during a load was idle
+#: (another variant's engine, say); it is not counted among the engines that shared the host.
 IDLE_ENGINE_CORES = 0.1
 
 
