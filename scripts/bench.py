@@ -182,7 +182,7 @@ def measure(label: str, spec: LoadSpec) -> dict:
         results = asyncio.run(run_load(spec))
         wall = time.monotonic() - t0
     s = summarize(results, wall)
-    s.update(worker_cores=share.worker_cores, busy_engines=share.engines, engines=str(share))
+    s.update(share.figures())
     print(f"[bench] {label:12s} c={spec.concurrency}: {s['tokens_per_s']:.1f} tok/s, "
           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, latency p50 {s['latency_p50_ms']:.0f} ms, "
           f"errors {s['errors']}; busy engines x worker cores {share}", flush=True)

@@ -220,8 +220,7 @@ def run(a) -> None:
             time.sleep(6)
             h1, q1 = prefix_counters(metrics)
             rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
-            rows[setup].update(worker_cores=share.worker_cores, busy_engines=share.engines,
-                               engines=str(share))
+            rows[setup].update(share.figures())
             print(f"[bench] {setup}: {rows[setup]}", flush=True)
             if setup == "affinity":
                 hot = asyncio.run(hot_load(url, a, tokenizer))

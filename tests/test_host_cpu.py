@@ -69,6 +69,8 @@ def test_engine_share_counts_a_computing_engines_workers_and_leaves_an_idle_one_
     assert share.worker_cores == pytest.approx(used, rel=0.1, abs=0.02)
     assert IDLE_ENGINE_CORES <= share.worker_cores <= 1.05
     assert str(share) == f"1 x {share.worker_cores:.2f}"
+    assert share.figures() == {"worker_cores": share.worker_cores, "busy_engines": 1,
+                               "engines": str(share)}
     with EngineShare(only=[]) as none:
         pass
     assert (none.engines, none.worker_cores, str(none)) == (0, 0.0, "no vLLM engine")

@@ -30,10 +30,9 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     total = 0.0
     for pid in pids:
         try:
-            t = psutil.Process(pid).cpu_times()
+            total += _cpu(psutil.Process(pid)) or 0.0
         except psutil.NoSuchProcess:
             continue
-        total += t.user + t.system
     return total
 
 
@@ -101,6 +100,12 @@ class EngineShare:
         busy = [c for c in cores if c >= IDLE_ENGINE_CORES]
         self.engines = len(busy)
         self.worker_cores = sum(busy) / len(busy) if busy else 0.0
+
+    def figures(self) -> dict:
+        """What a benchmark keeps of it: ``worker_cores``, ``busy_engines`` and ``engines``
+        (the two as its tables show them, :meth:`__str__`)."""
+        return {"worker_cores": self.worker_cores, "busy_engines": self.engines,
+                "engines": str(self)}
 
     def __str__(self) -> str:
         """``2 x 0.78`` (busy engines x the cores each one's workers got), or ``no vLLM
