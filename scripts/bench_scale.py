@@ -21,7 +21,8 @@ Workloads (seeded; :mod:`serve_app.sim.workloads`), open-loop Poisson arrivals:
    their TTFT p95 on the idle fleet.
 
 Goodput: the highest arrival rate (the grid, then 3 bisections) at which TTFT p95 and TPOT
-p95 are within the SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after ``--warmup-s``.
+p95 are within the SLO (``--slo-ttft-s``, ``--slo-tpot-s``), for requests arriving after
+``--warmup-s``.
 Writes PNGs (TTFT p95 against arrival rate per router, TTFT CDFs) to ``--plots`` and the
 figures to ``--json``. ``--router-cost`` times the mesh's replica-routing decision (the
 real code) at 8, 32, ... replicas with 1,000 adapters resident across them.
@@ -50,7 +51,7 @@ from serve_app.ingress.refusals import Rejected  # noqa: E402
 from serve_app.ingress.slots import Slot  # noqa: E402
 from serve_app.observability.stats import percentile  # noqa: E402
 from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest  # noqa: E402
-from serve_app.sim.fleet_routing import make_router  # noqa: E402
+from serve_app.sim.fleet_routing import Replayed, make_router  # noqa: E402
 from serve_app.sim.profile import SimProfile, load_profile  # noqa: E402
 from serve_app.sim.virtual_time import run_virtual  # noqa: E402
 from serve_app.sim.workloads import (ClosedLoop, SessionQueue, Sessions,  # noqa: E402
@@ -154,13 +155,14 @@ def goodput(rows: dict[float, dict], slo: tuple[float, float]) -> float:
     return best
 
 
-def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: str,
+def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: str | Callable,
              requests: list[FleetRequest], follow_up=None, fairness: str | None = None,
              seed: int = 0, newcomer_slots: int = 1, adapter_imbalance_bound: int | None = None
              ) -> tuple[list[FleetRequest], Fleet]:
-    """One run on a fresh fleet (``fairness``: the mesh's admission in front, ``tokens`` or
-    ``fifo``, with ``newcomer_slots``; None: none; ``adapter_imbalance_bound``: the mesh's
-    router's, None: its default, each replica's ``max_num_seqs``)."""
+    """One run on a fresh fleet (``router``: a name of :data:`~serve_app.sim.fleet_routing.
+    ROUTERS` or a factory ``fleet -> router``; ``fairness``: the mesh's admission in front,
+    ``tokens`` or ``fifo``, with ``newcomer_slots``; None: none; ``adapter_imbalance_bound``:
+    the mesh's router's, None: its default, each replica's ``max_num_seqs``)."""
     async def main():
         admission = None
         if fairness:
@@ -169,7 +171,8 @@ def simulate(profile: SimProfile, replicas: int, limits: EngineLimits, router: s
                                          clock=asyncio.get_running_loop().time)
             admission.set_capacity(replicas * limits.max_num_seqs)
         fleet = Fleet(profile, replicas, limits, admission=admission, seed=seed)
-        route = make_router(router, seed, adapter_imbalance_bound=adapter_imbalance_bound)
+        route = (make_router(router, seed, adapter_imbalance_bound=adapter_imbalance_bound)
+                 if isinstance(router, str) else router)
         return await fleet.run(requests, route, follow_up), fleet
     return run_virtual(main())
 
@@ -629,8 +632,10 @@ class TrustRun:
     share the 2 cores with the engines), replicas, the replica router, the load, the real
     tokens/s, TTFT p50 (s), the cores each engine's workers got during the run (``busy
     engines x worker cores each`` in the benchmark's table:
-    :class:`~serve_app.tools.host_cpu.EngineShare`) and the prefix-cache hit rate (None: not
-    a prefix load)."""
+    :class:`~serve_app.tools.host_cpu.EngineShare`), the prefix-cache hit rate (None: not
+    a prefix load) and, for a sessions run, the replica each turn went to (``placement``, as
+    ``bench_sessions`` prints it: a digit a turn, a group a session; None: the replay routes
+    with ``router``, else with :class:`~serve_app.sim.fleet_routing.Replayed`)."""
 
     name: str
     source: str
@@ -642,12 +647,27 @@ class TrustRun:
     ttft_p50_s: float
     worker_cores: float
     hit_rate: float | None = None
+    placement: str | None = None
 
     def __post_init__(self) -> None:
         if self.worker_cores <= 0:
             raise ValueError(f"TrustRun {self.name!r}: worker_cores must be > 0 (the cores the "
                              "run's engine workers got, from its table); 0 means no vLLM "
                              "engine was measured")
+        digits = set(self.placement or "") - {" "}
+        if not digits <= set("0123456789"[:self.replicas]):
+            raise ValueError(f"TrustRun {self.name!r}: placement has {sorted(digits)}; it "
+                             f"holds replica indexes below {self.replicas}, as bench_sessions "
+                             "prints them (a turn it lost, '?', cannot be replayed)")
+
+    def router_for(self, work) -> str | Callable:
+        """The replay's router for one seed's ``work`` (a :class:`SessionQueue` when the run
+        has a placement)."""
+        if self.placement is None:
+            return self.router
+        sessions = self.placement.split()
+        return lambda fleet: Replayed(lambda req: int(
+            sessions[int(req.session[1:])][work.turn(req)]))
 
 
 def base_only():
@@ -713,7 +733,7 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
     figures = []
     for seed in TRUST_SEEDS:
         work = run.load()
-        served, fleet = simulate(profile, run.replicas, AFFINITY_LIMITS, run.router,
+        served, fleet = simulate(profile, run.replicas, AFFINITY_LIMITS, run.router_for(work),
                                  work.requests(), work.follow_up, seed=seed)
         later = [r for r in served if not isinstance(work, SessionQueue) or work.turn(r)]
         whole = summarize(served, fleet, 0.0)  # every request arrives from 0 s on

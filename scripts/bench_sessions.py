@@ -18,7 +18,8 @@ with the same system prompt, no sessions, to see it spread.
 Prints TTFT p50/p95 of the turns after the first (the ones a cache can serve), tokens/s, the
 prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits`` / ``_queries``),
 and each replica's share of the requests (``x-mesh-replica``); the headline on its own line,
-``TTFT p50 affinity/default 0.42x``.
+``TTFT p50 affinity/default 0.42x``; then the replica each session's turns went to (what
+``bench.py --sim --trust`` replays), and with ``--json FILE`` every figure as JSON.
 
     python scripts/bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4
 """
@@ -126,7 +127,7 @@ async def sessions_load(url: str, a, tokenizer) -> tuple[list[dict], float]:
         for t in range(a.turns):
             async with turn_slots:  # FIFO: a finished turn queues behind the other sessions
                 r = await chat(http, history, a.max_tokens, f"bench-{s}")
-            results.append({**r, "turn": t})
+            results.append({**r, "session": s, "turn": t})
             history += after_turn(t)
         return results
 
@@ -170,7 +171,7 @@ def figures(results: list[dict], wall_s: float, hit_rate: float, replicas: set[s
     return {"ttft_p50_ms": percentile(later, 50), "ttft_p95_ms": percentile(later, 95),
             "tokens_per_s": sum(r["tokens"] for r in results if r["ok"]) / wall_s,
             "hit_rate": hit_rate, "errors": sum(not r["ok"] for r in results),
-            "share": per_replica(results, replicas)}
+            "share": per_replica(results, replicas), "placement": placement(results, replicas)}
 
 
 async def warm_up(url: str) -> None:
@@ -182,6 +183,17 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
     """Requests each replica served, busiest first (0 for one that served none)."""
     served = Counter(r["replica"] for r in results)
     return sorted((served[r] for r in replicas), reverse=True)
+
+
+def placement(results: list[dict], replicas: set[str]) -> str:
+    """The replica each turn went to, a digit a turn (the replica's index among ``replicas``
+    sorted; ``?``: none answered), a group of digits a session, sessions in order: what
+    ``bench.py --sim --trust`` replays to put a random router's draw on the simulated fleet."""
+    index = {r: str(i) for i, r in enumerate(sorted(replicas))}
+    turns: dict[int, list[str]] = {}
+    for r in sorted(results, key=lambda r: (r["session"], r["turn"])):
+        turns.setdefault(r["session"], []).append(index.get(r["replica"], "?"))
+    return " ".join("".join(t) for _, t in sorted(turns.items()))
 
 
 def tokenizer_of(config: dict):
@@ -246,6 +258,13 @@ def run(a) -> None:
     print(f"prefix-cache hit rate affinity {aff['hit_rate']:.2f}, default {dflt['hit_rate']:.2f}")
     hot = rows["hot"]
     print(f"one hot prefix busiest/least busy replica {hot[0] / max(1, hot[-1]):.2f}x {hot}")
+    for name in ("affinity", "default"):
+        print(f"{name}: the replica of each session's turns: {rows[name]['placement']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"),
+                                            "args": vars(a), "rows": rows}, indent=2,
+                                           default=str))
+        print(f"[bench] figures written to {a.json}")
 
 
 if __name__ == "__main__":  # the same as bench.py --sessions ...

@@ -31,7 +31,8 @@ LIMITS = EngineLimits(max_num_seqs=8, max_ongoing_requests=10)  # smollm-v1 in t
 def serve(requests, replicas=1, router="default", limits=None, follow_up=None):
     async def main():
         fleet = Fleet(H100, replicas, limits or EngineLimits())
-        return await fleet.run(requests, make_router(router), follow_up), fleet
+        route = make_router(router) if isinstance(router, str) else router
+        return await fleet.run(requests, route, follow_up), fleet
     return run_virtual(main())
 
 
@@ -143,6 +144,26 @@ def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
             assert nxt[:len(last)] == last and 15 < len(nxt) - len(last) < 30
     block = 128  # the profile's block_size
     assert prompts[0][0][:block] == prompts[2][0][:block] != prompts[1][0][:block]
+
+
+def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeypatch):
+    """``--trust`` puts a random router's real draw on the fleet: each session's turns go to
+    the replicas its placement names (bench_sessions prints it), whatever their load; a
+    placement naming a replica the run did not have, or a lost turn, is refused."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    from bench_scale import TrustRun
+
+    prompts = [[tuple(range(s, s + 40)), tuple(range(s, s + 60))] for s in (0, 100, 200)]
+    run = TrustRun("replayed", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0,
+                   placement="00 01 11")
+    load = SessionQueue(prompts, in_flight=3, max_tokens=4)
+    done, _ = serve(load.requests(), replicas=2, router=run.router_for(load),
+                    follow_up=load.follow_up)
+    assert sorted((r.session, load.turn(r), r.replica) for r in done) == [
+        ("s0", 0, 0), ("s0", 1, 0), ("s1", 0, 0), ("s1", 1, 1), ("s2", 0, 1), ("s2", 1, 1)]
+    for bad in ("00 02 11", "00 0? 11"):
+        with pytest.raises(ValueError, match="placement"):
+            TrustRun("bad", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0, placement=bad)
 
 
 def test_a_fleet_draws_step_times_around_the_profile_by_its_seed():

@@ -289,15 +289,17 @@ def test_a_cold_adapter_is_packed_among_the_replicas_with_a_lora_slot():
     assert first not in table.running
 
 
-def test_the_router_reads_max_loras_and_max_num_seqs_from_the_routing_stats():
+def test_the_router_reads_adapters_max_loras_and_max_num_seqs_from_the_routing_stats():
     from types import SimpleNamespace
-    from serve_app.ingress.replica_router import reported_limit
-    replicas = [SimpleNamespace(replica_id="a", routing_stats={"max_loras": 4, "adapters": [],
-                                                               "max_num_seqs": 64}),
+    from serve_app.ingress.replica_router import reported_stats
+    replicas = [SimpleNamespace(replica_id="a", routing_stats={
+                    "max_loras": 4, "adapters": ["x@v1"], "max_num_seqs": 64, "at": 5.0}),
                 SimpleNamespace(replica_id="b", routing_stats={"max_loras": 0}),
                 SimpleNamespace(replica_id="c", routing_stats=None)]
-    assert reported_limit(replicas, "max_loras") == {"a": 4}
-    assert reported_limit(replicas, "max_num_seqs") == {"a": 64}
+    adapters, max_loras, max_num_seqs = reported_stats(replicas)
+    assert adapters == {"a": (["x@v1"], 5.0), "b": ([], 0.0), "c": ([], 0.0)}
+    assert max_loras == {"a": 4}
+    assert max_num_seqs == {"a": 64}
 
 
 def test_unless_configured_a_hot_adapter_fills_its_holders_batch_before_it_spreads():

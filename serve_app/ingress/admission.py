@@ -234,10 +234,6 @@ class VariantAdmission:
         if self.capacity == 0 and not held:
             raise refusals.unavailable(self.variant)
         self.shares.lift(tenant, self._queue.tenants())
-        counter = self._counters()
-        rank = (priority, counter(tenant))  # it goes last of its rank
-        ahead = [g for g in self._queue.groups if (g.priority, counter(g.tenant)) <= rank]
-        held_ahead = [w for w in self._queue.held if (w.priority, counter(w.tenant)) <= rank]
         if held:
             # held work (first-come) starts on the first replica: _held_slots at once, the rest
             # at service_s each
@@ -248,6 +244,11 @@ class VariantAdmission:
                                                 self.held_limit(size), wait_s)
             deadline = now + hold_s
         else:
+            counter = self._counters()
+            rank = (priority, counter(tenant))  # it goes last of its rank
+            ahead = [g for g in self._queue.groups if (g.priority, counter(g.tenant)) <= rank]
+            held_ahead = [w for w in self._queue.held
+                          if (w.priority, counter(w.tenant)) <= rank]
             if not ahead and not held_ahead and self.may_start(top, tenant):
                 return self._start(tenant, now, size, priority, top, counts)
             wait_s = self.service_time.wait_s(self._work_ahead(ahead, held_ahead) + size,

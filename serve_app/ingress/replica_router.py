@@ -107,33 +107,32 @@ def affinity_inputs(request: GenerateRequest, block_chars: int
     return prefix_keys(text, adapter, block_chars), request.session, adapter
 
 
-def reported_limit(replicas, limit: str) -> dict[Any, int]:
-    """replica id -> its engine's ``limit`` (``max_loras``, ``max_num_seqs``) from Serve's
-    routing stats (replicas that have not reported it, or report 0, are left out)."""
-    return {r.replica_id: int(r.routing_stats[limit]) for r in replicas
-            if (r.routing_stats or {}).get(limit)}
-
-
-def reported_adapters(replicas) -> dict[Any, tuple[list[str], float]]:
-    """replica id -> (its resident adapters, report time) from Serve's routing stats
-    (``LLMReplica.record_routing_stats``); a replica that has not reported has none."""
-    out = {}
+def reported_stats(replicas) -> tuple[dict[Any, tuple[list[str], float]], dict[Any, int],
+                                      dict[Any, int]]:
+    """What the replicas report in Serve's routing stats (``LLMReplica.record_routing_stats``),
+    read in one pass: replica id -> (its resident adapters, report time) (none for a replica
+    that has not reported), replica id -> its engine's ``max_loras``, and -> its
+    ``max_num_seqs`` (a replica that has not reported a limit, or reports 0, is left out of
+    that one)."""
+    adapters, max_loras, max_num_seqs = {}, {}, {}
     for r in replicas:
         stats = r.routing_stats or {}
-        out[r.replica_id] = (stats.get("adapters") or [], float(stats.get("at") or 0.0))
-    return out
+        adapters[r.replica_id] = (stats.get("adapters") or [], float(stats.get("at") or 0.0))
+        for limit, out in (("max_loras", max_loras), ("max_num_seqs", max_num_seqs)):
+            if stats.get(limit):
+                out[r.replica_id] = int(stats[limit])
+    return adapters, max_loras, max_num_seqs
 
 
 def rank_replicas(affinity: ReplicaAffinity, keys: list[bytes], session: str | None,
                   adapter: str | None, loads: dict[Any, int], replicas):
     """``affinity``'s choice among ``replicas`` (Serve's running replicas, ``loads``: their
     requests in flight) for a request with prefix ``keys``, ``session`` and ``adapter``, with
-    what the replicas report in their routing stats: resident adapters, ``max_loras`` and
-    ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
-    holders = affinity.adapter_holders(adapter, reported_adapters(replicas))
-    return affinity.choose(keys, session, loads, adapter, holders,
-                           reported_limit(replicas, "max_loras"),
-                           reported_limit(replicas, "max_num_seqs"))
+    what the replicas report in their routing stats (:func:`reported_stats`): resident
+    adapters, ``max_loras`` and ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
+    adapters, max_loras, max_num_seqs = reported_stats(replicas)
+    holders = affinity.adapter_holders(adapter, adapters)
+    return affinity.choose(keys, session, loads, adapter, holders, max_loras, max_num_seqs)
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):

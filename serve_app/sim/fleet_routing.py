@@ -15,12 +15,17 @@
   one (Serve's rule for a custom router's ranks). ``affinity-no-prefix`` turns prefix and
   session affinity off (no keys, no session), ``affinity-no-adapter`` adapter affinity (no
   adapter, no holders), each alone.
+
+:class:`Replayed` is no policy: it sends each request where a real run sent it (a random
+router's draw, put on the simulated fleet to compare the engines under the same placement).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+
+from collections.abc import Callable
 
 from serve_app.ingress.replica_affinity import BLOCK_CHARS, ReplicaAffinity, prefix_keys
 from serve_app.sim.fleet import Fleet, FleetReplica, FleetRequest, Router
@@ -90,6 +95,18 @@ class MeshAffinity(Router):
     def completed(self, req: FleetRequest, replica: FleetReplica) -> None:
         if self.adapter and req.adapter:
             self.affinity.completed(replica.index, req.adapter)
+
+
+class Replayed(Router):
+    """Each request to the replica ``place(request)`` (its index in the pool), waiting while
+    that one has no room: a real run's placement replayed (see the module docstring)."""
+
+    def __init__(self, place: Callable[[FleetRequest], int]) -> None:
+        self.place = place
+
+    def choose(self, req: FleetRequest, pool: list[FleetReplica]) -> FleetReplica | None:
+        replica = pool[self.place(req)]
+        return replica if replica.has_room() else None
 
 
 def make_router(name: str, seed: int = 0, block_chars: int = BLOCK_CHARS, **bounds):
