@@ -619,9 +619,15 @@ def run(a) -> None:
 AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
                                max_num_batched_tokens=2048, max_ongoing_requests=64)
 K16 = tuple(f"copy-{i}@v1" for i in range(16))
-ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-04, 21:54)"
+ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-05, 00:23)"
 SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
-                "--max-tokens 16 (2026-12-04, 22:05)")
+                "--max-tokens 16 (2026-12-05, 00:31)")
+#: The replica each session's turns went to in SESSIONS_CMD's run (its last output lines),
+#: under the mesh's affinity router and under Serve's default router.
+SESSIONS_AFFINITY_PLACEMENT = ("0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000 "
+                               "0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000")
+SESSIONS_DEFAULT_PLACEMENT = ("0101 1010 1101 1111 0011 0110 0101 1010 1001 0110 0101 1001 "
+                              "1010 0110 0101 1001 1010 0101 0010 1101 1010 0010 0101 1101")
 
 
 @dataclass(frozen=True)
@@ -634,8 +640,9 @@ class TrustRun:
     engines x worker cores each`` in the benchmark's table:
     :class:`~serve_app.tools.host_cpu.EngineShare`), the prefix-cache hit rate (None: not
     a prefix load) and, for a sessions run, the replica each turn went to (``placement``, as
-    ``bench_sessions`` prints it: a digit a turn, a group a session; None: the replay routes
-    with ``router``, else with :class:`~serve_app.sim.fleet_routing.Replayed`)."""
+    ``bench_sessions`` prints it: a digit a turn, a group a session), which the replay
+    follows when ``replay_placement`` (:class:`~serve_app.sim.fleet_routing.Replayed`), else
+    it routes with ``router``."""
 
     name: str
     source: str
@@ -648,6 +655,7 @@ class TrustRun:
     worker_cores: float
     hit_rate: float | None = None
     placement: str | None = None
+    replay_placement: bool = False
 
     def __post_init__(self) -> None:
         if self.worker_cores <= 0:
@@ -659,11 +667,13 @@ class TrustRun:
             raise ValueError(f"TrustRun {self.name!r}: placement has {sorted(digits)}; it "
                              f"holds replica indexes below {self.replicas}, as bench_sessions "
                              "prints them (a turn it lost, '?', cannot be replayed)")
+        if self.replay_placement and not self.placement:
+            raise ValueError(f"TrustRun {self.name!r}: replay_placement needs the placement")
 
     def router_for(self, work) -> str | Callable:
         """The replay's router for one seed's ``work`` (a :class:`SessionQueue` when the run
         has a placement)."""
-        if self.placement is None:
+        if not self.replay_placement:
             return self.router
         sessions = self.placement.split()
         return lambda fleet: Replayed(lambda req: int(
@@ -684,21 +694,24 @@ def sessions():
 
 TRUST_RUNS = [
     TrustRun("base-only, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", base_only,
-             96.0, 0.732, 0.99),
+             97.6, 0.716, 0.98),
     TrustRun("K=16 adapters, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", k16,
-             19.2, 10.169, 0.99),
+             19.9, 9.802, 0.99),
     TrustRun("base-only, mesh, 1 replica", ADAPTERS_CMD, "mesh", 1, "default", base_only,
-             71.2, 0.748, 0.83),
+             72.4, 0.785, 0.84),
     TrustRun("base-only, mesh, 2 replicas", ADAPTERS_CMD, "mesh", 2, "default", base_only,
-             91.5, 0.476, 0.74),
-    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 28.3, 4.675,
-             0.78),
-    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 26.5, 5.051,
-             0.78),
-    TrustRun("sessions, affinity", SESSIONS_CMD, "mesh", 2, "affinity", sessions, 13.63, 0.462,
-             0.80, 0.735),
-    TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 8.20, 4.693,
-             0.85, 0.422),
+             84.5, 0.520, 0.71),
+    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 27.6, 4.462,
+             0.75),
+    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 29.5, 4.648,
+             0.79),
+    TrustRun("sessions, affinity", SESSIONS_CMD, "mesh", 2, "affinity", sessions, 14.93, 0.379,
+             0.85, 0.737, SESSIONS_AFFINITY_PLACEMENT),
+    TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 6.68, 4.945,
+             0.87, 0.221, SESSIONS_DEFAULT_PLACEMENT),
+    TrustRun("sessions, default, its placement replayed", SESSIONS_CMD, "mesh", 2, "default",
+             sessions, 6.68, 4.945, 0.87, 0.221, SESSIONS_DEFAULT_PLACEMENT,
+             replay_placement=True),
 ]
 #: The run whose engine had the host as the profile's calibration did (one engine, no Ray):
 #: every run is replayed on the profile slowed by its engines' worker cores against this one's.
@@ -725,10 +738,18 @@ def session_prompts() -> list[list[tuple[int, ...]]]:
                                            prefix_tokens=1500, tenants=4)
 
 
+def same_replica_share(placement: str) -> float:
+    """Of a session's turns after its first, the share that went to the replica of the turn
+    before (``placement`` as :class:`TrustRun` has it)."""
+    pairs = [(a, b) for turns in placement.split() for a, b in zip(turns, turns[1:])]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
 def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]:
     """``run`` on the sim (:data:`TRUST_PROFILE`, every duration x ``scale``) once for each
     of :data:`TRUST_SEEDS`: the (median, least, most) of its tokens/s, TTFT p50 s (sessions:
-    over the turns after the first, as that benchmark reports) and prefix-cache hit rate."""
+    over the turns after the first, as that benchmark reports), prefix-cache hit rate and,
+    for sessions, :func:`same_replica_share`."""
     profile = load_profile(TRUST_PROFILE).scaled(scale)
     figures = []
     for seed in TRUST_SEEDS:
@@ -740,6 +761,12 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
         figures.append({"tokens_per_s": whole["tokens_per_s"],
                         "ttft_p50_s": percentile([r.ttft_s for r in later], 50),
                         "hit_rate": whole["prefix_hit_rate"]})
+        if isinstance(work, SessionQueue):
+            turns: dict[str, dict[int, int]] = {}
+            for r in served:
+                turns.setdefault(r.session, {})[work.turn(r)] = r.replica
+            figures[-1]["same_replica"] = same_replica_share(" ".join(
+                "".join(str(t[i]) for i in sorted(t)) for t in turns.values()))
     return {k: (statistics.median(v), min(v), max(v))
             for k in figures[0] for v in [[f[k] for f in figures]]}
 
@@ -758,20 +785,24 @@ def trust() -> list[dict]:
         sim = replay(run, scale)
         row = {"run": run.name, "source": run.source, "where": run.where,
                "worker_cores": run.worker_cores, "time_scale": round(scale, 3)}
+        same = round(same_replica_share(run.placement), 3) if run.placement else None
         for key, real in (("tokens_per_s", run.tokens_per_s), ("ttft_p50_s", run.ttft_p50_s),
-                          ("hit_rate", run.hit_rate)):
+                          ("hit_rate", run.hit_rate), ("same_replica", same)):
             if real is not None:
                 median, least, most = sim[key]
                 row[key] = {"real": real, "sim": round(median, 3),
                             "sim_range": [round(least, 3), round(most, 3)],
-                            "error": round(median / real - 1, 3)}
+                            "error": round(median / real - 1, 3) if real else None}
         rows.append(row)
 
         def shown(key: str, unit: str = "") -> str:
             f = row[key]
-            return (f"real {f['real']:.2f}{unit} sim {f['sim']:.2f}{unit} ({f['error']:+.0%}; "
+            error = "" if f["error"] is None else f"{f['error']:+.0%}; "
+            return (f"real {f['real']:.2f}{unit} sim {f['sim']:.2f}{unit} ({error}"
                     f"seeds {f['sim_range'][0]:.2f}-{f['sim_range'][1]:.2f})")
         hits = f"; hit rate {shown('hit_rate')}" if run.hit_rate is not None else ""
+        if same is not None:
+            hits += f"; a next turn on its last turn's replica {shown('same_replica')}"
         print(f"[trust, {TRUST_PROFILE} x{scale:.2f}] {run.name}: tokens/s "
               f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}",
               flush=True)

@@ -155,15 +155,16 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
 
     prompts = [[tuple(range(s, s + 40)), tuple(range(s, s + 60))] for s in (0, 100, 200)]
     run = TrustRun("replayed", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0,
-                   placement="00 01 11")
+                   placement="00 01 11", replay_placement=True)
     load = SessionQueue(prompts, in_flight=3, max_tokens=4)
     done, _ = serve(load.requests(), replicas=2, router=run.router_for(load),
                     follow_up=load.follow_up)
     assert sorted((r.session, load.turn(r), r.replica) for r in done) == [
         ("s0", 0, 0), ("s0", 1, 0), ("s1", 0, 0), ("s1", 1, 1), ("s2", 0, 1), ("s2", 1, 1)]
-    for bad in ("00 02 11", "00 0? 11"):
+    for bad in ({"placement": "00 02 11"}, {"placement": "00 0? 11"},
+                {"replay_placement": True}):
         with pytest.raises(ValueError, match="placement"):
-            TrustRun("bad", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0, placement=bad)
+            TrustRun("bad", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0, **bad)
 
 
 def test_a_fleet_draws_step_times_around_the_profile_by_its_seed():
@@ -365,10 +366,21 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     trust = {row["run"]: row for row in figures["trust"]}
     reference, mesh = trust["base-only, vLLM's own server"], trust["base-only, mesh, 1 replica"]
     assert reference["time_scale"] == 1.0
-    # the same load on one engine whose workers got 0.83 of a core against 0.99: replayed
-    # x 0.99 / 0.83, every duration, so its tokens/s is the reference's / that scale
-    assert mesh["time_scale"] == round(0.99 / 0.83, 3)
+    # the same load on one engine whose workers got less of a core than the reference's:
+    # replayed x (the reference's share / its own), every duration, so its tokens/s is the
+    # reference's / that scale
+    assert mesh["time_scale"] == round(reference["worker_cores"] / mesh["worker_cores"], 3) > 1
     assert (mesh["tokens_per_s"]["sim"] * mesh["time_scale"]
             == pytest.approx(reference["tokens_per_s"]["sim"], rel=0.03))
+    # the issue's goal: within 25 % of the real runs, but for the seeds' draws of Serve's
+    # random router on the sessions (their range, docs/scale.md); with the real run's
+    # placement replayed, its hit rate is the real one
+    for row in figures["trust"]:
+        if row["run"] != "sessions, default":
+            assert abs(row["tokens_per_s"]["error"]) <= 0.25, row
+            assert abs(row["ttft_p50_s"]["error"]) <= 0.25, row
+    replayed = trust["sessions, default, its placement replayed"]
+    assert replayed["same_replica"]["sim"] == replayed["same_replica"]["real"]
+    assert replayed["hit_rate"]["sim"] == pytest.approx(replayed["hit_rate"]["real"], abs=0.03)
     for name in ("many-adapters", "sessions", "tenants"):
         assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000
