@@ -672,10 +672,18 @@ class TrustRun:
 
     def router_for(self, work) -> str | Callable:
         """The replay's router for one seed's ``work`` (a :class:`SessionQueue` when the run
-        has a placement)."""
+        replays its placement).
+
+        Raises:
+            ValueError: the placement's sessions and turns are not the load's.
+        """
         if not self.replay_placement:
             return self.router
         sessions = self.placement.split()
+        if [len(turns) for turns in sessions] != [len(p) for p in work.prompts]:
+            raise ValueError(f"TrustRun {self.name!r}: the placement has sessions of "
+                             f"{[len(t) for t in sessions]} turns, the load "
+                             f"{[len(p) for p in work.prompts]}")
         return lambda fleet: Replayed(lambda req: int(
             sessions[int(req.session[1:])][work.turn(req)]))
 
@@ -738,11 +746,11 @@ def session_prompts() -> list[list[tuple[int, ...]]]:
                                            prefix_tokens=1500, tenants=4)
 
 
-def same_replica_share(placement: str) -> float:
-    """Of a session's turns after its first, the share that went to the replica of the turn
-    before (``placement`` as :class:`TrustRun` has it)."""
-    pairs = [(a, b) for turns in placement.split() for a, b in zip(turns, turns[1:])]
-    return sum(a == b for a, b in pairs) / len(pairs)
+def same_replica_share(sessions: list[list]) -> float | None:
+    """Of the sessions' turns after their first, the share that went to the replica of the
+    turn before (``sessions``: each one's replicas, turn by turn; None: no second turn)."""
+    pairs = [(a, b) for turns in sessions for a, b in zip(turns, turns[1:])]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
 def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]:
@@ -765,8 +773,9 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
             turns: dict[str, dict[int, int]] = {}
             for r in served:
                 turns.setdefault(r.session, {})[work.turn(r)] = r.replica
-            figures[-1]["same_replica"] = same_replica_share(" ".join(
-                "".join(str(t[i]) for i in sorted(t)) for t in turns.values()))
+            if (same := same_replica_share([[t[i] for i in sorted(t)]
+                                            for t in turns.values()])) is not None:
+                figures[-1]["same_replica"] = same
     return {k: (statistics.median(v), min(v), max(v))
             for k in figures[0] for v in [[f[k] for f in figures]]}
 
@@ -785,7 +794,8 @@ def trust() -> list[dict]:
         sim = replay(run, scale)
         row = {"run": run.name, "source": run.source, "where": run.where,
                "worker_cores": run.worker_cores, "time_scale": round(scale, 3)}
-        same = round(same_replica_share(run.placement), 3) if run.placement else None
+        same = same_replica_share([list(t) for t in (run.placement or "").split()])
+        same = None if same is None else round(same, 3)
         for key, real in (("tokens_per_s", run.tokens_per_s), ("ttft_p50_s", run.ttft_p50_s),
                           ("hit_rate", run.hit_rate), ("same_replica", same)):
             if real is not None:

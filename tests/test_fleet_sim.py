@@ -165,6 +165,10 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
                 {"replay_placement": True}):
         with pytest.raises(ValueError, match="placement"):
             TrustRun("bad", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0, **bad)
+    short = TrustRun("short", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0,
+                     placement="00 01 1", replay_placement=True)
+    with pytest.raises(ValueError, match="placement has sessions of"):
+        short.router_for(load)
 
 
 def test_a_fleet_draws_step_times_around_the_profile_by_its_seed():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-
 from collections.abc import Callable
 
 from serve_app.ingress.replica_affinity import BLOCK_CHARS, ReplicaAffinity, prefix_keys
