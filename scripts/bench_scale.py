@@ -621,13 +621,34 @@ AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
 K16 = tuple(f"copy-{i}@v1" for i in range(16))
 ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-05, 00:23)"
 SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
-                "--max-tokens 16 (2026-12-05, 00:31)")
-#: The replica each session's turns went to in SESSIONS_CMD's run (its last output lines),
-#: under the mesh's affinity router and under Serve's default router.
-SESSIONS_AFFINITY_PLACEMENT = ("0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000 "
-                               "0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000")
-SESSIONS_DEFAULT_PLACEMENT = ("0101 1010 1101 1111 0011 0110 0101 1010 1001 0110 0101 1001 "
-                              "1010 0110 0101 1001 1010 0101 0010 1101 1010 0010 0101 1101")
+                "--max-tokens 16 (2026-12-05, {})")
+
+
+@dataclass(frozen=True)
+class SessionsRun:
+    """One real run of SESSIONS_CMD, per router: tokens/s, TTFT p50 (s), the cores each
+    engine's workers got, the prefix-cache hit rate, and the replica each session's turns
+    went to (its last output lines)."""
+
+    at: str
+    affinity: tuple[float, float, float, float, str]
+    default: tuple[float, float, float, float, str]
+
+
+SESSIONS_RUNS = [
+    SessionsRun("00:31", (14.93, 0.379, 0.85, 0.737,
+                          "0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000 "
+                          "0000 1111 1111 0000 1111 1111 0000 0000 1111 1111 0000 0000"),
+                (6.68, 4.945, 0.87, 0.221,
+                 "0101 1010 1101 1111 0011 0110 0101 1010 1001 0110 0101 1001 "
+                 "1010 0110 0101 1001 1010 0101 0010 1101 1010 0010 0101 1101")),
+    SessionsRun("01:12", (14.34, 0.468, 0.84, 0.735,
+                          "1111 0000 1111 0000 1111 0000 0000 1111 1111 1111 0000 0000 "
+                          "0000 1111 1111 0000 0000 1111 0000 1111 0000 1111 0000 1111"),
+                (6.19, 4.902, 0.87, 0.140,
+                 "0101 1010 0101 1010 0101 0101 1111 1111 1010 1010 0101 0101 "
+                 "1010 1010 0101 0101 1010 1010 0101 0101 1010 1010 0101 0100")),
+]
 
 
 @dataclass(frozen=True)
@@ -641,8 +662,9 @@ class TrustRun:
     :class:`~serve_app.tools.host_cpu.EngineShare`), the prefix-cache hit rate (None: not
     a prefix load) and, for a sessions run, the replica each turn went to (``placement``, as
     ``bench_sessions`` prints it: a digit a turn, a group a session), which the replay
-    follows when ``replay_placement`` (:class:`~serve_app.sim.fleet_routing.Replayed`), else
-    it routes with ``router``."""
+    follows when ``replay_placement`` (:class:`~serve_app.sim.fleet_routing.Replayed`, each
+    replica running at most its share of the requests in flight, as Serve's default router
+    kept it), else it routes with ``router``."""
 
     name: str
     source: str
@@ -684,8 +706,9 @@ class TrustRun:
             raise ValueError(f"TrustRun {self.name!r}: the placement has sessions of "
                              f"{[len(t) for t in sessions]} turns, the load "
                              f"{[len(p) for p in work.prompts]}")
+        share = math.ceil(work.in_flight / self.replicas)
         return lambda fleet: Replayed(lambda req: int(
-            sessions[int(req.session[1:])][work.turn(req)]))
+            sessions[int(req.session[1:])][work.turn(req)]), max_in_flight=share)
 
 
 def base_only():
@@ -713,14 +736,13 @@ TRUST_RUNS = [
              0.75),
     TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 29.5, 4.648,
              0.79),
-    TrustRun("sessions, affinity", SESSIONS_CMD, "mesh", 2, "affinity", sessions, 14.93, 0.379,
-             0.85, 0.737, SESSIONS_AFFINITY_PLACEMENT),
-    TrustRun("sessions, default", SESSIONS_CMD, "mesh", 2, "default", sessions, 6.68, 4.945,
-             0.87, 0.221, SESSIONS_DEFAULT_PLACEMENT),
-    TrustRun("sessions, default, its placement replayed", SESSIONS_CMD, "mesh", 2, "default",
-             sessions, 6.68, 4.945, 0.87, 0.221, SESSIONS_DEFAULT_PLACEMENT,
-             replay_placement=True),
-]
+] + [TrustRun(f"sessions {run.at}, {router}{', its placement replayed' * replayed}",
+               SESSIONS_CMD.format(run.at), "mesh", 2, router, sessions, *figures,
+               replay_placement=replayed)
+      for run in SESSIONS_RUNS
+      for router, figures, replayed in (("affinity", run.affinity, False),
+                                        ("default", run.default, False),
+                                        ("default", run.default, True))]
 #: The run whose engine had the host as the profile's calibration did (one engine, no Ray):
 #: every run is replayed on the profile slowed by its engines' worker cores against this one's.
 HOST_REFERENCE = "base-only, vLLM's own server"
@@ -757,7 +779,8 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
     """``run`` on the sim (:data:`TRUST_PROFILE`, every duration x ``scale``) once for each
     of :data:`TRUST_SEEDS`: the (median, least, most) of its tokens/s, TTFT p50 s (sessions:
     over the turns after the first, as that benchmark reports), prefix-cache hit rate and,
-    for sessions, :func:`same_replica_share`."""
+    for sessions, :func:`same_replica_share`; for a replayed placement, also the TTFT p50
+    from the request's routing on (``ttft_p50_routed_s``)."""
     profile = load_profile(TRUST_PROFILE).scaled(scale)
     figures = []
     for seed in TRUST_SEEDS:
@@ -769,6 +792,10 @@ def replay(run: TrustRun, scale: float) -> dict[str, tuple[float, float, float]]
         figures.append({"tokens_per_s": whole["tokens_per_s"],
                         "ttft_p50_s": percentile([r.ttft_s for r in later], 50),
                         "hit_rate": whole["prefix_hit_rate"]})
+        if run.replay_placement:  # without the wait for the placed replica, which the real
+            # run did not have: its timing freed that replica's slot as the request came
+            figures[-1]["ttft_p50_routed_s"] = percentile(
+                [r.first_token_at - r.routed_at for r in later], 50)
         if isinstance(work, SessionQueue):
             turns: dict[str, dict[int, int]] = {}
             for r in served:
@@ -793,6 +820,7 @@ def trust() -> list[dict]:
         scale = reference.worker_cores / run.worker_cores
         sim = replay(run, scale)
         row = {"run": run.name, "source": run.source, "where": run.where,
+               "router": run.router, "placement_replayed": run.replay_placement,
                "worker_cores": run.worker_cores, "time_scale": round(scale, 3)}
         same = same_replica_share([list(t) for t in (run.placement or "").split()])
         same = None if same is None else round(same, 3)
@@ -813,6 +841,13 @@ def trust() -> list[dict]:
         hits = f"; hit rate {shown('hit_rate')}" if run.hit_rate is not None else ""
         if same is not None:
             hits += f"; a next turn on its last turn's replica {shown('same_replica')}"
+        if "ttft_p50_routed_s" in sim:
+            median, least, most = sim["ttft_p50_routed_s"]
+            row["ttft_p50_routed_s"] = {"sim": round(median, 3),
+                                        "sim_range": [round(least, 3), round(most, 3)],
+                                        "error": round(median / run.ttft_p50_s - 1, 3)}
+            hits += (f"; TTFT p50 from its routing on (the replay's wait for the placed "
+                     f"replica left out) sim {median:.2f} s ({median / run.ttft_p50_s - 1:+.0%})")
         print(f"[trust, {TRUST_PROFILE} x{scale:.2f}] {run.name}: tokens/s "
               f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}",
               flush=True)

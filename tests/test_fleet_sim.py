@@ -161,6 +161,16 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
                     follow_up=load.follow_up)
     assert sorted((r.session, load.turn(r), r.replica) for r in done) == [
         ("s0", 0, 0), ("s0", 1, 0), ("s1", 0, 0), ("s1", 1, 1), ("s2", 0, 1), ("s2", 1, 1)]
+    # at most 1 in flight a replica (2 in flight over 2 replicas, as Serve's default router
+    # kept them): s1's first turn waits on replica 0 for s0's, though replica 1 is idle
+    run = TrustRun("replayed", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0,
+                   placement="00 01 11", replay_placement=True)
+    load = SessionQueue(prompts, in_flight=2, max_tokens=4)
+    done, _ = serve(load.requests(), replicas=2, router=run.router_for(load),
+                    follow_up=load.follow_up)
+    turn = {(r.session, load.turn(r)): r for r in done}
+    assert turn["s1", 0].replica == 0 and turn["s1", 0].routed_at >= turn["s0", 0].done_at
+    assert turn["s1", 0].ttft_s > turn["s1", 0].first_token_at - turn["s1", 0].routed_at
     for bad in ({"placement": "00 02 11"}, {"placement": "00 0? 11"},
                 {"replay_placement": True}):
         with pytest.raises(ValueError, match="placement"):
@@ -365,7 +375,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     assert figures["tenants"]["fair_over_idle"] > 0
     assert figures["router_cost"][0]["replicas"] == 8
     assert {row["run"] for row in figures["trust"]} >= {"K=16 adapters, affinity",
-                                                         "sessions, default"}
+                                                         "sessions 00:31, default"}
     assert all(row["tokens_per_s"]["sim"] > 0 for row in figures["trust"])
     trust = {row["run"]: row for row in figures["trust"]}
     reference, mesh = trust["base-only, vLLM's own server"], trust["base-only, mesh, 1 replica"]
@@ -376,15 +386,22 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     assert mesh["time_scale"] == round(reference["worker_cores"] / mesh["worker_cores"], 3) > 1
     assert (mesh["tokens_per_s"]["sim"] * mesh["time_scale"]
             == pytest.approx(reference["tokens_per_s"]["sim"], rel=0.03))
-    # the issue's goal: within 25 % of the real runs, but for the seeds' draws of Serve's
-    # random router on the sessions (their range, docs/scale.md); with the real run's
-    # placement replayed, its hit rate is the real one
+    # the issue's goal: within 25 % of the real runs, but for the simulated draws of Serve's
+    # default router on the sessions (their range, docs/scale.md); with a real run's
+    # placement replayed, its hit rate is the real one, and its TTFT is compared from each
+    # request's routing on (the replay's wait for the placed replica, which the real run's
+    # timing did not have, left out: docs/scale.md gives both)
+    replayed = [row for row in figures["trust"] if row["placement_replayed"]]
+    assert len(replayed) == 2
     for row in figures["trust"]:
-        if row["run"] != "sessions, default":
-            assert abs(row["tokens_per_s"]["error"]) <= 0.25, row
-            assert abs(row["ttft_p50_s"]["error"]) <= 0.25, row
-    replayed = trust["sessions, default, its placement replayed"]
-    assert replayed["same_replica"]["sim"] == replayed["same_replica"]["real"]
-    assert replayed["hit_rate"]["sim"] == pytest.approx(replayed["hit_rate"]["real"], abs=0.03)
+        if row["run"].startswith("sessions") and row["router"] == "default" and (
+                not row["placement_replayed"]):
+            continue
+        ttft = row["ttft_p50_routed_s" if row["placement_replayed"] else "ttft_p50_s"]
+        assert abs(row["tokens_per_s"]["error"]) <= 0.25, row
+        assert abs(ttft["error"]) <= 0.25, row
+    for row in replayed:
+        assert row["same_replica"]["sim"] == row["same_replica"]["real"]
+        assert row["hit_rate"]["sim"] == pytest.approx(row["hit_rate"]["real"], abs=0.03)
     for name in ("many-adapters", "sessions", "tenants"):
         assert (tmp_path / f"sim-h100-llama3-8b-{name}.png").stat().st_size > 10_000

@@ -98,13 +98,20 @@ class MeshAffinity(Router):
 
 class Replayed(Router):
     """Each request to the replica ``place(request)`` (its index in the pool), waiting while
-    that one has no room: a real run's placement replayed (see the module docstring)."""
+    that one has no room or already runs ``max_in_flight`` requests: a real run's placement
+    replayed (see the module docstring). The real run's timing placed each request where a
+    slot had just come free; on the simulated clock the slots free in another order, so
+    without ``max_in_flight`` (the most the real router let a replica run) a replay piles
+    requests on one replica that the real run never did."""
 
-    def __init__(self, place: Callable[[FleetRequest], int]) -> None:
-        self.place = place
+    def __init__(self, place: Callable[[FleetRequest], int],
+                 max_in_flight: int | None = None) -> None:
+        self.place, self.max_in_flight = place, max_in_flight
 
     def choose(self, req: FleetRequest, pool: list[FleetReplica]) -> FleetReplica | None:
         replica = pool[self.place(req)]
+        if self.max_in_flight is not None and replica.in_flight >= self.max_in_flight:
+            return None
         return replica if replica.has_room() else None
 
 
