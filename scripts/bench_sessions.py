@@ -188,7 +188,7 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
 def placement(results: list[dict], replicas: set[str]) -> str:
     """The replica each turn went to, a digit a turn (the replica's index among ``replicas``
     sorted; ``?``: none answered), a group of digits a session, sessions in order: what
-    ``bench.py --sim --trust`` replays to put a random router's draw on the simulated fleet."""
+    ``bench.py --sim --trust`` replays to put a real run's placement on the simulated fleet."""
     index = {r: str(i) for i, r in enumerate(sorted(replicas))}
     turns: dict[int, list[str]] = {}
     for r in sorted(results, key=lambda r: (r["session"], r["turn"])):

@@ -147,9 +147,10 @@ def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
 
 
 def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeypatch):
-    """``--trust`` puts a random router's real draw on the fleet: each session's turns go to
-    the replicas its placement names (bench_sessions prints it), whatever their load; a
-    placement naming a replica the run did not have, or a lost turn, is refused."""
+    """``--trust`` puts a real run's placement on the fleet: each session's turns go to the
+    replicas its placement names (bench_sessions prints it), each replica running at most its
+    share of the requests in flight; a placement naming a replica the run did not have, a
+    lost turn or the wrong shape is refused."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
     from bench_scale import TrustRun
 
@@ -400,6 +401,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
         ttft = row["ttft_p50_routed_s" if row["placement_replayed"] else "ttft_p50_s"]
         assert abs(row["tokens_per_s"]["error"]) <= 0.25, row
         assert abs(ttft["error"]) <= 0.25, row
+        assert ttft["sim"] <= row["ttft_p50_s"]["sim"]
     for row in replayed:
         assert row["same_replica"]["sim"] == row["same_replica"]["real"]
         assert row["hit_rate"]["sim"] == pytest.approx(row["hit_rate"]["real"], abs=0.03)

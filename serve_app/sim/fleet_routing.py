@@ -16,8 +16,8 @@
   session affinity off (no keys, no session), ``affinity-no-adapter`` adapter affinity (no
   adapter, no holders), each alone.
 
-:class:`Replayed` is no policy: it sends each request where a real run sent it (a random
-router's draw, put on the simulated fleet to compare the engines under the same placement).
+:class:`Replayed` is no policy: it sends each request where a real run sent it (a real
+router's placement, put on the simulated fleet to compare the engines under the same one).
 """
 
 from __future__ import annotations
