@@ -663,8 +663,9 @@ class TrustRun:
     a prefix load) and, for a sessions run, the replica each turn went to (``placement``, as
     ``bench_sessions`` prints it: a digit a turn, a group a session), which the replay
     follows when ``replay_placement`` (:class:`~serve_app.sim.fleet_routing.Replayed`, each
-    replica running at most its share of the requests in flight, as Serve's default router
-    kept it), else it routes with ``router``."""
+    replica running at most its share of the requests in flight: the most Serve's default
+    router lets one run when it sends each request to the less loaded; assumed, the benchmark
+    does not record it), else it routes with ``router``."""
 
     name: str
     source: str
