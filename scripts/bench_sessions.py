@@ -19,7 +19,8 @@ Prints TTFT p50/p95 of the turns after the first (the ones a cache can serve), t
 prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits`` / ``_queries``),
 and each replica's share of the requests (``x-mesh-replica``); the headline on its own line,
 ``TTFT p50 affinity/default 0.42x``; then the replica each session's turns went to (what
-``bench.py --sim --trust`` replays), and with ``--json FILE`` every figure as JSON.
+``bench.py --sim --trust`` replays), and with ``--json FILE`` every figure as JSON, with
+each request's trace (when it was sent, gave its first token and ended, and where).
 
     python scripts/bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4
 """
@@ -66,9 +67,10 @@ def document(seed: str, tokens: int, tokenizer) -> str:
 
 async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
                session: str | None) -> dict:
-    """One streamed chat: TTFT (s), completion tokens, the replica, ok."""
+    """One streamed chat: TTFT (s), completion tokens, the replica, ok, and when it was sent
+    and ended (``time.monotonic()``, s)."""
     t0 = time.monotonic()
-    out = {"ttft_s": None, "tokens": 0, "replica": None, "ok": False}
+    out = {"ttft_s": None, "tokens": 0, "replica": None, "ok": False, "sent_at": t0}
     body = {"model": "smollm", "messages": messages, "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with http.stream("POST", "/v1/chat/completions", json=body,
@@ -80,6 +82,7 @@ async def chat(http: httpx.AsyncClient, messages: list[dict], max_tokens: int,
             if '"usage":{' in line:
                 out["tokens"] = json.loads(line[len("data: "):])["usage"]["completion_tokens"]
         out["ok"] = r.status_code == 200 and out["tokens"] == max_tokens
+    out["done_at"] = time.monotonic()
     return out
 
 
@@ -171,7 +174,8 @@ def figures(results: list[dict], wall_s: float, hit_rate: float, replicas: set[s
     return {"ttft_p50_ms": percentile(later, 50), "ttft_p95_ms": percentile(later, 95),
             "tokens_per_s": sum(r["tokens"] for r in results if r["ok"]) / wall_s,
             "hit_rate": hit_rate, "errors": sum(not r["ok"] for r in results),
-            "share": per_replica(results, replicas), "placement": placement(results, replicas)}
+            "share": per_replica(results, replicas), "placement": placement(results, replicas),
+            "trace": trace(results, replicas)}
 
 
 async def warm_up(url: str) -> None:
@@ -183,6 +187,21 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
     """Requests each replica served, busiest first (0 for one that served none)."""
     served = Counter(r["replica"] for r in results)
     return sorted((served[r] for r in replicas), reverse=True)
+
+
+def trace(results: list[dict], replicas: set[str]) -> list[dict]:
+    """Every request in the order it was sent: session, turn, replica (its index among
+    ``replicas`` sorted, as :func:`placement` gives it), and when it was sent, gave its first
+    token and ended, s from the first send (``--json`` writes it: the order in which each
+    replica's slots came free, which sets where Serve's default router sends the next turn)."""
+    index = {r: i for i, r in enumerate(sorted(replicas))}
+    start = min(r["sent_at"] for r in results)
+    return [{"session": r["session"], "turn": r["turn"], "replica": index.get(r["replica"]),
+             "sent_s": round(r["sent_at"] - start, 3),
+             "first_token_s": None if r["ttft_s"] is None else
+             round(r["sent_at"] + r["ttft_s"] - start, 3),
+             "done_s": round(r["done_at"] - start, 3)}
+            for r in sorted(results, key=lambda r: r["sent_at"])]
 
 
 def placement(results: list[dict], replicas: set[str]) -> str:
@@ -233,7 +252,8 @@ def run(a) -> None:
             h1, q1 = prefix_counters(metrics)
             rows[setup] = figures(results, wall, (h1 - h0) / max(1.0, q1 - q0), replicas)
             rows[setup].update(share.figures())
-            print(f"[bench] {setup}: {rows[setup]}", flush=True)
+            shown = {k: v for k, v in rows[setup].items() if k != "trace"}  # --json has it
+            print(f"[bench] {setup}: {shown}", flush=True)
             if setup == "affinity":
                 hot = asyncio.run(hot_load(url, a, tokenizer))
                 rows["hot"] = per_replica(hot, replicas)

@@ -146,6 +146,29 @@ def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
     assert prompts[0][0][:block] == prompts[2][0][:block] != prompts[1][0][:block]
 
 
+def test_bench_sessions_records_where_and_when_each_turn_ran(monkeypatch):
+    """What ``bench.py --sessions`` prints for ``--trust`` to replay (a digit a turn, a group
+    a session, replicas by their sorted ids; a turn no replica answered is '?') and what its
+    ``--json`` traces (each request in the order sent, times from the first send)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    import bench_sessions
+
+    results = [{"session": 1, "turn": 0, "replica": "r-a", "sent_at": 100.5, "ttft_s": None,
+                "done_at": 101.0},
+               {"session": 0, "turn": 1, "replica": "r-b", "sent_at": 102.0, "ttft_s": 0.5,
+                "done_at": 103.0},
+               {"session": 0, "turn": 0, "replica": "r-b", "sent_at": 100.0, "ttft_s": 1.0,
+                "done_at": 101.5},
+               {"session": 1, "turn": 1, "replica": None, "sent_at": 101.0, "ttft_s": None,
+                "done_at": 101.2}]
+    replicas = {"r-b", "r-a"}
+    assert bench_sessions.placement(results, replicas) == "11 0?"
+    assert [(t["session"], t["turn"], t["replica"], t["sent_s"], t["first_token_s"],
+             t["done_s"]) for t in bench_sessions.trace(results, replicas)] == [
+        (0, 0, 1, 0.0, 1.0, 1.5), (1, 0, 0, 0.5, None, 1.0), (1, 1, None, 1.0, None, 1.2),
+        (0, 1, 1, 2.0, 2.5, 3.0)]
+
+
 def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeypatch):
     """``--trust`` puts a real run's placement on the fleet: each session's turns go to the
     replicas its placement names (bench_sessions prints it), each replica running at most its
@@ -393,7 +416,7 @@ def test_bench_sim_smoke_at_small_size_writes_its_figures_and_plots(tmp_path):
     # request's routing on (the replay's wait for the placed replica, which the real run's
     # timing did not have, left out: docs/scale.md gives both)
     replayed = [row for row in figures["trust"] if row["placement_replayed"]]
-    assert len(replayed) == 2
+    assert len(replayed) == 3
     for row in figures["trust"]:
         if row["run"].startswith("sessions") and row["router"] == "default" and (
                 not row["placement_replayed"]):
