@@ -832,8 +832,9 @@ def trust() -> list[dict]:
         same = same_replica_share([list(t) for t in (run.placement or "").split()])
         same = None if same is None else round(same, 3)
         for key, real in (("tokens_per_s", run.tokens_per_s), ("ttft_p50_s", run.ttft_p50_s),
-                          ("hit_rate", run.hit_rate), ("same_replica", same)):
-            if real is not None:
+                          ("ttft_p50_routed_s", run.ttft_p50_s), ("hit_rate", run.hit_rate),
+                          ("same_replica", same)):
+            if real is not None and key in sim:  # routed: a replayed placement's only
                 median, least, most = sim[key]
                 row[key] = {"real": real, "sim": round(median, 3),
                             "sim_range": [round(least, 3), round(most, 3)],
@@ -848,13 +849,9 @@ def trust() -> list[dict]:
         hits = f"; hit rate {shown('hit_rate')}" if run.hit_rate is not None else ""
         if same is not None:
             hits += f"; a next turn on its last turn's replica {shown('same_replica')}"
-        if "ttft_p50_routed_s" in sim:
-            median, least, most = sim["ttft_p50_routed_s"]
-            row["ttft_p50_routed_s"] = {"sim": round(median, 3),
-                                        "sim_range": [round(least, 3), round(most, 3)],
-                                        "error": round(median / run.ttft_p50_s - 1, 3)}
+        if "ttft_p50_routed_s" in row:
             hits += (f"; TTFT p50 from its routing on (the replay's wait for the placed "
-                     f"replica left out) sim {median:.2f} s ({median / run.ttft_p50_s - 1:+.0%})")
+                     f"replica left out) {shown('ttft_p50_routed_s', ' s')}")
         print(f"[trust, {TRUST_PROFILE} x{scale:.2f}] {run.name}: tokens/s "
               f"{shown('tokens_per_s')}; TTFT p50 {shown('ttft_p50_s', ' s')}{hits}",
               flush=True)

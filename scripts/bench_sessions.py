@@ -171,11 +171,12 @@ def prefix_counters(metrics_url: str) -> tuple[float, float]:
 
 def figures(results: list[dict], wall_s: float, hit_rate: float, replicas: set[str]) -> dict:
     later = [r["ttft_s"] * 1000 for r in results if r["ok"] and r["turn"] > 0 and r["ttft_s"]]
+    requests = trace(results, replicas)
     return {"ttft_p50_ms": percentile(later, 50), "ttft_p95_ms": percentile(later, 95),
             "tokens_per_s": sum(r["tokens"] for r in results if r["ok"]) / wall_s,
             "hit_rate": hit_rate, "errors": sum(not r["ok"] for r in results),
-            "share": per_replica(results, replicas), "placement": placement(results, replicas),
-            "trace": trace(results, replicas)}
+            "share": per_replica(results, replicas), "placement": placement(requests),
+            "trace": requests}
 
 
 async def warm_up(url: str) -> None:
@@ -191,7 +192,7 @@ def per_replica(results: list[dict], replicas: set[str]) -> list[int]:
 
 def trace(results: list[dict], replicas: set[str]) -> list[dict]:
     """Every request in the order it was sent: session, turn, replica (its index among
-    ``replicas`` sorted, as :func:`placement` gives it), and when it was sent, gave its first
+    ``replicas`` sorted; None: none answered), and when it was sent, gave its first
     token and ended, s from the first send (``--json`` writes it: the order in which each
     replica's slots came free, which sets where Serve's default router sends the next turn)."""
     index = {r: i for i, r in enumerate(sorted(replicas))}
@@ -204,14 +205,14 @@ def trace(results: list[dict], replicas: set[str]) -> list[dict]:
             for r in sorted(results, key=lambda r: r["sent_at"])]
 
 
-def placement(results: list[dict], replicas: set[str]) -> str:
-    """The replica each turn went to, a digit a turn (the replica's index among ``replicas``
-    sorted; ``?``: none answered), a group of digits a session, sessions in order: what
-    ``bench.py --sim --trust`` replays to put a real run's placement on the simulated fleet."""
-    index = {r: str(i) for i, r in enumerate(sorted(replicas))}
+def placement(requests: list[dict]) -> str:
+    """The replica each turn of a :func:`trace` went to, a digit a turn (``?``: none
+    answered), a group of digits a session, sessions in order: what ``bench.py --sim
+    --trust`` replays to put a real run's placement on the simulated fleet."""
     turns: dict[int, list[str]] = {}
-    for r in sorted(results, key=lambda r: (r["session"], r["turn"])):
-        turns.setdefault(r["session"], []).append(index.get(r["replica"], "?"))
+    for r in sorted(requests, key=lambda r: (r["session"], r["turn"])):
+        turns.setdefault(r["session"], []).append("?" if r["replica"] is None
+                                                   else str(r["replica"]))
     return " ".join("".join(t) for _, t in sorted(turns.items()))
 
 

@@ -162,9 +162,10 @@ def test_bench_sessions_records_where_and_when_each_turn_ran(monkeypatch):
                {"session": 1, "turn": 1, "replica": None, "sent_at": 101.0, "ttft_s": None,
                 "done_at": 101.2}]
     replicas = {"r-b", "r-a"}
-    assert bench_sessions.placement(results, replicas) == "11 0?"
+    requests = bench_sessions.trace(results, replicas)
+    assert bench_sessions.placement(requests) == "11 0?"
     assert [(t["session"], t["turn"], t["replica"], t["sent_s"], t["first_token_s"],
-             t["done_s"]) for t in bench_sessions.trace(results, replicas)] == [
+             t["done_s"]) for t in requests] == [
         (0, 0, 1, 0.0, 1.0, 1.5), (1, 0, 0, 0.5, None, 1.0), (1, 1, None, 1.0, None, 1.2),
         (0, 1, 1, 2.0, 2.5, 3.0)]
 
