@@ -274,6 +274,45 @@ def test_a_running_variant_that_stops_answering_the_poll_is_lost(monkeypatch):
     assert not v.is_available("v2") and v.is_available("v1")
 
 
+def test_a_poll_refused_because_the_queue_is_full_is_not_a_miss(monkeypatch):
+    """CI on 2d229cd: a herd filled smollm-v1's handle queue (max_queued_requests 64); three
+    polls in a row were refused with BackPressureError and the variant was marked lost for
+    30 s while its replica served, so the next test's caller waited for the sleeping
+    canary's cold start. A full queue says the replica is busy, not gone."""
+    from ray.serve.exceptions import BackPressureError
+
+    class Full:
+        async def _remote(self):
+            raise BackPressureError(65, 64)
+    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+        applications={"v1": app("RUNNING", 1)}))
+    v = VariantAvailability(lambda name: SimpleNamespace(serving_info=SimpleNamespace(
+        remote=Full()._remote)))
+    for _ in range(availability.MISSED_POLLS_LOST + 1):
+        asyncio.run(v.refresh())
+    assert v.is_available("v1") and v._missed.get("v1", 0) == 0
+
+
+def test_a_running_variants_slots_come_from_its_config_until_its_replica_answers(
+        monkeypatch):
+    """CI on 2d229cd: a herd came in the 0.6 s between smollm-v1's first RUNNING status and
+    its replica's first serving_info answer; admission, its capacity unknown, sent all of it
+    to Serve's handle, which refused 65 and more (BackPressureError). The deployed
+    engine_args' max_num_seqs gives the slots meanwhile."""
+    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {"v1": {
+        "deployed_app_config": {"args": {"engine_args": {"max_num_seqs": 8}}}}}})
+    never = asyncio.Event()
+
+    class Slow(FakeHandle):
+        async def _remote(self):
+            await never.wait()
+    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+        applications={"v1": app("RUNNING", 2)}))
+    v = VariantAvailability(lambda name: Slow(ReplicaInfo((), 8)), period_s=0.01)
+    asyncio.run(v.refresh())  # the poll times out: no answer yet
+    assert "v1" not in v.info and v.slots("v1") == 16
+
+
 def test_a_deleted_variants_lost_mark_does_not_outlive_it(monkeypatch):
     """A retired variant's polls fail, so it is marked lost for LOST_REPLICA_S; once the
     status no longer lists it, the mark goes: the same name deployed again a moment later is

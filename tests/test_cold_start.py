@@ -131,6 +131,38 @@ def test_a_variant_that_scales_to_zero_sleeps_is_not_polled_idle_and_keeps_its_a
     asyncio.run(main())
 
 
+def test_a_variant_that_may_go_to_zero_sooner_than_the_idle_poll_is_polled_less(mesh,
+                                                                               monkeypatch):
+    """A variant with downscale_delay_s 5 (test_scale_to_zero's) can go to zero 5-8 s after
+    the router's last request to it, while the router counted it in use for 10 s: a poll
+    then would wake it, and a request sent on the view that still shows it warm would wait
+    for its cold start. The router polls such a variant, and trusts its view, for half the
+    delay Serve keeps its last replica (Serve's default 600 s; ``downscale_to_zero_delay_s``
+    under Serve's own policy; ``downscale_delay_s`` under a custom one, which decides when
+    the replica is idle)."""
+    scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5.0}
+    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {
+        "v2": {"deployments": {"LLMReplica": {"deployment_config": {
+            "autoscaling_config": scaling}}}}}})
+    assert availability.idle_poll_s({"min_replicas": 0}) == availability.IDLE_POLL_S
+    assert availability.idle_poll_s({**scaling, "downscale_to_zero_delay_s": 1.0}) == 0.5
+    custom = {**scaling, "downscale_to_zero_delay_s": 1.0,
+              "policy": {"policy_function": "serve_app.control.resident_policy:x"}}
+    assert availability.idle_poll_s(custom) == 2.5
+
+    async def main():
+        mesh.apps["v2"] = {"RUNNING": 1}
+        await mesh.view.refresh()
+        mesh.view.used("v2")
+        await mesh.view.refresh()
+        assert mesh.replicas.info_calls == ["v2"] and not mesh.view.may_be_asleep("v2")
+        mesh.view._used_at["v2"] -= 2.6  # idle past half the delay
+        await mesh.view.refresh()
+        assert mesh.replicas.info_calls == ["v2"]  # not polled: a poll could wake it
+        assert mesh.view.may_be_asleep("v2")  # a request reads the status first
+    asyncio.run(main())
+
+
 def test_requests_during_one_cold_start_make_one_wake_call_and_all_run(mesh):
     async def main():
         await mesh.view.refresh()

@@ -166,6 +166,15 @@ def replica_gone(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
+def queue_full(exc: BaseException) -> bool:
+    """Whether Serve's handle refused a call because the deployment's queue is full
+    (``BackPressureError``: ``max_queued_requests`` reached): its replicas are alive and
+    busy."""
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError)
+
+
 def handle_failure(exc: BaseException) -> Failure:
     """Classify an exception from a router -> replica ``DeploymentHandle`` call.
 

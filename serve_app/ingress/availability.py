@@ -15,7 +15,7 @@ from the controller's deployment details after each deploy) have a state: ``warm
 RUNNING replica), ``starting`` (a replica on its way up) or ``zero``. Such a variant at zero
 is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.cold_start`).
 Its running replica is asked ``serving_info`` only while the router sends it requests
-(:meth:`VariantAvailability.used` within :data:`IDLE_POLL_S`): Serve's autoscaler counts
+(:meth:`VariantAvailability.used` within :func:`idle_poll_s`): Serve's autoscaler counts
 every call, and a poll once a second would keep it from ever reaching zero. What it served
 when last warm (adapters, ``max_num_seqs``) is kept while it sleeps. A variant the resident
 budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no new requests: it is
@@ -31,10 +31,11 @@ import time
 from collections.abc import Sequence
 
 from ray import serve
+from ray.serve._private.constants import DEFAULT_AUTOSCALING_POLICY_NAME
 
 from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
-from serve_app.common.failures import replica_gone
+from serve_app.common.failures import queue_full, replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.common.shared_task import start_shared_task
 from serve_app.common.wire import CALIBRATION_TOKENS, ReplicaInfo
@@ -53,16 +54,43 @@ STATUS_EVERY = 5
 #: Serve status shows the variant without that replica.
 LOST_REPLICA_S = 30.0
 #: Polls in a row that a RUNNING variant must miss (no answer to ``serving_info`` within two
-#: periods) before it counts as having lost its replica. Serve's handle then cannot place
+#: periods; a poll Serve's handle refused because the replica's queue is full is no miss)
+#: before it counts as having lost its replica. Serve's handle then cannot place
 #: even this small call, so a request would wait just as long. The router's admission keeps
 #: a replica's requests far below ``max_ongoing_requests``, so load alone does not queue it.
 MISSED_POLLS_LOST = 3
-#: Seconds after its last request that a variant which scales to zero is still polled.
+#: Seconds after its last request that a variant which scales to zero is still polled, at
+#: most (:func:`idle_poll_s`).
 IDLE_POLL_S = 10.0
 #: Serve replica states in which a replica has its engine and serves, or will again in a
 #: moment without a new engine: ``UPDATING`` is an in-place reconfigure (``user_config``),
 #: ``PENDING_MIGRATION`` a replica on a draining node that still serves until it is moved.
 SERVING_STATES = ("RUNNING", "UPDATING", "PENDING_MIGRATION")
+
+
+def idle_poll_s(autoscaling_config: dict) -> float:
+    """Seconds after the router's last request that a variant which scales to zero is still
+    polled (``serving_info``) and counts as in use: :data:`IDLE_POLL_S`, or half the idle
+    time after which Serve may stop its last replica if that is shorter.
+
+    A poll that reaches the handle after the last replica stopped would wake the variant, and
+    a request sent on a view that still shows it warm would wait for its cold start; past
+    this time a request refreshes the view first (:meth:`VariantAvailability.may_be_asleep`).
+    Serve counts a request from its send to its end, and stops the last replica only after
+    ``downscale_to_zero_delay_s`` (if set; ``downscale_delay_s`` otherwise, Serve's default
+    600 s) with none; under a custom ``policy`` (the resident budget's) the replica must first
+    be idle ``downscale_delay_s``.
+
+    Args:
+        autoscaling_config: the deployment's ``autoscaling_config`` as the controller's
+            details give it (delays in s).
+    """
+    delay = autoscaling_config.get("downscale_delay_s", 600.0)
+    to_zero = autoscaling_config.get("downscale_to_zero_delay_s")
+    policy = (autoscaling_config.get("policy") or {}).get("policy_function")
+    if to_zero is not None and policy in (None, DEFAULT_AUTOSCALING_POLICY_NAME):
+        delay = to_zero
+    return min(IDLE_POLL_S, delay / 2)
 
 
 def serve_details() -> dict:
@@ -101,6 +129,7 @@ class VariantAvailability:
         self._app_status: dict[str, str] = {}
         self._state: dict[str, tuple[str, float]] = {}  # app -> (state, since: epoch s)
         self._used_at: dict[str, float] = {}  # app -> monotonic time of its last request
+        self._idle_poll_s: dict[str, float] = {}  # app -> idle_poll_s() of what it deployed
         self.waking: set[str] = set()  # apps a cold start is waking (cold_start sets it)
         self.evictable: set[str] = set()  # apps whose LLMReplica uses the resident policy
         self.evicting: set[str] = set()  # apps the resident budget is evicting (it sets it)
@@ -198,6 +227,8 @@ class VariantAvailability:
               for app in up), return_exceptions=True)
         for app, info in zip(up, answers):
             if isinstance(info, BaseException):
+                if queue_full(info):  # its replicas are busy, not gone: no answer, no miss
+                    continue
                 self._missed[app] = self._missed.get(app, 0) + 1
                 if self._missed[app] >= MISSED_POLLS_LOST or replica_gone(info):
                     self.replica_lost(app)
@@ -221,7 +252,7 @@ class VariantAvailability:
             logger.warning("could not read Serve deployment details: %s", e)
             return
         self._deploys_read = dict(self._deploys)
-        zero, evictable = set(), set()
+        zero, evictable, idle_poll = set(), set(), {}
         for name, app in (details.get("applications") or {}).items():
             engine_args = ((app.get("deployed_app_config") or {}).get("args") or {}).get(
                 "engine_args") or {}
@@ -231,12 +262,13 @@ class VariantAvailability:
             scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
             if scaling and scaling.get("min_replicas", 1) == 0:
                 zero.add(name)
+                idle_poll[name] = idle_poll_s(scaling)
                 if (scaling.get("policy") or {}).get("policy_function") == POLICY_FUNCTION:
                     evictable.add(name)
         if zero != self.scales_to_zero or evictable != self.evictable:
             logger.info("variants that scale to zero: %s (the resident budget may evict: "
                         "%s)", sorted(zero) or "none", sorted(evictable) or "none")
-        self.scales_to_zero, self.evictable = zero, evictable
+        self.scales_to_zero, self.evictable, self._idle_poll_s = zero, evictable, idle_poll
 
     def _update_states(self) -> None:
         now = time.time()
@@ -325,13 +357,15 @@ class VariantAvailability:
         self._used_at[application] = time.monotonic()
 
     def may_be_asleep(self, application: str) -> bool:
-        """A warm variant that scales to zero and has been idle: it may have gone to zero
-        since the last status poll (up to :data:`STATUS_EVERY` periods ago)."""
+        """A warm variant that scales to zero and has been idle (no request for
+        :func:`idle_poll_s`): it may have gone to zero since the last status poll (up to
+        :data:`STATUS_EVERY` periods ago)."""
         return (application in self.scales_to_zero and not self._in_use(application)
                 and self.state(application) == "warm")
 
     def _in_use(self, application: str) -> bool:
-        return time.monotonic() - self.last_used(application) < IDLE_POLL_S
+        return (time.monotonic() - self.last_used(application)
+                < self._idle_poll_s.get(application, IDLE_POLL_S))
 
     def last_used(self, application: str) -> float:
         """Monotonic time of the router's last request to ``application`` (-inf: none)."""
@@ -425,15 +459,18 @@ class VariantAvailability:
             await self.refresh(status=tick % STATUS_EVERY == 0)
 
     def slots(self, application: str) -> int | None:
-        """Admission slots of the application: ``max_num_seqs`` x serving replicas; None
-        while unknown (not polled yet, or its replicas have not answered yet)."""
+        """Admission slots of the application: ``max_num_seqs`` x serving replicas, its
+        replicas' ``max_num_seqs`` as they last reported it, else as its deployed
+        ``engine_args`` say; None while unknown (not polled yet, or its replicas have not
+        answered yet and its config does not say)."""
         if self._running is None:
             return None
         running = self.running(application)
         info = self.info.get(application)
         if running == 0 or application in self.evicting:
             return 0
-        return info.max_num_seqs * running if info else None
+        seqs = info.max_num_seqs if info else self._declared_seqs.get(application)
+        return seqs * running if seqs else None
 
     def first_replica_slots(self, application: str) -> int:
         """Slots one replica of ``application`` will have when it starts: its
