@@ -299,18 +299,24 @@ def test_a_running_variants_slots_come_from_its_config_until_its_replica_answers
     its replica's first serving_info answer; admission, its capacity unknown, sent all of it
     to Serve's handle, which refused 65 and more (BackPressureError). The deployed
     engine_args' max_num_seqs gives the slots meanwhile."""
+    engine_args = {"max_num_seqs": 8}
     monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {"v1": {
-        "deployed_app_config": {"args": {"engine_args": {"max_num_seqs": 8}}}}}})
+        "deployed_app_config": {"args": {"engine_args": engine_args}}}}})
     never = asyncio.Event()
 
     class Slow(FakeHandle):
         async def _remote(self):
             await never.wait()
+    apps = {"v1": app("RUNNING", 2)}
     monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
-        applications={"v1": app("RUNNING", 2)}))
+        applications=apps))
     v = VariantAvailability(lambda name: Slow(ReplicaInfo((), 8)), period_s=0.01)
     asyncio.run(v.refresh())  # the poll times out: no answer yet
     assert "v1" not in v.info and v.slots("v1") == 16
+    engine_args.clear()  # deployed again without it: what the config said no longer holds
+    apps["v1"].last_deployed_time_s = 160.0
+    asyncio.run(v.refresh())
+    assert v.slots("v1") is None
 
 
 def test_a_deleted_variants_lost_mark_does_not_outlive_it(monkeypatch):

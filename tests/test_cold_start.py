@@ -137,18 +137,17 @@ def test_a_variant_that_may_go_to_zero_sooner_than_the_idle_poll_is_polled_less(
     the router's last request to it, while the router counted it in use for 10 s: a poll
     then would wake it, and a request sent on the view that still shows it warm would wait
     for its cold start. The router polls such a variant, and trusts its view, for half the
-    delay Serve keeps its last replica (Serve's default 600 s; ``downscale_to_zero_delay_s``
-    under Serve's own policy; ``downscale_delay_s`` under a custom one, which decides when
-    the replica is idle)."""
+    delay Serve keeps its last replica (``downscale_to_zero_delay_s`` if set, else
+    ``downscale_delay_s``, Serve's default 600 s; under the resident budget's policy,
+    ``downscale_delay_s``: the policy first waits that long idle)."""
     scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5.0}
     monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {
         "v2": {"deployments": {"LLMReplica": {"deployment_config": {
             "autoscaling_config": scaling}}}}}})
     assert availability.idle_poll_s({"min_replicas": 0}) == availability.IDLE_POLL_S
-    assert availability.idle_poll_s({**scaling, "downscale_to_zero_delay_s": 1.0}) == 0.5
-    custom = {**scaling, "downscale_to_zero_delay_s": 1.0,
-              "policy": {"policy_function": "serve_app.control.resident_policy:x"}}
-    assert availability.idle_poll_s(custom) == 2.5
+    to_zero = {**scaling, "downscale_to_zero_delay_s": 1.0}
+    assert availability.idle_poll_s(to_zero) == 0.5  # Serve's policy, or any but the budget's
+    assert availability.idle_poll_s(to_zero, resident_policy=True) == 2.5
 
     async def main():
         mesh.apps["v2"] = {"RUNNING": 1}

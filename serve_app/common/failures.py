@@ -168,8 +168,8 @@ def replica_gone(exc: BaseException) -> bool:
 
 def queue_full(exc: BaseException) -> bool:
     """Whether Serve's handle refused a call because the deployment's queue is full
-    (``BackPressureError``: ``max_queued_requests`` reached): its replicas are alive and
-    busy."""
+    (``BackPressureError``: ``max_queued_requests`` reached). The call never reached a
+    replica: it says nothing of a replica's health."""
     from ray.serve.exceptions import BackPressureError
 
     return isinstance(exc, BackPressureError)

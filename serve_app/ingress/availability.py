@@ -16,7 +16,8 @@ RUNNING replica), ``starting`` (a replica on its way up) or ``zero``. Such a var
 is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.cold_start`).
 Its running replica is asked ``serving_info`` only while the router sends it requests
 (:meth:`VariantAvailability.used` within :func:`idle_poll_s`): Serve's autoscaler counts
-every call, and a poll once a second would keep it from ever reaching zero. What it served
+the calls it finds in flight when it samples, and a poll once a second could keep it from
+reaching zero. What it served
 when last warm (adapters, ``max_num_seqs``) is kept while it sleeps. A variant the resident
 budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no new requests: it is
 asleep from the moment its eviction starts.
@@ -31,7 +32,6 @@ import time
 from collections.abc import Sequence
 
 from ray import serve
-from ray.serve._private.constants import DEFAULT_AUTOSCALING_POLICY_NAME
 
 from serve_app.common.logs import get_logger
 from serve_app.common.adapters import adapter_name
@@ -68,7 +68,7 @@ IDLE_POLL_S = 10.0
 SERVING_STATES = ("RUNNING", "UPDATING", "PENDING_MIGRATION")
 
 
-def idle_poll_s(autoscaling_config: dict) -> float:
+def idle_poll_s(autoscaling_config: dict, resident_policy: bool = False) -> float:
     """Seconds after the router's last request that a variant which scales to zero is still
     polled (``serving_info``) and counts as in use: :data:`IDLE_POLL_S`, or half the idle
     time after which Serve may stop its last replica if that is shorter.
@@ -76,19 +76,20 @@ def idle_poll_s(autoscaling_config: dict) -> float:
     A poll that reaches the handle after the last replica stopped would wake the variant, and
     a request sent on a view that still shows it warm would wait for its cold start; past
     this time a request refreshes the view first (:meth:`VariantAvailability.may_be_asleep`).
-    Serve counts a request from its send to its end, and stops the last replica only after
-    ``downscale_to_zero_delay_s`` (if set; ``downscale_delay_s`` otherwise, Serve's default
-    600 s) with none; under a custom ``policy`` (the resident budget's) the replica must first
-    be idle ``downscale_delay_s``.
+    Serve counts a request from its send to its end, and whatever the policy asks, stops the
+    last replica only after ``downscale_to_zero_delay_s`` (if set; else ``downscale_delay_s``,
+    Serve's default 600 s) with none (Ray 2.60, ``autoscaling_policy._apply_delay_logic``);
+    under the resident budget's policy the replica must first be idle ``downscale_delay_s``
+    (:mod:`serve_app.control.resident_policy`).
 
     Args:
         autoscaling_config: the deployment's ``autoscaling_config`` as the controller's
             details give it (delays in s).
+        resident_policy: its ``policy`` is the resident budget's.
     """
     delay = autoscaling_config.get("downscale_delay_s", 600.0)
     to_zero = autoscaling_config.get("downscale_to_zero_delay_s")
-    policy = (autoscaling_config.get("policy") or {}).get("policy_function")
-    if to_zero is not None and policy in (None, DEFAULT_AUTOSCALING_POLICY_NAME):
+    if to_zero is not None and not resident_policy:
         delay = to_zero
     return min(IDLE_POLL_S, delay / 2)
 
@@ -252,23 +253,26 @@ class VariantAvailability:
             logger.warning("could not read Serve deployment details: %s", e)
             return
         self._deploys_read = dict(self._deploys)
-        zero, evictable, idle_poll = set(), set(), {}
+        zero, evictable, idle_poll, declared = set(), set(), {}, {}
         for name, app in (details.get("applications") or {}).items():
             engine_args = ((app.get("deployed_app_config") or {}).get("args") or {}).get(
                 "engine_args") or {}
             if isinstance(engine_args.get("max_num_seqs"), int):
-                self._declared_seqs[name] = engine_args["max_num_seqs"]
+                declared[name] = engine_args["max_num_seqs"]
             deployment = (app.get("deployments") or {}).get(REPLICA_DEPLOYMENT) or {}
             scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
             if scaling and scaling.get("min_replicas", 1) == 0:
                 zero.add(name)
-                idle_poll[name] = idle_poll_s(scaling)
-                if (scaling.get("policy") or {}).get("policy_function") == POLICY_FUNCTION:
+                resident = (scaling.get("policy") or {}).get("policy_function") == \
+                    POLICY_FUNCTION
+                idle_poll[name] = idle_poll_s(scaling, resident_policy=resident)
+                if resident:
                     evictable.add(name)
         if zero != self.scales_to_zero or evictable != self.evictable:
             logger.info("variants that scale to zero: %s (the resident budget may evict: "
                         "%s)", sorted(zero) or "none", sorted(evictable) or "none")
         self.scales_to_zero, self.evictable, self._idle_poll_s = zero, evictable, idle_poll
+        self._declared_seqs = declared  # what is deployed now: none of a deleted app's
 
     def _update_states(self) -> None:
         now = time.time()
