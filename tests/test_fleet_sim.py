@@ -206,6 +206,27 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
         short.router_for(load)
 
 
+def test_the_adapters_in_flight_a_rate_needs_is_little_s_law_per_adapter(monkeypatch):
+    """bench.py's bound for the many-adapters goal: with every request for its own adapter
+    it is rate x a request's time (Little's law); with one adapter, one; and on the GPU
+    profile, 2x the default router's goodput (268/s) needs more distinct adapters in flight
+    than 32 replicas x max_loras 4 can batch, 250/s about as many (docs/scale.md)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
+    from bench_scale import adapters_in_flight_needed
+
+    gpu, limits = load_profile("h100-llama3-8b"), EngineLimits(max_loras=4)
+    step = gpu.step_s(batch=1, prefill_tokens=0, adapters=4)
+    d = gpu.step_s(batch=1, prefill_tokens=256, adapters=4) - step + 128 * step
+    rare = adapters_in_flight_needed(gpu, 32, limits, 1.0, [1.0] * 100_000, 256, 128)
+    assert rare == pytest.approx(1.0 * d, rel=1e-3)
+    assert adapters_in_flight_needed(gpu, 32, limits, 50.0, [1.0], 256, 128) == \
+        pytest.approx(1.0)
+    zipf = [1 / (k + 1) for k in range(1000)]
+    at = {rate: adapters_in_flight_needed(gpu, 32, limits, rate, zipf, 256, 128)
+          for rate in (250.0, 268.0)}
+    assert 128 < at[250.0] < 132 and 136 < at[268.0] < 140, at
+
+
 def test_a_fleet_draws_step_times_around_the_profile_by_its_seed():
     """With the profile's step_time_cv, each engine step takes its price x a draw of mean 1:
     the same seed gives the same times, another seed others, and a cv of 0 the price."""

@@ -57,10 +57,12 @@ def poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[fl
 
 #: Output lengths, tokens: (least, most), uniform.
 MAX_TOKENS = (32, 224)
+#: A many-adapters or tenants request's prompt, tokens.
+PROMPT_TOKENS = 256
 
 
 def many_adapters(rate: float, duration_s: float, *, adapters: int = 1000,
-                  zipf_s: float = 1.0, prompt_tokens: int = 256,
+                  zipf_s: float = 1.0, prompt_tokens: int = PROMPT_TOKENS,
                   max_tokens: tuple[int, int] = MAX_TOKENS, seed: int = 0
                   ) -> list[FleetRequest]:
     """Requests at ``rate``/s for ``duration_s`` s, each for adapter ``lora-<k>@v1`` with k
@@ -129,7 +131,7 @@ class Sessions:
 
 
 def tenants(heavy_rate: float, light_rate: float, duration_s: float, *, light: int = 7,
-            prompt_tokens: int = 256, max_tokens: tuple[int, int] = MAX_TOKENS, seed: int = 0
+            prompt_tokens: int = PROMPT_TOKENS, max_tokens: tuple[int, int] = MAX_TOKENS, seed: int = 0
             ) -> list[FleetRequest]:
     """Tenant ``heavy`` at ``heavy_rate``/s and ``light`` tenants ``light-<i>`` at
     ``light_rate``/s each, for ``duration_s`` s (a ``heavy_rate`` of 0 gives the light
