@@ -206,11 +206,12 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
         short.router_for(load)
 
 
-def test_the_adapters_in_flight_a_rate_needs_is_little_s_law_per_adapter(monkeypatch):
-    """bench.py's bound for the many-adapters goal: with every request for its own adapter
-    it is rate x a request's time (Little's law); with one adapter, one; and on the GPU
-    profile, 2x the default router's goodput (268/s) needs more distinct adapters in flight
-    than 32 replicas x max_loras 4 can batch, 250/s about as many (docs/scale.md)."""
+def test_the_adapters_in_flight_a_rate_keeps_is_little_s_law_per_adapter(monkeypatch):
+    """bench.py's estimate for the many-adapters goal: with every request for its own
+    adapter it is rate x a request's time (Little's law); with one adapter, one; and on the
+    GPU profile, with the load even, 2x the default router's goodput (268/s) keeps more
+    distinct adapters in flight than 32 replicas x max_loras 4 can batch, 250/s about as many
+    (docs/scale.md)."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
     from bench_scale import adapters_in_flight_needed
 
