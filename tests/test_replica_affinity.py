@@ -289,6 +289,29 @@ def test_a_cold_adapter_is_packed_among_the_replicas_with_a_lora_slot():
     assert first not in table.running
 
 
+def test_a_cold_adapter_goes_to_the_least_loaded_replica_with_a_lora_slot():
+    """Not anywhere within the adapter bound (64 here): its requests then run in the short
+    steps of a lightly loaded replica and free their LoRA batch slot soonest (the
+    many-adapters simulation: TTFT p95 at 258.9 requests/s from 1.46 s to 0.83 s). A spill
+    (every holder's batches full of other adapters) is placed the same way."""
+    table = ReplicaAffinity()
+    seqs, slots = {"a": 64, "b": 64, "c": 64}, {"a": 1, "b": 1, "c": 1}
+    loads = {"a": 30, "b": 2, "c": 5}
+    for name in (f"cold-{i}@v1" for i in range(20)):
+        assert table.choose([], None, loads, name, (), slots, seqs).ranks[0] == ["b"]
+    table.record([], None, "b", "other@v1")  # b's only LoRA batch slot is taken
+    assert table.choose([], None, loads, "cold-0@v1", (), slots, seqs).ranks[0] == ["c"]
+    even = {"a": 2, "b": 2, "c": 5}  # ties: by name, so routers that see the same loads agree
+    picks = {table.choose([], None, even, f"cold-{i}@v1", (), None, seqs).ranks[0][0]
+             for i in range(20)}
+    assert picks == {"a", "b"}
+    table.record([], None, "a", "x@v1")  # hot's holder a: its slot runs another adapter
+    four = {"a": 40, "b": 2, "c": 9, "d": 3}
+    spill = table.choose([], None, four, "hot@v1", ["a"], {**slots, "d": 1},
+                         {**seqs, "d": 64})
+    assert (spill.decision, spill.ranks[0]) == ("spill", ["d"])  # b's slot is taken too
+
+
 def test_the_router_reads_adapters_max_loras_and_max_num_seqs_from_the_routing_stats():
     from types import SimpleNamespace
     from serve_app.ingress.replica_router import reported_stats

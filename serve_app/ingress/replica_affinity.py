@@ -31,8 +31,9 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    waits inside the engine until one of those has no request left, which under steady
    traffic takes seconds. So among the holders, those whose requests in flight (from this
    router: routed and not completed) are on this adapter or on fewer than ``max_loras``
-   adapters go first; when no holder has a slot, the request *spills* to a replica within
-   the adapter bound that has one (a load costs less than the wait);
+   adapters go first; when no holder has a slot, the request *spills* to the least-loaded
+   replica within the adapter bound that has one (a load costs less than the wait; placed
+   as rule 5 places a cold adapter);
 4. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
    least-loaded replica's (``adapter_imbalance_bound`` for rule 3); past it the request
    *spills* to the least-loaded replica, which then holds the prefix (or the adapter) too, so
@@ -41,18 +42,20 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    get a wider bound because a spill costs more: a load, and one more adapter in the other
    replica's batches, which mix at most ``max_loras``. Unless configured it is the holder's
    ``max_num_seqs`` (each replica reports its own): a hot adapter's holder may run up to a
-   whole batch more than the least-loaded replica before the adapter spreads (and rule 5
-   packs a cold adapter within the same bound), as Punica consolidates a LoRA's requests
-   on as few GPUs as possible (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys
-   2024, §5), so the fleet's LoRA batch slots are left for the other adapters
-   (docs/scale.md, "Many adapters");
+   whole batch more than the least-loaded replica before the adapter spreads, as Punica
+   consolidates a LoRA's requests on as few GPUs as possible (Chen et al., "Punica:
+   Multi-Tenant LoRA Serving", MLSys 2024, §5), so the fleet's LoRA batch slots are left
+   for the other adapters (docs/scale.md, "Many adapters");
 5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
    new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
    hashing of the first key, so routers agree and a new replica takes only new prefixes. A
-   cold adapter is placed by rendezvous hashing of its name over the replicas within
-   ``adapter_imbalance_bound`` of the least-loaded one (those with a LoRA batch slot for it
-   first), so every router, and every request of a burst that arrives at once, packs it on
-   the same replica.
+   cold adapter goes to the least-loaded replica with a LoRA batch slot for it (within the
+   adapter bound; without a slot anywhere, the least-loaded one), ties broken by rendezvous
+   hashing of its name: the hot adapters' holders run full batches, and a cold adapter's
+   requests, each holding a LoRA batch slot until it ends, end soonest in the short steps
+   of a lightly loaded replica (docs/scale.md, "Many adapters"). Its next requests, a burst
+   that arrives at once included, find it held (rule 3); routers that see the same loads
+   agree, others may each load it once.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -203,24 +206,29 @@ class ReplicaAffinity:
                 if fits:
                     return Choice([fits, [r for r in by_load if r not in fits]], decision)
                 if free:  # every holder's batches are full of other adapters: load it anew
-                    return self._pack(adapter, free, by_load, "spill")
+                    return self._pack(adapter, free, loads, by_load, "spill")
             if within:
                 return Choice([within, [r for r in by_load if r not in within]], decision)
             spill = [r for r in by_load if loads[r] == least]
             return Choice([spill, [r for r in by_load if r not in spill]], "spill")
-        if adapter:  # a cold adapter: the same replica in every router (packed, not spread),
-            # among those within the adapter bound, so a burst that arrives at once stays on it
-            return self._pack(adapter, free or near, by_load, "new")
+        if adapter:  # a cold adapter
+            return self._pack(adapter, free or near, loads, by_load, "new")
         coolest = [r for r in by_load if loads[r] == least]
         seed = keys[0] if keys else (session or "").encode()
         coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
         return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
 
     @staticmethod
-    def _pack(adapter: str, among: list[Hashable], by_load: list[Hashable],
-              decision: Decision) -> Choice:
-        """The replica of ``among`` that rendezvous hashing gives ``adapter``, first."""
-        top = min(among, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
+    def _pack(adapter: str, among: list[Hashable], loads: Mapping[Hashable, int],
+              by_load: list[Hashable], decision: Decision) -> Choice:
+        """Where ``adapter`` is loaded anew: the least-loaded replica of ``among`` (sorted by
+        load), ties broken by rendezvous hashing of its name, first. The least-loaded, for
+        the adapter's requests run in the shortest steps there, and a LoRA batch slot is
+        held for as short a time as it can be (docs/scale.md, "Many adapters"); by name
+        among equals, so routers that see the same loads agree, and the adapter's next
+        requests find it held (rule 3)."""
+        coolest = [r for r in among if loads[r] == loads[among[0]]]
+        top = min(coolest, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
         return Choice([[top], [r for r in by_load if r != top]], decision)
 
     def adapter_bound(self, replica: Hashable,
