@@ -660,7 +660,7 @@ def run(a) -> None:
 AFFINITY_LIMITS = EngineLimits(max_num_seqs=8, max_loras=2, max_cpu_loras=4,
                                max_num_batched_tokens=2048, max_ongoing_requests=64)
 K16 = tuple(f"copy-{i}@v1" for i in range(16))
-ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-05, 00:23)"
+ADAPTERS_CMD = "bench.py --adapters 16 --max-tokens 32 (48 requests; 2026-12-05, 04:45)"
 SESSIONS_CMD = ("bench.py --sessions 24 --turns 4 --prefix-tokens 1500 --in-flight 4 "
                 "--max-tokens 16 (2026-12-05, {})")
 
@@ -773,16 +773,16 @@ def sessions():
 
 TRUST_RUNS = [
     TrustRun("base-only, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", base_only,
-             97.6, 0.716, 0.98),
+             98.2, 0.725, 0.98),
     TrustRun("K=16 adapters, vLLM's own server", ADAPTERS_CMD, "direct", 1, "default", k16,
-             19.9, 9.802, 0.99),
+             19.7, 9.821, 0.99),
     TrustRun("base-only, mesh, 1 replica", ADAPTERS_CMD, "mesh", 1, "default", base_only,
-             72.4, 0.785, 0.84),
+             73.0, 0.778, 0.86),
     TrustRun("base-only, mesh, 2 replicas", ADAPTERS_CMD, "mesh", 2, "default", base_only,
-             84.5, 0.520, 0.71),
-    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 27.6, 4.462,
-             0.75),
-    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 29.5, 4.648,
+             91.6, 0.474, 0.71),
+    TrustRun("K=16 adapters, affinity", ADAPTERS_CMD, "mesh", 2, "affinity", k16, 29.4, 4.638,
+             0.80),
+    TrustRun("K=16 adapters, default", ADAPTERS_CMD, "mesh", 2, "default", k16, 29.6, 4.709,
              0.79),
 ] + [TrustRun(f"sessions {run.at}, {router}{', its placement replayed' * replayed}",
                SESSIONS_CMD.format(run.at), "mesh", 2, router, sessions, *figures,
