@@ -9,7 +9,8 @@ declares them all on serve_configs/affinity.yaml's two replicas with at most
 ``--max-resident`` resident on each, and sends the same load to each set-up with the real
 ``serve deploy`` between (and ``serve shutdown``, so the router's handle is made anew):
 
-1. ``affinity``: the mesh's AffinityRouter (adapter affinity, cold adapters packed by name);
+1. ``affinity``: the mesh's AffinityRouter (adapter affinity; a cold adapter to the least-loaded
+   replica with a LoRA batch slot);
 2. ``default``: Serve's power-of-two-choices (no ``request_router_config``), then
    ``base-only``: the same load on the base model, same mesh;
 3. ``merged``: serve_configs/merged.yaml: ``smollm:acme-support`` from smollm-acme's merged

@@ -296,20 +296,39 @@ def test_a_cold_adapter_goes_to_the_least_loaded_replica_with_a_lora_slot():
     (every holder's batches full of other adapters) is placed the same way."""
     table = ReplicaAffinity()
     seqs, slots = {"a": 64, "b": 64, "c": 64}, {"a": 1, "b": 1, "c": 1}
-    loads = {"a": 30, "b": 2, "c": 5}
+    loads = {"a": 5, "b": 2, "c": 30}
     for name in (f"cold-{i}@v1" for i in range(20)):
         assert table.choose([], None, loads, name, (), slots, seqs).ranks[0] == ["b"]
     table.record([], None, "b", "other@v1")  # b's only LoRA batch slot is taken
-    assert table.choose([], None, loads, "cold-0@v1", (), slots, seqs).ranks[0] == ["c"]
+    assert table.choose([], None, loads, "cold-0@v1", (), slots, seqs).ranks[0] == ["a"]
     even = {"a": 2, "b": 2, "c": 5}  # ties: by name, so routers that see the same loads agree
-    picks = {table.choose([], None, even, f"cold-{i}@v1", (), None, seqs).ranks[0][0]
-             for i in range(20)}
-    assert picks == {"a", "b"}
+    picks = {name: table.choose([], None, even, name, (), None, seqs).ranks[0][0]
+             for name in (f"cold-{i}@v1" for i in range(20))}
+    assert set(picks.values()) == {"a", "b"}
+    assert all(ReplicaAffinity().choose([], None, even, name, (), None, seqs).ranks[0][0]
+               == replica for name, replica in picks.items())
     table.record([], None, "a", "x@v1")  # hot's holder a: its slot runs another adapter
-    four = {"a": 40, "b": 2, "c": 9, "d": 3}
+    four = {"a": 40, "b": 2, "c": 3, "d": 9}
     spill = table.choose([], None, four, "hot@v1", ["a"], {**slots, "d": 1},
                          {**seqs, "d": 64})
-    assert (spill.decision, spill.ranks[0]) == ("spill", ["d"])  # b's slot is taken too
+    assert (spill.decision, spill.ranks[0]) == ("spill", ["c"])  # b's slot is taken too
+
+
+def test_a_burst_for_a_cold_adapter_follows_the_first_request_before_it_is_routed():
+    """Serve routes a request only once the replica accepts it, and meanwhile counts it in
+    that replica's queue: the burst's next requests see another replica less loaded. The
+    router marks the adapter held where it chose to load it (``placed``), so they follow."""
+    table = ReplicaAffinity()
+    loads, none_yet = {"a": 0, "b": 0}, {"a": ([], 10.0), "b": ([], 10.0)}
+    first = table.choose([], None, loads, "cold@v1", table.adapter_holders("cold@v1", none_yet))
+    assert first.decision == "new"
+    table.placed("cold@v1", first.ranks[0][0], at=20.0)
+    loads[first.ranks[0][0]] += 1  # Serve's cached queue length after its send
+    holders = table.adapter_holders("cold@v1", none_yet)
+    assert holders == first.ranks[0]
+    assert table.choose([], None, loads, "cold@v1", holders).ranks[0] == first.ranks[0]
+    # a report newer than the mark that leaves the adapter out: it went elsewhere after all
+    assert table.adapter_holders("cold@v1", {**none_yet, first.ranks[0][0]: ([], 30.0)}) == []
 
 
 def test_the_router_reads_adapters_max_loras_and_max_num_seqs_from_the_routing_stats():

@@ -172,7 +172,7 @@ def test_32_declared_adapters_each_answer_with_their_behaviour(many):
         assert r.headers["x-mesh-adapter"] == f"{name}@v1"
     placed = Counter(r.headers[REPLICA_HEADER] for _, r in results)
     print(f"\n32 adapters at 4 in flight, placement: {dict(placed)}")
-    assert set(placed) == many.replicas  # packed by name over both replicas, not on one
+    assert set(placed) == many.replicas  # cold ones to the less loaded: both, not one
     events = settled_events(many)
     for name in many.adapter_names:  # every adapter was made resident somewhere
         assert events[(f"{name}@v1", "loaded")] >= 1, name

@@ -55,7 +55,9 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    requests, each holding a LoRA batch slot until it ends, end soonest in the short steps
    of a lightly loaded replica (docs/scale.md, "Many adapters"). Its next requests, a burst
    that arrives at once included, find it held (rule 3); routers that see the same loads
-   agree, others may each load it once.
+   agree, others may each load it once. The router counts the adapter as held there from
+   the moment it chooses (:meth:`ReplicaAffinity.placed`), not only once Serve has routed
+   the request.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -287,10 +289,7 @@ class ReplicaAffinity:
         it in flight until :meth:`completed`."""
         if adapter:
             self.running.setdefault(replica, Counter())[adapter] += 1
-            self._adapter_routes[(adapter, replica)] = at
-            self._adapter_routes.move_to_end((adapter, replica))
-            while len(self._adapter_routes) > MAX_ADAPTER_ROUTES:
-                self._adapter_routes.popitem(last=False)
+            self.placed(adapter, replica, at)
         for key in keys:
             holders = self._blocks.setdefault(key, set())
             if replica not in holders:
@@ -311,6 +310,18 @@ class ReplicaAffinity:
             self._sessions.move_to_end(session)
             while len(self._sessions) > self.max_sessions:
                 self.conversations[self._sessions.popitem(last=False)[1]] -= 1
+
+    def placed(self, adapter: str, replica: Hashable, at: float) -> None:
+        """``adapter`` goes to ``replica`` from ``at`` (s, the clock of the replicas'
+        reports): it counts as held there (:meth:`adapter_holders`) until a report newer than
+        ``at`` leaves it out. A router that loads a cold adapter anew ("new", "spill") calls it
+        as it chooses: Serve routes a request only once the replica has accepted it, and the
+        requests of a burst chosen meanwhile, which see that replica's queue one longer and
+        may find another one less loaded, follow the adapter there instead."""
+        self._adapter_routes[(adapter, replica)] = at
+        self._adapter_routes.move_to_end((adapter, replica))
+        while len(self._adapter_routes) > MAX_ADAPTER_ROUTES:
+            self._adapter_routes.popitem(last=False)
 
     def completed(self, replica: Hashable, adapter: str) -> None:
         """A request on ``adapter`` that :meth:`record` sent to ``replica`` completed."""
