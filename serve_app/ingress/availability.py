@@ -17,10 +17,9 @@ is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.c
 Its running replica is asked ``serving_info`` only while the router sends it requests
 (:meth:`VariantAvailability.used` within :func:`idle_poll_s`): Serve's autoscaler counts
 the calls it finds in flight when it samples, and a poll once a second could keep it from
-reaching zero. What it served
-when last warm (adapters, ``max_num_seqs``) is kept while it sleeps. A variant the resident
-budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no new requests: it is
-asleep from the moment its eviction starts.
+reaching zero. What it served when last warm (adapters, ``max_num_seqs``) is kept while it
+sleeps. A variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`)
+takes no new requests: it is asleep from the moment its eviction starts.
 """
 
 from __future__ import annotations
@@ -228,7 +227,7 @@ class VariantAvailability:
               for app in up), return_exceptions=True)
         for app, info in zip(up, answers):
             if isinstance(info, BaseException):
-                if queue_full(info):  # its replicas are busy, not gone: no answer, no miss
+                if queue_full(info):  # refused before it reached a replica: not a miss
                     continue
                 self._missed[app] = self._missed.get(app, 0) + 1
                 if self._missed[app] >= MISSED_POLLS_LOST or replica_gone(info):
