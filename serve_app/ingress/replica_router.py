@@ -173,8 +173,9 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
         choice = rank_replicas(self.affinity, keys, session, adapter, loads, candidate_replicas)
-        if adapter and choice.decision in ("new", "spill"):  # loaded anew there: a burst's
-            # next requests, chosen before this one is routed, follow it (not the least loaded)
+        if adapter and choice.decision in ("new", "spill") and len(choice.ranks[0]) == 1:
+            # loaded anew there (one replica: Serve picks no other): a burst's next requests,
+            # chosen before this one is routed, follow it (not the least loaded)
             self.affinity.placed(adapter, choice.ranks[0][0], at=time.time())
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
