@@ -99,10 +99,10 @@ class Metrics:
     def record(self, tags, status, latency_s, **kw):
         self.recorded.append((tags["variant"], status, kw.get("error_kind")))
 
-    def account(self, observe) -> RequestAccount:
+    def account(self, observe, tenant: str = "") -> RequestAccount:
         metrics = SimpleNamespace(queue_time=self.queue_time, rejected=self.rejected,
                                   failovers=self.failovers_counter, record=self.record)
-        return RequestAccount(metrics, observe, {"route": "r", "variant": "", "tenant": "",
+        return RequestAccount(metrics, observe, {"route": "r", "variant": "", "tenant": tenant,
                                                  "adapter": ""}, "req-1")
 
 
@@ -115,7 +115,8 @@ def plan_of(candidates, queue_timeout_s=5.0, top_priority=True) -> RequestPlan:
 
 
 def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
-        queue_timeout_s: float = 5.0, admissions: dict | None = None, top_priority=True):
+        queue_timeout_s: float = 5.0, admissions: dict | None = None, top_priority=True,
+        tenant: str = ""):
     """Dispatch one planned request: (the response or the MeshError raised, the facts)."""
     handles, availability, metrics, observed = FakeHandles(answers), Availability(), Metrics(), []
     if admissions is None:
@@ -124,7 +125,7 @@ def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
             q.set_capacity((capacity or {}).get(v, 4))
     dispatcher = Dispatcher(handles, admissions.__getitem__, availability)
     plan = plan_of(candidates, queue_timeout_s, top_priority)
-    account = metrics.account(lambda arms, **kw: observed.append((arms, kw)))
+    account = metrics.account(lambda arms, **kw: observed.append((arms, kw)), tenant)
     account.arms = plan.arms  # as the router does
 
     async def main():
@@ -214,6 +215,19 @@ def test_a_full_variant_is_503_at_once_and_one_without_replicas_is_skipped():
     assert isinstance(refusal, MeshError)
     assert (refusal.status, refusal.code) == (503, "overloaded")
     assert int(refusal.headers["Retry-After"]) >= 1 and f.handles.sent == []
+
+
+def test_a_request_in_a_newcomer_slot_tells_the_replica_router_so():
+    """The replica router places a newcomer slot's request apart (rule 6 of
+    replica_affinity): the request it gets says so; any other request does not."""
+    queue = VariantAdmission("v1", fairness="tokens", newcomer_slots=1)
+    queue.set_capacity(2)
+    queue.in_flight = 1  # the busy tenants' share (2 - 1 newcomer slot) is full
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, candidates=("v1",),
+               admissions={"v1": queue}, tenant="light")
+    assert f.handles.sent[0][1].newcomer is True
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, candidates=("v1",), tenant="light")
+    assert f.handles.sent[0][1].newcomer is False
 
 
 def test_a_stream_is_relayed():

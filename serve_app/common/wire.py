@@ -53,6 +53,9 @@ class GenerateRequest:
             (:mod:`serve_app.ingress.replica_affinity`).
         queue_timeout_s: the route's ``queue_timeout_s``, s: the longest the replica lets it
             wait for an adapter slot (then 503 ``adapter_capacity``).
+        newcomer: admission started it in a newcomer slot (``Slot.newcomer``); the replica
+            router then looks for an engine seat free of recent prefills (rule 6 of
+            :mod:`serve_app.ingress.replica_affinity`).
     """
 
     endpoint: Literal["chat", "completion"]
@@ -62,6 +65,7 @@ class GenerateRequest:
     request_id: str | None = None
     session: str | None = None
     queue_timeout_s: float = 30.0
+    newcomer: bool = False
 
 
 @dataclass(frozen=True)

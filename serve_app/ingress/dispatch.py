@@ -21,6 +21,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from fastapi.responses import Response
 
@@ -195,7 +196,8 @@ class Dispatcher:
         admission = self.admission_for(variant)
         account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
         self.availability.used(variant)
-        stream = self.handle_for(variant).options(stream=True).generate.remote(plan.request)
+        request = replace(plan.request, newcomer=True) if slot.newcomer else plan.request
+        stream = self.handle_for(variant).options(stream=True).generate.remote(request)
         try:
             # A stream's head comes as soon as vLLM has checked the request, a non-stream's
             # Accepted as soon as the replica has it; waiting longer means the replica cannot

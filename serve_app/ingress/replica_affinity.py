@@ -58,6 +58,14 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    agree, others may each load it once. The router counts the adapter as held there from
    the moment it chooses (:meth:`ReplicaAffinity.placed`), not only once Serve has routed
    the request.
+6. *newcomer*: a request that admission started in a newcomer slot (the busy tenants' share
+   of the engines is full: :mod:`serve_app.ingress.fair_share`) and that no replica holds
+   anything for goes to a replica with an engine seat free (requests in flight below its
+   ``max_num_seqs``, as reported), the one this router sent a request to least recently.
+   Each request a busy tenant starts brings its prompt's prefill into the engine's next
+   step, and a step with prefills in it takes longer: the newcomer's first token waits for
+   the step in progress and then its own, so it goes where the last prefill is likeliest
+   over (docs/scale.md, "Tenants").
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
@@ -67,6 +75,7 @@ path); a replica that leaves loses only its own entries. Entries are kept LRU, a
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass
@@ -74,7 +83,7 @@ from typing import Any, Literal
 
 from serve_app.common.adapters import adapter_name
 
-Decision = Literal["session", "hit", "adapter", "spill", "new"]
+Decision = Literal["session", "hit", "adapter", "spill", "new", "newcomer"]
 
 #: Defaults (request_router_kwargs override them): 128 characters are ~40 tokens of English.
 BLOCK_CHARS = 128
@@ -176,17 +185,21 @@ class ReplicaAffinity:
         self._adapter_routes: OrderedDict[tuple[str, Hashable], float] = OrderedDict()
         # replica -> adapters of the requests this router sent there that are in flight
         self.running: dict[Hashable, Counter[str]] = {}
+        # replica -> when this router last sent it a request (the clock of record's ``at``)
+        self.routed_at: dict[Hashable, float] = {}
 
     def choose(self, keys: list[bytes], session: str | None, loads: Mapping[Hashable, int],
                adapter: str | None = None, adapter_holders: Collection[Hashable] = (),
                max_loras: Mapping[Hashable, int] | None = None,
-               max_num_seqs: Mapping[Hashable, int] | None = None) -> Choice:
+               max_num_seqs: Mapping[Hashable, int] | None = None,
+               newcomer: bool = False) -> Choice:
         """Rank ``loads``' replicas for a request with prefix ``keys``, ``session`` and LoRA
         ``adapter`` (``name`` or ``name@vN``; None for the base model), which the replicas in
         ``adapter_holders`` hold (:meth:`adapter_holders`). ``max_loras``: each replica's
         adapters per batch, as reported (a replica missing from it: no LoRA slot rule);
         ``max_num_seqs``: each replica's requests at once, as reported (the adapter bound
-        when none is configured: :meth:`adapter_bound`).
+        when none is configured: :meth:`adapter_bound`; the engine seats of rule 6);
+        ``newcomer``: admission started the request in a newcomer slot (rule 6).
 
         Raises:
             ValueError: ``loads`` is empty.
@@ -215,6 +228,12 @@ class ReplicaAffinity:
             return Choice([spill, [r for r in by_load if r not in spill]], "spill")
         if adapter:  # a cold adapter
             return self._pack(adapter, free or near, loads, by_load, "new")
+        if newcomer:
+            seats = max_num_seqs or {}
+            seated = [r for r in by_load if loads[r] < seats.get(r, 0)]
+            if seated:
+                first = min(seated, key=lambda r: self.routed_at.get(r, -math.inf))
+                return Choice([[first], [r for r in by_load if r != first]], "newcomer")
         coolest = [r for r in by_load if loads[r] == least]
         seed = keys[0] if keys else (session or "").encode()
         coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
@@ -286,7 +305,9 @@ class ReplicaAffinity:
                adapter: str | None = None, at: float = 0.0) -> None:
         """``replica`` served the request: it now holds its blocks, its session and, from
         ``at`` (s, the clock of the replicas' reports), its ``adapter``, with a request on
-        it in flight until :meth:`completed`."""
+        it in flight until :meth:`completed`; ``at`` is also when it was last sent one
+        (rule 6)."""
+        self.routed_at[replica] = at
         if adapter:
             self.running.setdefault(replica, Counter())[adapter] += 1
             self.placed(adapter, replica, at)
@@ -343,5 +364,6 @@ class ReplicaAffinity:
         for pair in [p for p in self._adapter_routes if p[1] == replica]:
             del self._adapter_routes[pair]
         self.held.pop(replica, None)
+        self.routed_at.pop(replica, None)
         self.conversations.pop(replica, None)
         self.running.pop(replica, None)

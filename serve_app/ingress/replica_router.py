@@ -64,7 +64,9 @@ def _decision_counter() -> Counter:
                              "Replica choices of the affinity router: session, hit (a replica "
                              "holding the prompt's prefix), adapter (one holding its LoRA "
                              "adapter), spill (that replica was past the imbalance bound), "
-                             "new (no replica held it), single (one replica).",
+                             "new (no replica held it), newcomer (a request in a newcomer "
+                             "slot, to an engine seat free of recent prefills), single (one "
+                             "replica).",
                              tag_keys=("variant", "decision"))
     return _decisions
 
@@ -125,14 +127,17 @@ def reported_stats(replicas) -> tuple[dict[Any, tuple[list[str], float]], dict[A
 
 
 def rank_replicas(affinity: ReplicaAffinity, keys: list[bytes], session: str | None,
-                  adapter: str | None, loads: dict[Any, int], replicas):
+                  adapter: str | None, loads: dict[Any, int], replicas,
+                  newcomer: bool = False):
     """``affinity``'s choice among ``replicas`` (Serve's running replicas, ``loads``: their
-    requests in flight) for a request with prefix ``keys``, ``session`` and ``adapter``, with
-    what the replicas report in their routing stats (:func:`reported_stats`): resident
-    adapters, ``max_loras`` and ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
+    requests in flight) for a request with prefix ``keys``, ``session`` and ``adapter``
+    (``newcomer``: started in a newcomer slot), with what the replicas report in their
+    routing stats (:func:`reported_stats`): resident adapters, ``max_loras`` and
+    ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
     adapters, max_loras, max_num_seqs = reported_stats(replicas)
     holders = affinity.adapter_holders(adapter, adapters)
-    return affinity.choose(keys, session, loads, adapter, holders, max_loras, max_num_seqs)
+    return affinity.choose(keys, session, loads, adapter, holders, max_loras, max_num_seqs,
+                           newcomer)
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
@@ -172,7 +177,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
                  for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
-        choice = rank_replicas(self.affinity, keys, session, adapter, loads, candidate_replicas)
+        choice = rank_replicas(self.affinity, keys, session, adapter, loads, candidate_replicas,
+                               request.newcomer)
         if adapter and choice.decision in ("new", "spill") and len(choice.ranks[0]) == 1:
             # loaded anew there (one replica: Serve picks no other): a burst's next requests,
             # chosen before this one is routed, follow it (not the least loaded)

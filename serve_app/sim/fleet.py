@@ -67,6 +67,7 @@ class FleetRequest:
     output_ids: tuple[int, ...] = ()  # what it generated, once done
     cached_tokens: int = 0
     loaded_adapter: bool = False
+    newcomer: bool = False  # admission started it in a newcomer slot (Slot.newcomer)
     rejected: str | None = None  # admission's reason (``Rejected.reason``)
     refused_at: float | None = None  # when admission refused it
     on_token: Callable[[], None] | None = None  # the router relays each token (a stream)
@@ -295,6 +296,7 @@ class Fleet:
                 req.rejected, req.refused_at = e.reason, asyncio.get_running_loop().time()
                 return
             req.on_token = lambda: self.admission.served(slot, service_cost(0, 1))
+            req.newcomer = slot.newcomer
         try:
             replica = self._take(router, req)
             if replica is None:  # every replica is full: wait for one, first come first

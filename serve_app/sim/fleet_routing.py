@@ -81,7 +81,7 @@ class MeshAffinity(Router):
         loads = {r.index: r.in_flight for r in pool}
         holders = self.affinity.adapter_holders(lora, self.fleet.reports)
         choice = self.affinity.choose(keys, session, loads, lora, holders, self.max_loras,
-                                      self.max_num_seqs)
+                                      self.max_num_seqs, req.newcomer)
         for rank in choice.ranks:
             room = [pool[i] for i in rank if pool[i].has_room()]
             if room:
