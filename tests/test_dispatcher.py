@@ -220,14 +220,26 @@ def test_a_full_variant_is_503_at_once_and_one_without_replicas_is_skipped():
 def test_a_request_in_a_newcomer_slot_tells_the_replica_router_so():
     """The replica router places a newcomer slot's request apart (rule 6 of
     replica_affinity): the request it gets says so; any other request does not."""
-    queue = VariantAdmission("v1", fairness="tokens", newcomer_slots=1)
-    queue.set_capacity(2)
-    queue.in_flight = 1  # the busy tenants' share (2 - 1 newcomer slot) is full
-    _, f = run({"v1": FakeStream([Accepted(), OK])}, candidates=("v1",),
-               admissions={"v1": queue}, tenant="light")
-    assert f.handles.sent[0][1].newcomer is True
-    _, f = run({"v1": FakeStream([Accepted(), OK])}, candidates=("v1",), tenant="light")
-    assert f.handles.sent[0][1].newcomer is False
+    def admissions(busy_share_full: bool) -> dict:
+        out = {}
+        for v in ("v1", "v2"):
+            out[v] = VariantAdmission(v, fairness="tokens", newcomer_slots=1)
+            out[v].set_capacity(2)
+        # the busy tenants' share of v1 (2 - 1 newcomer slot) is full, or not
+        out["v1"].in_flight = 1 if busy_share_full else 0
+        return out
+
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, admissions=admissions(True),
+               tenant="light")
+    assert [r.newcomer for _, r in f.handles.sent] == [True]
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, admissions=admissions(False),
+               tenant="light")
+    assert [r.newcomer for _, r in f.handles.sent] == [False]
+    # v1's replica fails: v2's slot is an ordinary one, and so is the request it gets
+    _, f = run({"v1": FakeStream([ActorUnavailableError("replica unreachable", None)]),
+                "v2": FakeStream([Accepted(), OK])}, admissions=admissions(True),
+               tenant="light")
+    assert [(v, r.newcomer) for v, r in f.handles.sent] == [("v1", True), ("v2", False)]
 
 
 def test_a_stream_is_relayed():

@@ -373,13 +373,14 @@ def test_on_a_fleet_a_newcomers_request_finds_a_seat_free_of_prefills_within_2x_
     ruled = light_tenants_on_a_fleet(heavy)
     plain = light_tenants_on_a_fleet(heavy, newcomer_rule=False)
     assert all(r.rejected is None for r in ruled + plain)
-    assert sum(r.newcomer for r in ruled) > 0.8 * len(ruled)  # the rule applied
+    # nearly every light request ran in a newcomer slot, where the rule applies
+    assert sum(r.newcomer for r in ruled) > 0.8 * len(ruled)
     with_rule = percentile([r.ttft_s for r in ruled], 95) / idle
     without = percentile([r.ttft_s for r in plain], 95) / idle
     print(f"\nlight TTFT p95 / idle ({idle * 1000:.1f} ms): {with_rule:.2f}x with the "
           f"newcomer rule, {without:.2f}x without")
     assert with_rule <= 2.0
-    assert without > 2.0
+    assert with_rule < without
 
 
 def burst_with_probe(flood: int) -> tuple[list[FleetRequest], list[FleetRequest]]:

@@ -362,33 +362,40 @@ def test_unless_configured_a_hot_adapter_fills_its_holders_batch_before_it_sprea
 
 
 def test_a_newcomer_slots_request_goes_to_a_free_seat_routed_to_least_recently():
-    """Rule 6: a request admission started in a newcomer slot goes where an engine seat is
-    free (in flight below max_num_seqs), the replica this router sent a request to least
-    recently (its last prefill likeliest done), not the least loaded; a session it has
-    goes first, and without seats reported it is placed as any new request."""
+    """Rule 6: a base-model request admission started in a newcomer slot goes where an
+    engine seat is free (in flight below max_num_seqs, the load known), the replica this
+    router sent a request to least recently (its last prefill likeliest done; never: first),
+    not the least loaded; a session or prefix it has goes first, an adapter request follows
+    the adapter rules, and without a seat free it is placed as any new request."""
     table = ReplicaAffinity()
-    seqs = {"a": 64, "b": 64, "c": 64}
+    seqs = {"a": 64, "b": 64, "c": 64, "d": 64}
     for replica, at in (("a", 3.0), ("b", 1.0), ("c", 2.0)):
         table.record([], None, replica, at=at)
-    loads = {"a": 60, "b": 63, "c": 64}  # c is full; b has a seat and had no request since 1.0
-    choice = table.choose([], None, loads, newcomer=True, max_num_seqs=seqs)
-    assert (choice.decision, choice.ranks[0]) == ("newcomer", ["b"])
-    assert sorted(choice.ranks[1]) == ["a", "c"]
-    table.record([], None, "b", at=4.0)  # b just took one: a's last prefill is older now
-    loads["b"] += 1
-    assert table.choose([], None, loads, newcomer=True, max_num_seqs=seqs).ranks[0] == ["a"]
+    loads = {"a": 60, "b": 62, "c": 64, "d": 63}  # c is full; d never took one, but is unknown
+    choice = table.choose([], None, loads, newcomer=True, max_num_seqs=seqs, unknown={"d"})
+    assert (choice.decision, choice.ranks[0]) == ("newcomer", ["b"])  # b: no request since 1.0
+    assert sorted(choice.ranks[1]) == ["a", "c", "d"]
+    assert table.choose([], None, loads, newcomer=True, max_num_seqs=seqs).ranks[0] == ["d"]
+    table.record([], None, "b", at=4.0)  # b just took one: a's last is older now
+    assert table.choose([], None, loads, newcomer=True, max_num_seqs=seqs,
+                        unknown={"d"}).ranks[0] == ["a"]
     # without the flag: the least-loaded replica, as before
     assert table.choose([], None, loads, max_num_seqs=seqs).ranks[0] == ["a"]
-    assert table.choose([], None, {"a": 61, "b": 60, "c": 64},
-                        max_num_seqs=seqs).ranks[0] == ["b"]
+    assert table.choose([], None, {**loads, "a": 63}, max_num_seqs=seqs).ranks[0] == ["b"]
     # no seat free anywhere, or no seats reported: placed as a new request (rule 5)
-    full = {"a": 64, "b": 64, "c": 65}
+    full = {"a": 64, "b": 64, "c": 65, "d": 64}
     assert table.choose([], None, full, newcomer=True, max_num_seqs=seqs).decision == "new"
     assert table.choose([], None, loads, newcomer=True).decision == "new"
-    # a session held on a replica stays there
+    # a session or a prefix held on a replica keeps it; an adapter follows its rules
     table.record([], "s1", "c", at=5.0)
-    held = table.choose([], "s1", {"a": 0, "b": 0, "c": 1}, newcomer=True, max_num_seqs=seqs)
+    held = table.choose([], "s1", {**loads, "c": 60}, newcomer=True, max_num_seqs=seqs)
     assert (held.decision, held.ranks[0]) == ("session", ["c"])
+    k = keys(SYSTEM, "What is my balance?")
+    table.record(k, None, "c", at=6.0)
+    hit = table.choose(k, None, {**loads, "c": 60}, newcomer=True, max_num_seqs=seqs)
+    assert (hit.decision, hit.ranks[0]) == ("hit", ["c"])
+    lora = table.choose([], None, loads, "cold@v1", [], None, seqs, newcomer=True)
+    assert lora.decision == "new" and lora.ranks[0] == ["a"]  # the least loaded with a slot
     table.forget("b")
     assert "b" not in table.routed_at
 
@@ -396,7 +403,9 @@ def test_a_newcomer_slots_request_goes_to_a_free_seat_routed_to_least_recently()
 def test_the_serve_router_passes_a_newcomer_slots_mark_to_the_rule():
     """AffinityRouter (Serve's request-router API) reads the request's ``newcomer`` mark
     (set by the dispatcher: test_dispatcher.py), the replicas' reported ``max_num_seqs`` and
-    Serve's cached queue lengths, and ranks by rule 6; without the mark, by rule 5."""
+    Serve's cached queue lengths (unknown: no seat), ranks by rule 6, and counts a replica as
+    sent to when it chooses it (the next newcomer of a burst goes elsewhere) and again when
+    Serve routes there; without the mark, by rule 5."""
     import asyncio
     from types import SimpleNamespace
     from serve_app.ingress.replica_router import AffinityRouter
@@ -405,21 +414,27 @@ def test_the_serve_router_passes_a_newcomer_slots_mark_to_the_rule():
     router._deployment_id = None
     router.initialize_state()
     replicas = [SimpleNamespace(replica_id=rid, routing_stats={"max_num_seqs": 8, "at": 1.0})
-                for rid in ("a", "b")]
+                for rid in ("a", "b", "c")]
     router._replicas = {r.replica_id: r for r in replicas}
-    loads = {"a": 2, "b": 7}
+    loads = {"a": 2, "b": 7, "c": None}  # c: Serve's cache does not know it
     router._replica_queue_len_cache = SimpleNamespace(get=loads.get)
     router.affinity.record([], None, "a", at=2.0)  # a took a request last
     router.affinity.record([], None, "b", at=1.0)
 
-    def ranks(newcomer: bool) -> list[list[str]]:
+    def pending(newcomer: bool, rid: str):
         request = GenerateRequest("completion", {"model": "m", "prompt": "hi"},
                                   newcomer=newcomer)
-        pending = SimpleNamespace(args=[request], metadata=SimpleNamespace(
-            call_method="generate", internal_request_id=f"r-{newcomer}"))
-        chosen = asyncio.run(router.choose_replicas(replicas, pending))
+        return SimpleNamespace(args=[request], metadata=SimpleNamespace(
+            call_method="generate", internal_request_id=rid))
+
+    def ranks(newcomer: bool, rid: str) -> list[list[str]]:
+        chosen = asyncio.run(router.choose_replicas(replicas, pending(newcomer, rid)))
         return [[r.replica_id for r in rank] for rank in chosen]
 
-    assert ranks(True)[0] == ["b"]  # a seat free there, and no request since 1.0
-    assert router._chosen["r-True"][1] == "newcomer"
-    assert ranks(False)[0] == ["a"]  # the least loaded
+    assert ranks(True, "r1")[0] == ["b"]  # a seat free there, and no request since 1.0
+    assert router._chosen["r1"][1] == "newcomer"
+    assert ranks(True, "r2")[0] == ["a"]  # a burst's next newcomer, before r1 is routed
+    assert ranks(False, "r3")[0] == ["c"]  # without the mark: the least loaded (unknown: 0)
+    router.on_request_routed(pending(True, "r2"), "a", None)
+    assert router.affinity.routed_at["a"] > router.affinity.routed_at["b"]
+    assert ranks(True, "r4")[0] == ["b"]

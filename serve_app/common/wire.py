@@ -54,8 +54,8 @@ class GenerateRequest:
         queue_timeout_s: the route's ``queue_timeout_s``, s: the longest the replica lets it
             wait for an adapter slot (then 503 ``adapter_capacity``).
         newcomer: admission started it in a newcomer slot (``Slot.newcomer``); the replica
-            router then looks for an engine seat free of recent prefills (rule 6 of
-            :mod:`serve_app.ingress.replica_affinity`).
+            router then looks for an engine seat free of recent prefills for a base-model
+            request (rule 6 of :mod:`serve_app.ingress.replica_affinity`).
     """
 
     endpoint: Literal["chat", "completion"]

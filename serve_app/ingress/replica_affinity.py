@@ -58,10 +58,12 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    agree, others may each load it once. The router counts the adapter as held there from
    the moment it chooses (:meth:`ReplicaAffinity.placed`), not only once Serve has routed
    the request.
-6. *newcomer*: a request that admission started in a newcomer slot (the busy tenants' share
-   of the engines is full: :mod:`serve_app.ingress.fair_share`) and that no replica holds
-   anything for goes to a replica with an engine seat free (requests in flight below its
-   ``max_num_seqs``, as reported), the one this router sent a request to least recently.
+6. *newcomer*: a base-model request that admission started in a newcomer slot (the busy
+   tenants' share of the engines is full: :mod:`serve_app.ingress.fair_share`) and that no
+   replica holds a session or prefix for goes to a replica with an engine seat free
+   (requests in flight below its ``max_num_seqs``, as reported; a replica whose load is not
+   known has none), the one this router sent a request to least recently (it counts one as
+   sent when it chooses, so the newcomers of a burst go to different replicas).
    Each request a busy tenant starts brings its prompt's prefill into the engine's next
    step, and a step with prefills in it takes longer: the newcomer's first token waits for
    the step in progress and then its own, so it goes where the last prefill is likeliest
@@ -192,14 +194,16 @@ class ReplicaAffinity:
                adapter: str | None = None, adapter_holders: Collection[Hashable] = (),
                max_loras: Mapping[Hashable, int] | None = None,
                max_num_seqs: Mapping[Hashable, int] | None = None,
-               newcomer: bool = False) -> Choice:
+               newcomer: bool = False, unknown: Collection[Hashable] = ()) -> Choice:
         """Rank ``loads``' replicas for a request with prefix ``keys``, ``session`` and LoRA
         ``adapter`` (``name`` or ``name@vN``; None for the base model), which the replicas in
         ``adapter_holders`` hold (:meth:`adapter_holders`). ``max_loras``: each replica's
         adapters per batch, as reported (a replica missing from it: no LoRA slot rule);
         ``max_num_seqs``: each replica's requests at once, as reported (the adapter bound
         when none is configured: :meth:`adapter_bound`; the engine seats of rule 6);
-        ``newcomer``: admission started the request in a newcomer slot (rule 6).
+        ``newcomer``: admission started the request in a newcomer slot (rule 6);
+        ``unknown``: replicas whose load ``loads`` does not know (0 there; no seat counts as
+        free on them).
 
         Raises:
             ValueError: ``loads`` is empty.
@@ -230,7 +234,7 @@ class ReplicaAffinity:
             return self._pack(adapter, free or near, loads, by_load, "new")
         if newcomer:
             seats = max_num_seqs or {}
-            seated = [r for r in by_load if loads[r] < seats.get(r, 0)]
+            seated = [r for r in by_load if loads[r] < seats.get(r, 0) and r not in unknown]
             if seated:
                 first = min(seated, key=lambda r: self.routed_at.get(r, -math.inf))
                 return Choice([[first], [r for r in by_load if r != first]], "newcomer")

@@ -127,17 +127,18 @@ def reported_stats(replicas) -> tuple[dict[Any, tuple[list[str], float]], dict[A
 
 
 def rank_replicas(affinity: ReplicaAffinity, keys: list[bytes], session: str | None,
-                  adapter: str | None, loads: dict[Any, int], replicas,
+                  adapter: str | None, loads: dict[Any, int | None], replicas,
                   newcomer: bool = False):
     """``affinity``'s choice among ``replicas`` (Serve's running replicas, ``loads``: their
-    requests in flight) for a request with prefix ``keys``, ``session`` and ``adapter``
-    (``newcomer``: started in a newcomer slot), with what the replicas report in their
-    routing stats (:func:`reported_stats`): resident adapters, ``max_loras`` and
-    ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
+    requests in flight, None where not known: counted as 0) for a request with prefix
+    ``keys``, ``session`` and ``adapter`` (``newcomer``: started in a newcomer slot), with
+    what the replicas report in their routing stats (:func:`reported_stats`): resident
+    adapters, ``max_loras`` and ``max_num_seqs`` (:meth:`ReplicaAffinity.choose`)."""
     adapters, max_loras, max_num_seqs = reported_stats(replicas)
     holders = affinity.adapter_holders(adapter, adapters)
-    return affinity.choose(keys, session, loads, adapter, holders, max_loras, max_num_seqs,
-                           newcomer)
+    return affinity.choose(keys, session, {r: n or 0 for r, n in loads.items()}, adapter,
+                           holders, max_loras, max_num_seqs, newcomer,
+                           unknown={r for r, n in loads.items() if n is None})
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
@@ -175,14 +176,17 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         if len(candidate_replicas) < 2:
             self._remember(pending_request, (keys, session, adapter), "single")
             return [candidate_replicas]
-        loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0
-                 for r in candidate_replicas}  # unknown: 0; Serve probes before it sends
+        # None: not known (counted as 0; Serve probes before it sends)
+        loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id)
+                 for r in candidate_replicas}
         choice = rank_replicas(self.affinity, keys, session, adapter, loads, candidate_replicas,
                                request.newcomer)
         if adapter and choice.decision in ("new", "spill") and len(choice.ranks[0]) == 1:
             # loaded anew there (one replica: Serve picks no other): a burst's next requests,
             # chosen before this one is routed, follow it (not the least loaded)
             self.affinity.placed(adapter, choice.ranks[0][0], at=time.time())
+        if choice.decision == "newcomer":  # the next newcomers, chosen before this one is
+            self.affinity.routed_at[choice.ranks[0][0]] = time.time()  # routed, go elsewhere
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
