@@ -21,8 +21,11 @@ import pytest
 
 from engines import signature
 from test_observability import settled
+from serve_app.common.paths import REPO_ROOT
+from serve_app.common.serve_configs import load_yaml
 from serve_app.common.wire import REPLICA_HEADER
 from serve_app.tools.adapter_copies import register_copies
+from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
 
 pytestmark = pytest.mark.integration
 
@@ -311,6 +314,56 @@ def test_a_burst_for_a_cold_adapter_loads_it_once(many):
     after = settled_events(many)
     assert after[(cold, "loaded")] - events[(cold, "loaded")] == 1, (cold, after)
     assert after[(cold, "waited")] - events[(cold, "waited")] >= 1
+
+
+def newcomer_decisions(mesh) -> float:
+    """The replica router's ``newcomer`` decisions for smollm-v1 so far (the metrics)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in mesh.metrics_text().splitlines()
+               if line.startswith("ray_mesh_replica_routing_decisions_total{")
+               and 'variant="smollm-v1"' in line and 'decision="newcomer"' in line)
+
+
+def test_a_light_tenants_request_in_a_newcomer_slot_takes_the_newcomer_rule(routed):
+    """Through the real router and Serve's handle: with token-fair admission keeping 2 of the
+    16 engine slots (2 replicas x max_num_seqs 8) for newcomers and a heavy tenant holding
+    the other 14, a light tenant's request starts in a newcomer slot, carries the mark to
+    the AffinityRouter, which places it by rule 6 (docs/replica-routing.md, "Newcomers'
+    requests"): the decision counter says so."""
+    cfg = copy.deepcopy(routed.affinity_cfg)
+    router = cfg["applications"][0]["deployments"][0]["user_config"]
+    tenants = load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml")
+    router["tenants"] = [t for t in tenants["applications"][0]["deployments"][0][
+        "user_config"]["tenants"] if t["id"] in ("acme", "globex")]
+    for t in router["tenants"]:
+        t.pop("adapters", None)
+    router["routes"]["smollm"]["admission"] = {"fairness": "tokens", "newcomer_slots": 2}
+    routed.deploy(cfg)
+    try:
+        light_takes_the_newcomer_rule(routed)
+    finally:
+        routed.deploy(routed.affinity_cfg)  # open mode again: the next test sends no key
+
+
+def light_takes_the_newcomer_rule(routed) -> None:
+    before = newcomer_decisions(routed)
+    heavy = LoadSpec(base_url=f"{routed.base_url}/v1", model="smollm",
+                     api_key="sk-globex-demo", concurrency=16, requests=10**6,
+                     duration_s=600, max_tokens=64, timeout_s=300)
+    with background_load(heavy) as heavy_results:
+        wait_for_results(heavy_results, 16)  # the engines full: the busy share held
+        with httpx.Client(base_url=routed.base_url, timeout=120,
+                          headers={"authorization": "Bearer sk-acme-demo"}) as http:
+            for i in range(3):
+                r = http.post("/v1/chat/completions", json={
+                    "model": "smollm", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"Light caller {i}."}]})
+                assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 60
+        while (seen := newcomer_decisions(routed) - before) < 1:
+            assert time.monotonic() < deadline, "no newcomer decision in the metrics"
+            time.sleep(2)
+    assert all(r.ok for r in heavy_results), [r.error for r in heavy_results if not r.ok][:3]
+    print(f"\nnewcomer decisions: {seen:g} of 3 light requests")
 
 
 def test_scale_down_under_load_fails_nothing_and_sessions_move_to_the_survivor(routed):
