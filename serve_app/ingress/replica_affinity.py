@@ -310,8 +310,8 @@ class ReplicaAffinity:
         """``replica`` served the request: it now holds its blocks, its session and, from
         ``at`` (s, the clock of the replicas' reports), its ``adapter``, with a request on
         it in flight until :meth:`completed`; ``at`` is also when it was last sent one
-        (rule 6)."""
-        self.routed_at[replica] = at
+        (:meth:`sent`)."""
+        self.sent(replica, at)
         if adapter:
             self.running.setdefault(replica, Counter())[adapter] += 1
             self.placed(adapter, replica, at)
@@ -347,6 +347,13 @@ class ReplicaAffinity:
         self._adapter_routes.move_to_end((adapter, replica))
         while len(self._adapter_routes) > MAX_ADAPTER_ROUTES:
             self._adapter_routes.popitem(last=False)
+
+    def sent(self, replica: Hashable, at: float) -> None:
+        """This router sent ``replica`` a request at ``at`` (s, the clock of :meth:`record`):
+        rule 6 prefers the replica sent to least recently. A router calls it as it chooses a
+        replica for a newcomer: Serve routes a request only once the replica has accepted it,
+        and the newcomers of a burst chosen meanwhile go to other replicas."""
+        self.routed_at[replica] = at
 
     def completed(self, replica: Hashable, adapter: str) -> None:
         """A request on ``adapter`` that :meth:`record` sent to ``replica`` completed."""

@@ -185,8 +185,8 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             # loaded anew there (one replica: Serve picks no other): a burst's next requests,
             # chosen before this one is routed, follow it (not the least loaded)
             self.affinity.placed(adapter, choice.ranks[0][0], at=time.time())
-        if choice.decision == "newcomer":  # the next newcomers, chosen before this one is
-            self.affinity.routed_at[choice.ranks[0][0]] = time.time()  # routed, go elsewhere
+        if choice.decision == "newcomer":  # a burst's next newcomers go elsewhere
+            self.affinity.sent(choice.ranks[0][0], at=time.time())
         self._remember(pending_request, (keys, session, adapter), choice.decision)
         return [[self._replicas[rid] for rid in rank if rid in self._replicas]
                 for rank in choice.ranks]
