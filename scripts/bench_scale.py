@@ -475,13 +475,18 @@ def plot(results: dict, profile: SimProfile, slo: tuple[float, float], out: Path
         plt.close(fig)
         written.append(path)
     if "tenants" in results:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label, run in results["tenants"]["runs"].items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        runs = results["tenants"]["runs"]
+        idle = runs["idle"]["light_ttft_p95_s"]
+        for label, run in runs.items():
             ttft = run["ttft_s"]
-            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=label)
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))],
+                    label=f"{label}: p95 x{run['light_ttft_p95_s'] / idle:.2f} idle")
+        ax.axvline(2 * idle, color="grey", linestyle="--", label="goal: p95 <= 2x idle")
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=0.8)
         ax.set(xlabel="light tenants' TTFT (s)", ylabel="share of requests", xscale="log",
                title=f"tenants: {_label(profile)}")
-        ax.legend()
+        ax.legend(fontsize=7, loc="center")
         fig.tight_layout()
         path = out / f"sim-{profile.name}-tenants.png"
         fig.savefig(path, dpi=110)
