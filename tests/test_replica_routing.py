@@ -21,6 +21,7 @@ import pytest
 
 from engines import signature
 from test_observability import settled
+from test_traffic_safety import metric_total, wait_for_metric
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.common.wire import REPLICA_HEADER
@@ -316,11 +317,9 @@ def test_a_burst_for_a_cold_adapter_loads_it_once(many):
     assert after[(cold, "waited")] - events[(cold, "waited")] >= 1
 
 
-def newcomer_decisions(mesh) -> float:
-    """The replica router's ``newcomer`` decisions for smollm-v1 so far (the metrics)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in mesh.metrics_text().splitlines()
-               if line.startswith("ray_mesh_replica_routing_decisions_total{")
-               and 'variant="smollm-v1"' in line and 'decision="newcomer"' in line)
+#: The replica router's decisions (a Ray counter) and those of rule 6 for smollm-v1.
+DECISIONS, NEWCOMER = ("ray_mesh_replica_routing_decisions_total",
+                       {"variant": "smollm-v1", "decision": "newcomer"})
 
 
 def test_a_light_tenants_request_in_a_newcomer_slot_takes_the_newcomer_rule(routed):
@@ -345,7 +344,7 @@ def test_a_light_tenants_request_in_a_newcomer_slot_takes_the_newcomer_rule(rout
 
 
 def light_takes_the_newcomer_rule(routed) -> None:
-    before = newcomer_decisions(routed)
+    before = metric_total(routed, DECISIONS, **NEWCOMER)
     heavy = LoadSpec(base_url=f"{routed.base_url}/v1", model="smollm",
                      api_key="sk-globex-demo", concurrency=16, requests=10**6,
                      duration_s=600, max_tokens=64, timeout_s=300)
@@ -358,10 +357,7 @@ def light_takes_the_newcomer_rule(routed) -> None:
                     "model": "smollm", "max_tokens": 4,
                     "messages": [{"role": "user", "content": f"Light caller {i}."}]})
                 assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 60
-        while (seen := newcomer_decisions(routed) - before) < 1:
-            assert time.monotonic() < deadline, "no newcomer decision in the metrics"
-            time.sleep(2)
+        seen = wait_for_metric(routed, DECISIONS, before + 1, **NEWCOMER) - before
     assert all(r.ok for r in heavy_results), [r.error for r in heavy_results if not r.ok][:3]
     print(f"\nnewcomer decisions: {seen:g} of 3 light requests")
 
