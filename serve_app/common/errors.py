@@ -7,7 +7,7 @@ Body format (OpenAI API reference, "Error codes"):
 An error without a code of its own gets its status phrase (``bad_request``, ...).
 
 ``docs/errors.md`` is generated from :data:`ERROR_CODES` (``python -m
-serve_app.tools.error_reference``); ``tests/test_docs.py`` fails when a code the code can
+scripts.error_reference``); ``tests/test_docs.py`` fails when a code the code can
 send is missing from the catalog, or when the committed page is stale.
 """
 
@@ -234,8 +234,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "at once", RETRY_AFTER, "ingress/admission.py"),
     "adapter_capacity": ErrorCode(
         503, "the replica's adapter slots (`max_adapters_per_replica`) stayed in use by other "
-        "adapters' requests for the route's `queue_timeout_s`: the variant is busy, not "
-        "broken (no failover, nothing against a rollout)", "retry after `Retry-After`",
+        "adapters' requests for the route's `queue_timeout_s`, hand-over included (stream or "
+        "not): the variant is busy, not broken (no failover, nothing against a rollout)",
+        "retry after `Retry-After`",
         RETRY_AFTER, "server/lora.py"),
     "queue_timeout": ErrorCode(
         503, "the request waited in the admission queue past its deadline", "retry after "

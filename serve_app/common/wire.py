@@ -2,7 +2,8 @@
 ``DeploymentHandle`` (one :class:`GenerateRequest`) and what the replica streams back.
 
 Every call of ``LLMReplica.generate(request)`` is a streaming call whose first item is
-:class:`Accepted` for a non-stream, then a :class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
+:class:`Accepted` for a non-stream (and for a stream that waits for its adapter), then a
+:class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
 ending with ``"data: [DONE]\\n\\n"``, then one :class:`Tail` (not sent to the client).
 The router decides the HTTP status from the head before
 sending any byte, which is what makes failover before the first byte possible.
@@ -10,6 +11,7 @@ sending any byte, which is what makes failover before the first byte possible.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,9 +103,28 @@ class Head:
 
 @dataclass(frozen=True)
 class Accepted:
-    """The first item of a non-streaming answer: the replica has the request. The router
-    time-boxes the wait for this item (a replica it cannot reach, e.g. on a lost node, must
-    not hold the request), then waits for the :class:`Head` as long as generation takes."""
+    """The first item of a non-streaming answer, and of a stream that must wait for an
+    adapter slot: the replica has the request. The router time-boxes the wait for this item
+    (a replica it cannot reach, e.g. on a lost node, must not hold the request), then waits
+    for the :class:`Head` as long as generation (or the replica's bounded adapter wait)
+    takes."""
+
+
+async def read_head(stream, timeout_s: float) -> tuple[Head, bool]:
+    """The :class:`Head` of a replica's answer ``stream`` (a Serve streaming response), and
+    whether the replica sent :class:`Accepted` first.
+
+    The first item must come within ``timeout_s`` (a replica that cannot be reached must not
+    hold the request); after an ``Accepted`` the head may take as long as the replica needs.
+
+    Raises:
+        asyncio.TimeoutError: no first item within ``timeout_s``.
+        Exception: whatever the call raised (a dead replica, ...).
+    """
+    first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+    if isinstance(first, Accepted):
+        return await stream.__anext__(), True
+    return first, False
 
 
 @dataclass(frozen=True)

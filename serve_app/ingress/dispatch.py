@@ -29,7 +29,7 @@ from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
                                        nested_too_deeply, replica_gone)
-from serve_app.common.wire import REPLICA_HEADER, Accepted, Head, Usage
+from serve_app.common.wire import REPLICA_HEADER, Head, Usage, read_head
 from serve_app.tenancy.accounting import RequestAccount
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.refusals import Rejected
@@ -200,12 +200,12 @@ class Dispatcher:
         stream = self.handle_for(variant).options(stream=True).generate.remote(request)
         try:
             # A stream's head comes as soon as vLLM has checked the request, a non-stream's
-            # Accepted as soon as the replica has it; waiting longer means the replica cannot
-            # take it (e.g. it is on a lost node). A non-stream's head is its whole answer:
-            # only the client's timeout applies to that.
-            first = await asyncio.wait_for(stream.__anext__(), plan.queue_timeout_s)
-            account.accepted = isinstance(first, Accepted)
-            head: Head = await stream.__anext__() if account.accepted else first
+            # Accepted as soon as the replica has it (a stream that waits for an adapter slot
+            # is Accepted first too); waiting longer means the replica cannot take it (e.g.
+            # it is on a lost node). After Accepted, the head comes when the answer (or the
+            # replica's own queue_timeout_s wait for an adapter slot) is done.
+            head, accepted = await read_head(stream, plan.queue_timeout_s)
+            account.accepted = accepted and not plan.stream  # a non-stream's reservation
         except BaseException as e:
             stream.cancel()
             if not isinstance(e, Exception):  # the client left (CancelledError)

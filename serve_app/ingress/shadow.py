@@ -37,7 +37,7 @@ from rapidfuzz import fuzz
 
 from serve_app.common.logs import get_logger
 from serve_app.common.policies import ShadowConfig
-from serve_app.common.wire import Head, Tail
+from serve_app.common.wire import Tail, read_head
 from serve_app.ingress.planner import RequestPlan
 from serve_app.ingress.split import caller_point
 
@@ -269,7 +269,7 @@ class ShadowMirror:
         ttft, chunks = None, []
         try:
             stream = self.handle_for(application).options(stream=True).generate.remote(request)
-            head: Head = await asyncio.wait_for(stream.__anext__(), HEAD_TIMEOUT_S)
+            head, _ = await read_head(stream, HEAD_TIMEOUT_S)
             if head.status != 200:
                 return Answer(error=f"HTTP {head.status}: {(head.body or '')[:200]}",
                               latency_s=time.monotonic() - t0)

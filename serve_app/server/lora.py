@@ -17,6 +17,15 @@ name ``name@vN`` (so prefix-cache blocks of one version are never reused for ano
   with ``Retry-After`` (the replica is busy, not broken: no failover, nothing against a
   rollout); when every request waiting for a load has left, the load is dropped before it
   evicts anything.
+- **Hand-over**: a steadily used adapter is never idle, so a load that only waited for an
+  idle one would starve. Once a load has waited :data:`HANDOVER_SHARE` of its requests'
+  ``queue_timeout_s``, the resident adapter in use that has held its slot longest *hands
+  over*: its running requests finish, its new requests wait to load it again (and the
+  replica stops reporting it resident, so the replica router sends them to another replica
+  that holds it), and once its last request ends the slot is reserved for the load that
+  asked. Each waiting load takes at most one slot this way, so slots rotate among the
+  adapters in demand (as S-LoRA and dLoRA swap adapters by demand); no running request is
+  cut.
 - At ``reconcile`` the declared adapters are preloaded in config order while there is room
   without evicting anything, so a variant with a few adapters serves them all warm, as before.
 - a new version of a served name takes new requests at once; requests in flight finish on the
@@ -56,8 +65,13 @@ logger = get_logger(__name__)
 
 #: Events passed to ``on_event``: ``loaded`` (made resident; with its load time in s),
 #: ``evicted`` (unloaded to make room), ``unloaded`` (retired and idle), ``refused``,
-#: ``waited`` (a request waited for its adapter to load), ``hit`` (it was resident).
-EVENTS = ("loaded", "evicted", "unloaded", "refused", "waited", "hit")
+#: ``waited`` (a request waited for its adapter to load), ``hit`` (it was resident),
+#: ``handover`` (it started handing its slot over to a waiting load).
+EVENTS = ("loaded", "evicted", "unloaded", "refused", "waited", "hit", "handover")
+#: Share of a waiting request's ``queue_timeout_s`` after which a resident adapter in use
+#: hands its slot over (the rest of the wait covers the holder's running requests ending
+#: and the load).
+HANDOVER_SHARE = 0.25
 #: Seconds a retired adapter version still serves requests that name it: longer than the
 #: router's view of the replica's adapters takes to follow a deploy (its poll, ~1 s, and the
 #: router's own reconfigure).
@@ -80,6 +94,8 @@ class LiveAdapter:
     path: Path  # the verified adapter directory
     lora_int_id: int = 0
     in_flight: int = 0
+    resident_since: float = 0.0  # monotonic s of its last load
+    handover_to: str = ""  # the load key its slot goes to once its requests end ("": none)
 
     @property
     def lora_name(self) -> str:
@@ -96,6 +112,7 @@ class _Load:
     waiters: int = 0  # requests waiting for it
     keep: bool = False  # wanted without a waiter (reconcile's warm-up): never dropped
     loading: bool = False  # past waiting for room: vLLM is loading it
+    handover_at: float = float("inf")  # monotonic s from which it may ask for a hand-over
 
 
 class AdapterSet:
@@ -131,6 +148,8 @@ class AdapterSet:
         self._loads: dict[str, _Load] = {}  # loads under way, by key
         self.load_errors: dict[str, str] = {}  # "name@vN" -> vLLM's last load error
         self._loading = 0  # loads under way, counted against max_resident
+        self._unloading = 0  # unloads under way, still counted against max_resident
+        self._reserved: set[str] = set()  # loads a handed-over slot is kept for
         self._room = asyncio.Event()  # set when an adapter is released or unloaded
         self._lock = asyncio.Lock()
 
@@ -245,18 +264,21 @@ class AdapterSet:
     # -- residency ---------------------------------------------------------------------------
 
     async def _load_shared(self, live: LiveAdapter, wait_s: float | None = None,
-                           waiter: bool = False) -> None:
+                           waiter: bool = False, asked_at: float | None = None) -> None:
         """Make ``live`` resident; concurrent callers share one load.
 
         Args:
             wait_s: longest wait, s (None: no bound).
             waiter: a request waits for it: when every waiter has left (timed out, client
-                gone) while the load still waits for room, the load is dropped.
+                gone) while the load still waits for room, the load is dropped. A waiter
+                with a bounded wait lets the load ask for a hand-over once it has waited
+                :data:`HANDOVER_SHARE` of ``wait_s`` since ``asked_at``.
+            asked_at: monotonic s the request began to wait (default: now).
 
         Raises:
             asyncio.TimeoutError: not resident within ``wait_s``.
         """
-        if live.lora_name in self.resident:
+        if live.lora_name in self.resident and not live.handover_to:
             self.resident.move_to_end(live.lora_name)
             return
         load = self._loads.get(live.lora_name)
@@ -268,6 +290,11 @@ class AdapterSet:
                 and self._loads.pop(key))
         load.waiters += waiter
         load.keep = load.keep or not waiter
+        if waiter and wait_s is not None:
+            at = (time.monotonic() if asked_at is None else asked_at) + HANDOVER_SHARE * wait_s
+            if at < load.handover_at:
+                load.handover_at = at
+                self._room.set()  # its wait for room now has a deadline to wake at
         try:
             # shield: a caller that leaves does not cancel the others' load
             await asyncio.wait_for(asyncio.shield(load.task), wait_s)
@@ -277,19 +304,46 @@ class AdapterSet:
                 logger.info("adapter %s: every request waiting for it left; its load is "
                             "dropped before it evicts anything", live.lora_name)
                 load.task.cancel()
+                self._forget_handover(live.lora_name)  # now: a release may come first
+
+    def _has_room(self, key: str) -> bool:
+        """A load of ``key`` fits now: resident adapters, loads and unloads under way, and
+        slots kept for other loads leave one of ``max_resident``."""
+        taken = (len(self.resident) + self._loading + self._unloading
+                 + len(self._reserved - {key}))
+        return taken < self.max_resident
 
     async def _make_resident(self, live: LiveAdapter) -> None:
-        while len(self.resident) + self._loading >= self.max_resident:
-            victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
-            if victim is not None:
+        key = live.lora_name
+        try:
+            while not self._has_room(key):
+                victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
+                if victim is not None:
+                    try:
+                        await asyncio.shield(self._unload(victim, "evicted"))  # once begun, ends
+                    except Exception as e:  # noqa: BLE001 -- it left `resident` already; go on
+                        logger.error("adapter %s: unload failed: %s", victim.lora_name, e)
+                    continue
+                # Every resident adapter is in use (or its slot is kept for another load):
+                # wait for a release, asking for a hand-over once this load has waited long
+                # enough.
+                load = self._loads.get(key)
+                handover_at = load.handover_at if load is not None else float("inf")
+                if time.monotonic() >= handover_at:
+                    self._ask_handover(key)
+                    handover_at = float("inf")
+                self._room.clear()
+                timeout = handover_at - time.monotonic()
                 try:
-                    await asyncio.shield(self._unload(victim, "evicted"))  # once begun, ends
-                except Exception as e:  # noqa: BLE001 -- it left `resident` already; go on
-                    logger.error("adapter %s: unload failed: %s", victim.lora_name, e)
-                continue
-            self._room.clear()  # every resident adapter is in use: wait for a release
-            await self._room.wait()
-        load = self._loads.get(live.lora_name)
+                    await asyncio.wait_for(self._room.wait(),
+                                           None if timeout == float("inf") else max(timeout, 0))
+                except asyncio.TimeoutError:
+                    pass
+        except BaseException:
+            self._forget_handover(key)
+            raise
+        self._reserved.discard(key)
+        load = self._loads.get(key)
         if load is not None:
             load.loading = True  # from here on, vLLM loads it for whoever comes next
         self._loading += 1
@@ -299,6 +353,35 @@ class AdapterSet:
             self._loading -= 1
             self._room.set()
         self._unload_if_retired(live)  # retired while it loaded, and nobody waits
+
+    def _ask_handover(self, key: str) -> None:
+        """The load of ``key`` waited its share: the resident adapter in use that has held
+        its slot longest (and is not handing over already) hands it over to it. One
+        hand-over per waiting load."""
+        if key in self._reserved or any(a.handover_to == key for a in self.resident.values()):
+            return
+        holders = [a for a in self.resident.values() if not a.handover_to]
+        if not holders:
+            return  # every slot is being handed over already: wait for one to free
+        victim = min(holders, key=lambda a: a.resident_since)
+        victim.handover_to = key
+        self.on_event(victim.lora_name, "handover", None)
+        logger.info("adapter %s hands its slot over to %s: its %d running request(s) finish, "
+                    "its new ones wait to load it again", victim.lora_name, key,
+                    victim.in_flight)
+        if victim.in_flight == 0:
+            self._unload_soon(victim, "evicted")
+
+    def _forget_handover(self, key: str) -> None:
+        """The load of ``key`` is gone (dropped or failed): the slot kept for it is free
+        again, and an adapter still handing over to it keeps its slot."""
+        self._reserved.discard(key)
+        for a in self.resident.values():
+            if a.handover_to == key:
+                a.handover_to = ""
+                logger.info("adapter %s keeps its slot: the load it was handing over to "
+                            "(%s) was dropped", a.lora_name, key)
+        self._room.set()
 
     async def _load(self, live: LiveAdapter) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -318,6 +401,7 @@ class AdapterSet:
         self.load_errors.pop(live.lora_name, None)
         live.lora_int_id = self.models.lora_requests[live.lora_name].lora_int_id
         self.resident[live.lora_name] = live
+        live.resident_since = time.monotonic()
         seconds = time.monotonic() - t0
         self.load_seconds[live.lora_name] = seconds
         self.on_event(live.lora_name, "loaded", seconds)
@@ -333,14 +417,20 @@ class AdapterSet:
 
         if self.resident.get(live.lora_name) is not live or live.in_flight:
             return  # already gone, or taken again meanwhile
-        del self.resident[live.lora_name]  # before awaiting: no second unload, room is counted
+        del self.resident[live.lora_name]  # before awaiting: no second unload
         lora_int_id, live.lora_int_id = live.lora_int_id, 0
+        if live.handover_to:  # the slot is kept for the load it was handed over to
+            if live.handover_to in self._loads:
+                self._reserved.add(live.handover_to)
+            live.handover_to = ""
+        self._unloading += 1  # its slot stays taken until vLLM has let it go
         try:
             await self._engine_done_with(live.lora_name)
             await self.models.unload_lora_adapter(
                 UnloadLoRAAdapterRequest(lora_name=live.lora_name))
             await self.engine.remove_lora(lora_int_id)
         finally:
+            self._unloading -= 1
             self._room.set()
         self.on_event(live.lora_name, event, None)
         logger.info("adapter %s %s (%d of %d resident)", live.lora_name, event,
@@ -387,16 +477,25 @@ class AdapterSet:
         if live is None:
             raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
-        live.in_flight += 1  # before any await: an adapter in use is never evicted
-        if self.resident.get(live.lora_name) is live:
-            self.resident.move_to_end(live.lora_name)
-            self.on_event(live.lora_name, "hit", None)
-            return live
+        asked_at = time.monotonic()
+        counted = not live.handover_to  # waiting out a hand-over, it counts once the slot went
+        if counted:
+            live.in_flight += 1  # before any await: an adapter in use is never evicted
+            if self.resident.get(live.lora_name) is live:
+                self.resident.move_to_end(live.lora_name)
+                self.on_event(live.lora_name, "hit", None)
+                return live
         self.on_event(live.lora_name, "waited", None)
         try:
-            await self._load_shared(live, wait_s, waiter=True)
+            if not counted:  # it is handing its slot over: wait, then load it again
+                await asyncio.wait_for(self._gone(live), wait_s)
+                live.in_flight += 1
+                counted = True
+            remaining = None if wait_s is None else max(wait_s - (time.monotonic() - asked_at), 0)
+            await self._load_shared(live, remaining, waiter=True, asked_at=asked_at)
         except asyncio.TimeoutError:
-            self.release(live)
+            if counted:
+                self.release(live)
             raise MeshError(503, f"adapter {live.lora_name} could not be loaded within "
                             f"queue_timeout_s {wait_s:g}: this replica's "
                             f"{self.max_resident} adapter slot(s) (max_adapters_per_replica) "
@@ -404,19 +503,30 @@ class AdapterSet:
                             code=ADAPTER_CAPACITY, headers={
                                 "Retry-After": str(ADAPTER_CAPACITY_RETRY_AFTER_S)}) from None
         except BaseException as e:
-            self.release(live)
+            if counted:
+                self.release(live)
             if isinstance(e, Exception):  # not a cancellation: the variant's fault, fail over
                 raise MeshError(503, f"adapter {live.lora_name} could not be loaded: {e}",
                                 code="adapter_load_failed") from None
             raise
         return live
 
+    async def _gone(self, live: LiveAdapter) -> None:
+        """Until ``live`` has handed its slot over (it is no longer resident, or its
+        hand-over was called off)."""
+        while self.resident.get(live.lora_name) is live and live.handover_to:
+            self._room.clear()
+            await self._room.wait()
+
     def release(self, live: LiveAdapter) -> None:
         """A request on ``live`` ended; unload it if it is retired and now idle."""
         live.in_flight -= 1
         if live.in_flight == 0:
             self._room.set()
-            self._unload_if_retired(live)
+            if live.handover_to and self.resident.get(live.lora_name) is live:
+                self._unload_soon(live, "evicted")  # its last request ended: hand over
+            else:
+                self._unload_if_retired(live)
 
     def serving(self) -> list[str]:
         """Versions that take requests: the declared ones, and retired ones within their
@@ -424,8 +534,17 @@ class AdapterSet:
         return [*self.active, *(k for k in list(self._retired_at) if self._in_grace(k))]
 
     def resident_names(self) -> list[str]:
-        """Resident adapter versions (``name@vN``), least recently used first."""
-        return list(self.resident)
+        """Resident adapter versions (``name@vN``) that take new requests, least recently
+        used first: one handing its slot over is left out, so the replica router sends its
+        new requests to a replica that holds it."""
+        return [k for k, a in self.resident.items() if not a.handover_to]
+
+    def ready(self, adapter: str) -> bool:
+        """A request for ``adapter`` (``name`` or ``name@vN``) would start without waiting
+        for a load (it is resident and not handing its slot over)."""
+        live = self.active.get(self.default.get(adapter, adapter))
+        return live is not None and self.resident.get(live.lora_name) is live \
+            and not live.handover_to
 
     def status(self) -> dict[str, Any]:
         """Declared (``active``), draining (``retiring``), ``resident`` (LRU first) and refused

@@ -5,7 +5,8 @@ with a request happens here, against a :class:`ServingEngine` (vLLM's, from
 :mod:`serve_app.server.engine`, or a fake in unit tests; the seam Ray Serve LLM's
 ``LLMServer(engine_cls=...)`` has). Per request (:meth:`ReplicaServer.generate`):
 
-1. :class:`~serve_app.common.wire.Accepted` first for a non-stream (the router time-boxes it);
+1. :class:`~serve_app.common.wire.Accepted` first for a non-stream, and for a stream that
+   must wait for its adapter (the router time-boxes the first item);
 2. an injected fault, if ``user_config.fault_injection`` says so (tests and drills);
 3. the adapter: take the version the router chose from the :class:`AdapterSet` (404 for one
    not declared), loaded on first use, held until the request ends so it is never unloaded
@@ -193,7 +194,7 @@ class ReplicaServer:
     async def generate(self, request: GenerateRequest
                        ) -> AsyncIterator[Accepted | Head | str | Tail]:
         """Serve one request; the stream the router reads (:mod:`serve_app.common.wire`):
-        :class:`Accepted` (non-streams), a :class:`Head` (with ``x-mesh-replica`` and, for
+        :class:`Accepted` (non-streams, and streams that wait for their adapter), a :class:`Head` (with ``x-mesh-replica`` and, for
         an adapter request, ``x-mesh-adapter: name@vN``), then, for a stream, SSE lines
         and a :class:`Tail`. Raises nothing: every failure is an error head, or mid-stream
         an in-band error event and a failed tail."""
@@ -222,9 +223,13 @@ class ReplicaServer:
                         yield for_client(item, route, requested, self.merged)
                 return
             if adapter:
+                version = request.adapter_version or adapter
+                if request.body.get("stream") and not self.adapters.ready(version):
+                    # It may wait for an adapter slot up to queue_timeout_s: tell the router
+                    # the replica has it, so the wait is not taken for an unreachable replica.
+                    yield Accepted()
                 try:
-                    live = await self.adapters.acquire(request.adapter_version or adapter,
-                                                       wait_s=request.queue_timeout_s)
+                    live = await self.adapters.acquire(version, wait_s=request.queue_timeout_s)
                 except MeshError as e:  # 404: not declared; 503: no room, or the load failed
                     yield Head(e.status, json.dumps(e.body()), headers=e.headers,
                                failure=self._adapter_failure(e, adapter))
