@@ -21,7 +21,7 @@ from grafanalib.core import (Annotations, Dashboard, GridPos, RowPanel, Target, 
                              Templating, TimeSeries)
 
 from serve_app.release.rollout_report import gated_error_rate, refusal_rate
-from serve_app.tools.script_args import run, script_parser
+from serve_app.common.script_args import run, script_parser
 
 OUT = Path(__file__).resolve().parent / "model-mesh.json"
 DS = "${DS_PROMETHEUS}"

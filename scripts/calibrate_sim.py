@@ -1,6 +1,6 @@
 """Fit this host's simulated-engine profile from the real engine, and check the fit.
 
-Runs the rows of :mod:`serve_app.sim.calibration` (tokens/s at concurrency 1, 8 and 32, TTFT,
+Runs the rows of :mod:`bench.calibration` (tokens/s at concurrency 1, 8 and 32, TTFT,
 a long prefill, 1 to 8 adapters in a batch, adapter loads) on real vLLM with the shipped
 variant's engine args (``serve_configs/local.yaml``, with ``max_num_seqs`` 32 and 8 LoRA
 slots so every row's batch fits), fits a profile, then runs the same rows on the simulated
@@ -8,7 +8,7 @@ engine with that profile and prints each row's error. It writes the profile, wit
 and errors under ``fit:``, and exits 1 when a row's tokens/s or TTFT p50 is off by more than
 20 %. No Ray: both engines run in this process, one after the other (~10 min on 2 cores).
 ``--refit`` runs no real engine: it moves the profile's prefill terms by the gaps its last
-fit recorded (:func:`~serve_app.sim.calibration.refit`) and reruns the sim rows (~4 min).
+fit recorded (:func:`~bench.calibration.refit`) and reruns the sim rows (~4 min).
 
     python scripts/calibrate_sim.py                       # writes profiles/cpu-smollm2.yaml
     python scripts/calibrate_sim.py --refit               # then, if TTFT rows are off
@@ -22,19 +22,22 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import yaml
 
-from serve_app.common.config import VariantArgs
-from serve_app.common.deployment_options import replica_environment
-from serve_app.common.paths import REPO_ROOT
-from serve_app.common.serve_configs import load_yaml, mesh_parts
-from serve_app.sim import calibration
-from serve_app.sim.profile import PROFILES_DIR, load_profile
-from serve_app.tools.script_args import run as run_script
-from serve_app.tools.script_args import script_parser
-from serve_app.tools.tokenizer import hf_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import calibration  # noqa: E402
+from bench.tokenizer import hf_tokenizer  # noqa: E402
+from serve_app.common.config import VariantArgs  # noqa: E402
+from serve_app.common.deployment_options import replica_environment  # noqa: E402
+from serve_app.common.paths import REPO_ROOT  # noqa: E402
+from serve_app.common.script_args import run as run_script  # noqa: E402
+from serve_app.common.script_args import script_parser  # noqa: E402
+from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
+from serve_app.sim.profile import PROFILES_DIR, load_profile  # noqa: E402
 
 #: Engine args on top of the shipped variant's, so that every row's batch fits one step.
 CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 8}
@@ -59,7 +62,7 @@ async def load_adapters(engine, n: int = 8) -> tuple[list[str], list[float]]:
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     from serve_app.common.adapters import load_manifest, resolve_uri
-    from serve_app.tools.adapter_copies import SOURCES
+    from bench.adapter_copies import SOURCES
 
     demo = load_manifest()
     names, seconds = [], []

@@ -23,7 +23,7 @@ from serve_app.release.deploy import deploy, replica_ids, serve_status
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_env import SERVE_ENV
 from serve_app.common.serve_configs import load_yaml, on_sim_engine
-from serve_app.tools.servers import free_port
+from bench.servers import free_port
 
 CONFIGS = REPO_ROOT / "serve_configs"
 

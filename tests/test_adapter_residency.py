@@ -13,7 +13,7 @@ from serve_app.common.adapters import AdapterError
 from serve_app.common.errors import MeshError
 from serve_app.common.paths import DEFAULT_MODEL_NAME
 from serve_app.server.lora import AdapterSet
-from serve_app.tools.adapter_copies import register_copies
+from bench.adapter_copies import register_copies
 from test_replica_server import FakeLoRAModels
 
 

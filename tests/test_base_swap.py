@@ -23,7 +23,7 @@ import pytest
 from engines import signature
 from serve_app.release.deploy import serve_cli, serve_status
 from serve_app.observability.stats import percentile
-from serve_app.tools.loadgen import LoadSpec, RequestResult, background_load, wait_for_results
+from bench.loadgen import LoadSpec, RequestResult, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
+from bench.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration

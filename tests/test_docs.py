@@ -13,7 +13,7 @@ import pytest
 
 from serve_app.common.errors import ERROR_CODES
 from serve_app.common.paths import REPO_ROOT
-from serve_app.tools.error_reference import DOC, codes_in_code, render
+from scripts.error_reference import DOC, codes_in_code, render
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
@@ -27,7 +27,7 @@ def rel(path: Path) -> str:
 def test_every_code_the_code_sends_is_in_the_reference():
     missing = {code: where for code, where in codes_in_code().items() if code not in ERROR_CODES}
     assert not missing, ("codes the code can send, missing from serve_app/common/errors.py "
-                         f"ERROR_CODES (then run python -m serve_app.tools.error_reference): "
+                         f"ERROR_CODES (then run python scripts/error_reference.py): "
                          f"{missing}")
 
 
@@ -40,7 +40,7 @@ def test_every_code_in_the_reference_is_sent():
 
 def test_the_committed_reference_is_current():
     assert DOC.read_text() == render(), ("docs/errors.md is stale: run "
-                                         "python -m serve_app.tools.error_reference")
+                                         "python scripts/error_reference.py")
 
 
 def test_the_readme_links_the_reference():

@@ -1,4 +1,4 @@
-"""The simulated fleet of ``bench.py --sim`` (serve_app/sim/fleet.py, fleet_routing.py,
+"""The simulated fleet of ``bench.py --sim`` (bench/fleet/: fleet.py, routers.py,
 workloads.py, virtual_time.py): exact times on a virtual clock, Serve's routers as the
 baseline, and one smoke run of the benchmark at small size. No Ray, no engine."""
 
@@ -14,12 +14,12 @@ import pytest
 
 from serve_app.ingress.admission import VariantAdmission
 from serve_app.observability.stats import percentile
-from serve_app.sim.fleet import EngineLimits, Fleet, FleetRequest
-from serve_app.sim.fleet_routing import MeshAffinity, make_router
+from bench.fleet.fleet import EngineLimits, Fleet, FleetRequest
+from bench.fleet.routers import MeshAffinity, make_router
 from serve_app.sim.profile import load_profile
-from serve_app.sim.virtual_time import run_virtual
-from serve_app.sim.workloads import (ClosedLoop, SessionQueue, Sessions, many_adapters,
-                                     reachable_hit_rate, tenants)
+from bench.fleet.virtual_time import run_virtual
+from bench.fleet.workloads import (ClosedLoop, SessionQueue, Sessions, many_adapters,
+                                   reachable_hit_rate, tenants)
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.wire import CALIBRATION_TOKENS
 
@@ -126,14 +126,12 @@ def test_a_session_queue_replays_its_prompts_turn_by_turn_first_come_first_serve
     assert order.index(("s2", 0)) < order.index(("s0", 1))  # s2 waited first
 
 
-def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
+def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends():
     """``--trust`` replays bench.py --sessions' chats as the model's chat template renders
     them: each turn's prompt extends the last (the prefix a cache can serve), and a
     tenant's sessions share the leading block of its system prompt."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
-    import bench_sessions
-
-    from serve_app.tools.tokenizer import hf_tokenizer
+    from bench import sessions as bench_sessions
+    from bench.tokenizer import hf_tokenizer
 
     prompts = bench_sessions.prompt_token_ids(hf_tokenizer("smollm2-135m-instruct"),
                                               sessions=3, turns=3, prefix_tokens=1500,
@@ -146,12 +144,11 @@ def test_the_sessions_replay_is_the_token_ids_bench_sessions_sends(monkeypatch):
     assert prompts[0][0][:block] == prompts[2][0][:block] != prompts[1][0][:block]
 
 
-def test_bench_sessions_records_where_and_when_each_turn_ran(monkeypatch):
+def test_bench_sessions_records_where_and_when_each_turn_ran():
     """What ``bench.py --sessions`` prints for ``--trust`` to replay (a digit a turn, a group
     a session, replicas by their sorted ids; a turn no replica answered is '?') and what its
     ``--json`` traces (each request in the order sent, times from the first send)."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
-    import bench_sessions
+    from bench import sessions as bench_sessions
 
     results = [{"session": 1, "turn": 0, "replica": "r-a", "sent_at": 100.5, "ttft_s": None,
                 "done_at": 101.0},
@@ -170,13 +167,12 @@ def test_bench_sessions_records_where_and_when_each_turn_ran(monkeypatch):
         (0, 1, 1, 2.0, 2.5, 3.0)]
 
 
-def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeypatch):
+def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it():
     """``--trust`` puts a real run's placement on the fleet: each session's turns go to the
     replicas its placement names (bench_sessions prints it), each replica running at most its
     share of the requests in flight; a placement naming a replica the run did not have, a
     lost turn or the wrong shape is refused."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
-    from bench_scale import TrustRun
+    from bench.trust import TrustRun
 
     prompts = [[tuple(range(s, s + 40)), tuple(range(s, s + 60))] for s in (0, 100, 200)]
     run = TrustRun("replayed", "test", "mesh", 2, "default", None, 1.0, 1.0, 1.0,
@@ -206,14 +202,13 @@ def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it(monkeyp
         short.router_for(load)
 
 
-def test_the_adapters_in_flight_a_rate_keeps_is_little_s_law_per_adapter(monkeypatch):
+def test_the_adapters_in_flight_a_rate_keeps_is_little_s_law_per_adapter():
     """bench.py's estimate for the many-adapters goal: with every request for its own
     adapter it is rate x a request's time (Little's law); with one adapter, one; and on the
     GPU profile, with the load even, 2x the default router's goodput (268/s) keeps more
     distinct adapters in flight than 32 replicas x max_loras 4 can batch, 250/s about as many
     (docs/scale.md)."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
-    from bench_scale import adapters_in_flight_needed
+    from bench.scale import adapters_in_flight_needed
 
     gpu, limits = load_profile("h100-llama3-8b"), EngineLimits(max_loras=4)
     step = gpu.step_s(batch=1, prefill_tokens=0, adapters=4)
@@ -426,7 +421,7 @@ def test_a_burst_of_400_gets_what_the_engine_can_do_and_the_probe_keeps_its_ttft
     """Issue 28's overload goals, exact (test_overload.py runs the drill on the real mesh,
     where the flood's own client shares the 2 cores with the router): the answers are at
     least 80 % of what the engine sustained x queue_timeout_s (the time of the last answer
-    / 30 s, as ``serve_app.tools.drills`` reckons it); every refusal comes before the
+    / 30 s, as ``bench.drills`` reckons it); every refusal comes before the
     deadline; the probe is served throughout, its TTFT p50 within 3x idle."""
     _, idle = burst_with_probe(0)
     flood, probes = burst_with_probe(400)

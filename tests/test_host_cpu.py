@@ -1,4 +1,4 @@
-"""Unit tests of the benchmarks' CPU accounting (serve_app/tools/host_cpu.py) on stand-in
+"""Unit tests of the benchmarks' CPU accounting (bench/host_cpu.py) on stand-in
 engines: processes titled as vLLM titles its engine core, each with one child (its worker)
 that either computes or sleeps."""
 
@@ -11,13 +11,13 @@ import time
 import psutil
 import pytest
 
-from serve_app.tools.host_cpu import (
-    ENGINE_CORE_TITLE,
-    IDLE_ENGINE_CORES,
-    EngineShare,
-    cpu_seconds,
-    engine_workers,
-)
+from bench.host_cpu import (
+                            ENGINE_CORE_TITLE,
+                            IDLE_ENGINE_CORES,
+                            EngineShare,
+                            cpu_seconds,
+                            engine_workers,
+                            )
 
 WORKER = {"computing": "while True: pass", "idle": "import time; time.sleep(120)"}
 

@@ -20,7 +20,7 @@ from serve_app.common.errors import MeshError
 from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.redis_ledger import RedisLedger
-from serve_app.tools.servers import start_redis
+from bench.servers import start_redis
 
 
 def tenant(**limits) -> Tenant:

@@ -31,7 +31,7 @@ import pytest
 
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import running_replicas, serve_status
-from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
+from bench.loadgen import LoadSpec, background_load, wait_for_results
 from netns_node import NODE_IP, NamespacedNode
 from test_tenants import ACME_V1, ACME_V2, KEYS, sig
 from test_rollouts import rollout_state, router_uc

@@ -20,9 +20,9 @@ import pytest
 
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
-from serve_app.tools import prometheus
-from serve_app.tools.loadgen import LoadSpec, background_load
-from serve_app.tools.servers import free_port
+from serve_app.observability import prometheus
+from bench.loadgen import LoadSpec, background_load
+from bench.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -29,9 +29,9 @@ import uuid
 import pytest
 
 from serve_app.observability.stats import percentile
-from serve_app.tools.drills import (ARRIVAL_CODES, format_figures, overload_drill,
-                                    without_priorities)
-from serve_app.tools.loadgen import flood
+from bench.drills import (ARRIVAL_CODES, format_figures, overload_drill,
+                          without_priorities)
+from bench.loadgen import flood
 
 pytestmark = [pytest.mark.integration, pytest.mark.sim_only]
 

@@ -25,8 +25,8 @@ from test_traffic_safety import metric_total, wait_for_metric
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.common.wire import REPLICA_HEADER
-from serve_app.tools.adapter_copies import register_copies
-from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
+from bench.adapter_copies import register_copies
+from bench.loadgen import LoadSpec, background_load, wait_for_results
 
 pytestmark = pytest.mark.integration
 

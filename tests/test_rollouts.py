@@ -19,7 +19,7 @@ import pytest
 
 from serve_app.common.paths import REPO_ROOT
 from serve_app.release.rollout_watch import PROMOTED, ROLLED_BACK
-from serve_app.tools.loadgen import LoadSpec, background_load
+from bench.loadgen import LoadSpec, background_load
 
 pytestmark = pytest.mark.integration
 

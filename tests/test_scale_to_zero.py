@@ -26,10 +26,10 @@ import pytest
 from serve_app.ingress.split import pick_variant
 from serve_app.release.deploy import serve_status
 from serve_app.tenancy.token_budget import Reservation
-from serve_app.tools import prometheus
-from serve_app.tools.drills import herd_table
-from serve_app.tools.loadgen import flood
-from serve_app.tools.servers import free_port
+from serve_app.observability import prometheus
+from bench.drills import herd_table
+from bench.loadgen import flood
+from bench.servers import free_port
 
 from test_observability import dashboard
 from test_tenant_token_budgets import charged_between, day_refill

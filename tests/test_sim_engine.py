@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from serve_app.common.config import VariantArgs
-from serve_app.sim import calibration
+from bench import calibration
 from serve_app.sim.answers import AnswerBook
 from serve_app.sim.prefix_cache import PrefixCache
 from serve_app.sim.profile import SimProfile, load_profile, profile_names

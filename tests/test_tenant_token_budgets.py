@@ -24,7 +24,7 @@ import ray
 from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
 from serve_app.tenancy.redis_ledger import RedisLedger
 from serve_app.tenancy.token_budget import Reservation
-from serve_app.tools.servers import start_redis
+from bench.servers import start_redis
 
 pytestmark = pytest.mark.integration
 

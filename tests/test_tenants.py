@@ -16,7 +16,7 @@ import yaml
 
 from engines import is_base_answer, signature
 from serve_app.common.adapters import load_manifest
-from serve_app.tools.loadgen import LoadSpec, background_load, wait_for_results
+from bench.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
 from serve_app.ingress.split import pick_variant
 

@@ -183,7 +183,7 @@ def test_the_prompt_bound_holds_for_smollm2s_own_tokenizer_and_chat_template():
     character, which bytes / 3 under-reserved 2.6x.)"""
     import random
 
-    from serve_app.tools.tokenizer import hf_tokenizer
+    from bench.tokenizer import hf_tokenizer
 
     tok = hf_tokenizer("smollm2-135m-instruct")
     rng = random.Random(27)

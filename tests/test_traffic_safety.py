@@ -17,7 +17,7 @@ import pytest
 
 from request_catalog import CASES
 from test_rollouts import rollout_state, with_rollout
-from serve_app.tools.loadgen import LoadSpec, background_load
+from bench.loadgen import LoadSpec, background_load
 from serve_app.ingress.split import pick_variant
 
 pytestmark = pytest.mark.integration

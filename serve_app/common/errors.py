@@ -6,8 +6,8 @@ Body format (OpenAI API reference, "Error codes"):
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
 An error without a code of its own gets its status phrase (``bad_request``, ...).
 
-``docs/errors.md`` is generated from :data:`ERROR_CODES` (``python -m
-scripts.error_reference``); ``tests/test_docs.py`` fails when a code the code can
+``docs/errors.md`` is generated from :data:`ERROR_CODES` (``python
+scripts/error_reference.py``); ``tests/test_docs.py`` fails when a code the code can
 send is missing from the catalog, or when the committed page is stale.
 """
 

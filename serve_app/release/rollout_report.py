@@ -3,10 +3,10 @@ progressive rollout, for a release record or a CI artifact.
 
 Sources: the rollout's state and decision history from the router's ``GET /admin/rollouts``
 (admin key), and the canary's and the stable arm's figures over time from Prometheus
-(:mod:`serve_app.tools.prometheus`), per variant from the router's ``ray_mesh_*`` series: the
-error rate the rollout gates decide on (variant failures over the requests they judge), the
-router's overload refusals as a line of their own (never counted against an arm), TTFT p95
-and latency p95. Each decision (start, advance, promote, rollback, ...) is
+(:mod:`serve_app.observability.prometheus`), per variant from the router's ``ray_mesh_*``
+series: the error rate the rollout gates decide on (variant failures over the requests they
+judge), the router's overload refusals as a line of their own (never counted against an
+arm), TTFT p95 and latency p95. Each decision (start, advance, promote, rollback, ...) is
 marked with its reason. Without Prometheus the report still has the decisions and the figures
 the controller judged at each one.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from serve_app.control.rollout import FINAL_STATES
-from serve_app.tools.prometheus import PrometheusError, query_range
+from serve_app.observability.prometheus import PrometheusError, query_range
 
 #: Reasons of the router's own overload refusals (503 before the request ran).
 REFUSAL_REASONS = "overloaded|queue_timeout|shed"

@@ -6,7 +6,7 @@ The server is Debian's ``prometheus`` package (2.42). Its config is the repo's
 file (``<ray temp dir>/prom_metrics_service_discovery.json``, which lists every node's metrics
 export port) filled in. It listens on 127.0.0.1 only.
 
-    python -m serve_app.tools.prometheus [--port 9090] [--data-dir /tmp/mesh-prometheus]
+    python -m serve_app.observability.prometheus [--port 9090] [--data-dir /tmp/mesh-prometheus]
 
 runs it in the foreground until Ctrl-C, SIGTERM or SIGHUP, which stop Prometheus too. While
 it runs, ``<data dir>/prometheus.pid`` holds Prometheus's pid, so ``scripts/stop.sh`` can
@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 from serve_app.common.paths import REPO_ROOT
-from serve_app.tools.servers import ServerDidNotStart, wait_until_ready
+from serve_app.common.servers import ServerDidNotStart, wait_until_ready
 
 CONFIG_TEMPLATE = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RAY_SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")
@@ -155,7 +155,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 def main() -> None:
     import signal
 
-    from serve_app.tools.script_args import ScriptError, run, script_parser
+    from serve_app.common.script_args import ScriptError, run, script_parser
 
     def serve() -> int:
         p = script_parser(__doc__, prog="observability.sh")

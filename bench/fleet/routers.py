@@ -1,4 +1,4 @@
-"""The replica routers a simulated fleet (:mod:`serve_app.sim.fleet`) is measured with.
+"""The replica routers a simulated fleet (:mod:`bench.fleet.fleet`) is measured with.
 
 * ``default``: Serve's ``PowerOfTwoChoicesRequestRouter`` (Ray 2.60): two replicas at random
   among those with room, the one with fewer requests in flight.
@@ -27,7 +27,7 @@ import random
 from collections.abc import Callable
 
 from serve_app.ingress.replica_affinity import BLOCK_CHARS, ReplicaAffinity, prefix_keys
-from serve_app.sim.fleet import Fleet, FleetReplica, FleetRequest, Router
+from bench.fleet.fleet import Fleet, FleetReplica, FleetRequest, Router
 
 ROUTERS = ("default", "multiplex", "affinity", "affinity-no-prefix", "affinity-no-adapter")
 

@@ -1,13 +1,12 @@
-"""Start-up of servers the tools run beside the mesh (vLLM's own server for the benchmark,
-Prometheus for observability, test clusters): a free port, and waiting until one answers."""
+"""Start-up of servers the benchmarks and tests run beside the mesh (a local Ray cluster,
+Redis): a free port, and each server started and answering."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
-import time
 
-import httpx
+from serve_app.common.servers import ServerDidNotStart, wait_until_ready
 
 
 def free_port() -> int:
@@ -15,37 +14,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class ServerDidNotStart(RuntimeError):
-    """The process exited, or did not answer in time (the message says which and where its
-    log is)."""
-
-
-def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: str,
-                     timeout_s: float, every_s: float = 1.0, ready=None,
-                     errors: tuple[type[Exception], ...] = (httpx.HTTPError,)) -> None:
-    """Poll ``url`` until it answers 200 (or ``ready()`` is true; ``errors`` it may raise
-    mean "not yet") while ``proc`` runs.
-
-    Raises:
-        ServerDidNotStart: ``proc`` exited, or ``timeout_s`` passed (``proc`` is killed).
-    """
-    ready = ready or (lambda: httpx.get(url, timeout=2).status_code == 200)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise ServerDidNotStart(f"{what} exited; see {log_path}")
-        try:
-            if ready():
-                return
-        except errors:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise ServerDidNotStart(f"{what} did not answer {url} in {timeout_s:.0f} s; see "
-                                    f"{log_path}")
-        time.sleep(every_s)
 
 
 def start_local_ray(env: dict[str, str] | None = None) -> tuple[str, int, str]:

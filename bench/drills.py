@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 from serve_app.observability.stats import percentile
-from serve_app.tools.loadgen import Answer, LoadSpec, RequestResult, flood, probe
+from bench.loadgen import Answer, LoadSpec, RequestResult, flood, probe
 
 
 #: Refusal codes decided at arrival (the rest, ``shed`` and ``queue_timeout``, come later:
@@ -146,7 +146,7 @@ def without_priorities(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def herd_table(answers: list[Answer]) -> list[tuple[str, int, str]]:
-    """What a herd's clients got (:func:`~serve_app.tools.loadgen.flood` with streams), as
+    """What a herd's clients got (:func:`~bench.loadgen.flood` with streams), as
     ``(what, count, when)`` rows: each outcome (status, error code, stream or not, complete
     or cut) with the p50 and max of when its status arrived, s."""
     groups: dict[str, list[Answer]] = {}

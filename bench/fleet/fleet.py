@@ -8,7 +8,7 @@ the simulated engine's :class:`~serve_app.sim.scheduler.SimScheduler` priced by 
 :class:`~serve_app.ingress.replica_affinity.ReplicaAffinity` fed what
 :class:`~serve_app.ingress.replica_router.AffinityRouter` feeds it; admission is the mesh's
 :class:`~serve_app.ingress.admission.VariantAdmission`. Around them, this module stands in
-for what Serve and vLLM do (:mod:`serve_app.sim.fleet_routing` for Serve's routers):
+for what Serve and vLLM do (:mod:`bench.fleet.routers` for Serve's routers):
 
 * a replica takes at most ``max_ongoing_requests``; when every replica is full a request
   waits in the router, first come first routed (Serve's ``FIFOMixin``);
@@ -210,7 +210,7 @@ class FleetReplica:
 
 
 class Router:
-    """A replica router of the fleet (:mod:`serve_app.sim.fleet_routing` has them)."""
+    """A replica router of the fleet (:mod:`bench.fleet.routers` has them)."""
 
     def choose(self, req: FleetRequest, pool: list[FleetReplica]) -> FleetReplica | None:
         """The replica ``req`` goes to (its slot is then taken), or None when none has room

@@ -1,4 +1,4 @@
-"""Seeded, reproducible workloads for a simulated fleet (:mod:`serve_app.sim.fleet`), with
+"""Seeded, reproducible workloads for a simulated fleet (:mod:`bench.fleet.fleet`), with
 open-loop (Poisson) arrivals.
 
 * :func:`many_adapters`: requests for ``adapters`` LoRA adapters whose popularity follows
@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from serve_app.sim.fleet import FleetRequest
+from bench.fleet.fleet import FleetRequest
 from serve_app.sim.prefix_cache import PrefixCache
 
 VOCAB = 65_536
@@ -168,7 +168,7 @@ def reachable_hit_rate(requests: list[FleetRequest], block_size: int,
 
 @dataclass
 class ClosedLoop:
-    """The load of the mesh's own benchmarks (``serve_app.tools.loadgen``): ``total``
+    """The load of the mesh's own benchmarks (``bench.loadgen``): ``total``
     requests, ``clients`` in flight, each client sending its next request when its last one
     ends; request i asks for ``adapters[i % len(adapters)]`` (None: the base model). One
     prompt of ``prompt_tokens`` for all, as the load generator sends."""

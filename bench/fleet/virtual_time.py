@@ -1,7 +1,7 @@
 """An asyncio event loop on a virtual clock: when no callback is ready, time jumps to the next
 timer instead of waiting for it.
 
-A fleet of simulated engines (:mod:`serve_app.sim.fleet`) runs the mesh's own asyncio code
+A fleet of simulated engines (:mod:`bench.fleet.fleet`) runs the mesh's own asyncio code
 (admission's futures and deadlines, the engines' step loops) on this loop, so an hour of
 traffic on 32 replicas takes as long as its Python work, and every duration is exact. The
 technique is the one of the ``looptime`` pytest plugin and of Trio's ``MockClock(autojump)``:
