@@ -26,7 +26,6 @@ line (``K=16 affinity/default tokens/s 1.62x``).
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from dataclasses import replace
 from pathlib import Path

@@ -1,5 +1,6 @@
 """The overload drill: a flood of low-priority requests against a high-priority tenant's
-latency, measured in one run (``scripts/drill_overload.py``, ``tests/test_overload.py``).
+latency, measured in one run (``scripts/drill_overload.py``,
+``tests/integration/test_overload.py``).
 
 1. **idle**: the probe tenant sends ``probes`` streamed chats one after another on the idle
    mesh: its TTFT p95 is the baseline.

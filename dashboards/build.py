@@ -6,8 +6,9 @@
 
 Every panel is a PromQL query over the series the mesh exports through Ray's metrics:
 ``ray_mesh_*`` (the router), ``ray_vllm_*`` (each variant's engine, labelled ``variant``).
-``tests/test_observability.py`` runs every query against a real Prometheus scraping a mesh
-under load and requires each one to return data, so the dashboard cannot rot silently.
+``tests/integration/test_observability.py`` runs every query against a real Prometheus
+scraping a mesh under load and requires each one to return data, so the dashboard cannot rot
+silently.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def p95(metric: str, by: str = BY, selector: str = SEL, q: float = 0.95) -> str:
             f"(rate({metric}_bucket{{{selector}}}[1m])))")
 
 
-#: The row of variants that scale to zero: tests/test_scale_to_zero.py checks its queries (it
-#: has the cold starts); tests/test_observability.py checks every other row.
+#: The row of variants that scale to zero: tests/integration/test_scale_to_zero.py checks its
+#: queries (it has the cold starts); tests/integration/test_observability.py checks every
+#: other row.
 SCALE_TO_ZERO_ROW = ("Scale to zero: variant states, cold starts and the resident budget "
                      "(serve_app/ingress/cold_start.py)")
 

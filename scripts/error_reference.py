@@ -4,9 +4,9 @@ The table comes from :data:`serve_app.common.errors.ERROR_CODES`. :func:`codes_i
 reads every ``error.code`` the package can send out of its source (Python's ``ast``, no
 import): ``code="..."`` arguments (a string, or a module constant), the status phrase of a
 ``MeshError`` / ``Verdict`` / ``error_body`` with a constant status and no code, the code of
-a tenant limit's ``Refusal`` and the reason of an admission ``Rejected``. ``tests/test_docs.py``
-requires each of them in the catalog, and the committed page to be what :func:`render`
-writes.
+a tenant limit's ``Refusal`` and the reason of an admission ``Rejected``.
+``tests/unit/test_docs.py`` requires each of them in the catalog, and the committed page to be
+what :func:`render` writes.
 
     python scripts/error_reference.py           write docs/errors.md
     python scripts/error_reference.py --check   exit 1 when it is stale

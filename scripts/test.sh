@@ -13,7 +13,7 @@
 #                                run it after changing the engine, the lock or the replica
 #                                (docs/testing.md). Modules marked sim_only still run on the sim.
 #   ./scripts/test.sh ARGS...    pytest arguments, e.g. -m "not integration" (unit tests only)
-#                                or tests/test_canary.py
+#                                or tests/integration/test_canary.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then

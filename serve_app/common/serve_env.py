@@ -10,7 +10,7 @@ Its log buffer (1000 records, flushed only when full or on an error) is set back
 the access log and warnings reach the replicas' log files as they happen.
 
 These are read when Ray's processes start, so they go in the environment of ``ray start``
-(``scripts/demo.sh``, the test cluster in ``tests/conftest.py``, a KubeRay pod spec).
+(``scripts/demo.sh``, the test cluster in ``tests/integration/conftest.py``, a KubeRay pod spec).
 
     eval "$(python -m serve_app.common.serve_env)"   # export them in a shell
 """

@@ -1,5 +1,5 @@
 """Run a real Prometheus server against the mesh's Ray cluster (``scripts/observability.sh``,
-``tests/test_observability.py``), and query it.
+``tests/integration/test_observability.py``), and query it.
 
 The server is Debian's ``prometheus`` package (2.42). Its config is the repo's
 ``deploy/prometheus/prometheus.yml``, with the scrape interval and Ray's service-discovery

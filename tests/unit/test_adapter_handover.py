@@ -21,8 +21,8 @@ from serve_app.ingress.admission import VariantAdmission
 from serve_app.ingress.dispatch import Dispatcher
 from serve_app.server.lora import ADAPTER_CAPACITY, HANDOVER_SHARE, AdapterSet
 from serve_app.server.serving import ReplicaServer
-from test_dispatcher import Availability, Metrics, plan_of
-from test_replica_server import FakeEngine, FakeLoRAModels, _noop as noop
+from tests.support.fake_engine import FakeEngine, FakeLoRAModels, noop
+from tests.support.fakes import FakeAvailability, FakeRouterMetrics, plan_of
 
 ACME, GLOBEX = "acme-support", "globex-report"
 MANIFEST = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -191,8 +191,8 @@ def test_a_stream_that_waits_for_a_slot_is_503_adapter_capacity_without_failover
         held = await adapters.acquire(ACME)  # a long acme stream holds the only slot
         admission = VariantAdmission("smollm-v1")
         admission.set_capacity(4)
-        dispatcher = Dispatcher(ServerHandle(server), lambda _: admission, Availability())
-        metrics, observed = Metrics(), []
+        dispatcher = Dispatcher(ServerHandle(server), lambda _: admission, FakeAvailability())
+        metrics, observed = FakeRouterMetrics(), []
         results = []
         for stream in (True, False):
             plan = replace(plan_of(("smollm-v1",), queue_timeout_s=WAIT_S),

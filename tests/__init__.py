@@ -1,0 +1,1 @@
+"""The test suite: unit/ (no Ray), integration/ (real Ray and Serve), support/ (shared helpers)."""

@@ -1,0 +1,340 @@
+"""Tokens as the unit of tenancy (serve_configs/tenants.yaml): with two router replicas, a
+budget that holds across both routers under concurrent streams, a stream the client abandons
+settling to what it really streamed, a non-stream the client abandons charged its
+reservation with its engine request stopped, vLLM's 400 costing nothing, an engine death
+charging what streamed and the refusals until its replacement nothing, a window that
+refills on time, and the kill drills of both ledger backends (token-fair admission:
+test_fairness.py). The drills come last: they leave acme's day spent. Budgets are given to globex and acme
+here; what they reserve is computed as the router does (:mod:`serve_app.tenancy.token_budget`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import asyncio
+
+import httpx
+import pytest
+import ray
+
+from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
+from serve_app.tenancy.redis_ledger import RedisLedger
+from serve_app.tenancy.token_budget import Reservation
+from bench.servers import start_redis
+from tests.support.budgets import charged_between, day_refill
+
+pytestmark = pytest.mark.integration
+
+KEYS = {"globex": "sk-globex-demo", "acme": "sk-acme-demo"}
+STREAM = {"model": "smollm", "max_tokens": 48, "ignore_eos": True, "stream": True,
+          "stream_options": {"include_usage": True},
+          "messages": [{"role": "user", "content": "Count to fifty."}]}
+SMALL = {"model": "smollm", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def budgeted(cfg: dict, routers: int = 2, **limits: dict) -> dict:
+    """``cfg`` with ``routers`` router replicas and ``limits`` per tenant id (None removes
+    one)."""
+    cfg = copy.deepcopy(cfg)
+    router = cfg["applications"][0]["deployments"][0]
+    router["num_replicas"] = routers
+    for tenant in router["user_config"]["tenants"]:
+        for key, value in limits.get(tenant["id"], {}).items():
+            if value is None:
+                tenant.pop(key, None)
+            else:
+                tenant[key] = value
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def budgets(mesh):
+    mesh.tenants_cfg = mesh.config("tenants.yaml")
+    return mesh
+
+
+def stream(http: httpx.Client, tenant: str, body: dict, request_id: str,
+           read_chunks: int | None = None) -> dict:
+    """One streamed chat: status, headers, the error code, and the tokens its usage chunk
+    reports (0 when refused, or when the client stops after ``read_chunks`` chunks)."""
+    headers = {"authorization": f"Bearer {KEYS[tenant]}", "x-request-id": request_id}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "headers": r.headers,
+                    "code": r.json()["error"]["code"], "tokens": 0}
+        tokens, chunks = 0, 0
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks += 1
+            if read_chunks is not None and chunks >= read_chunks:
+                break  # the client leaves: closing the stream drops the connection
+            if '"usage":{' in line:
+                usage = json.loads(line[6:])["usage"]
+                tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"status": 200, "headers": r.headers, "code": None, "tokens": tokens}
+
+
+def small(http: httpx.Client, tenant: str) -> tuple[int, int]:
+    """A 1-token chat: the tokens left after its reservation (header), and what it cost."""
+    r = http.post("/v1/chat/completions", json=SMALL,
+                  headers={"authorization": f"Bearer {KEYS[tenant]}"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return int(r.headers["x-ratelimit-remaining-tokens"]), usage["total_tokens"]
+
+
+def test_a_window_refills_on_time(budgets):
+    """tokens_per_minute 600 (10 tokens/s): 1-token requests until the budget is spent,
+    then 429 tokens_exhausted with Retry-After; after that many seconds the same request
+    is served."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, globex={"tokens_per_minute": 600}))
+    with budgets.http() as http:
+        headers = {"authorization": f"Bearer {KEYS['globex']}"}
+        for sent in range(1, 40):
+            r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+            if r.status_code != 200:
+                break
+            assert r.headers["x-ratelimit-limit-tokens"] == "600"
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+        retry_after = int(r.headers["retry-after"])
+        print(f"\nspent after {sent - 1} requests; Retry-After {retry_after} s, "
+              f"reset {r.headers['x-ratelimit-reset-tokens']}, "
+              f"remaining {r.headers['x-ratelimit-remaining-tokens']}")
+        assert 1 <= retry_after <= 6  # (one reservation - what is left) / 10 tokens/s
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) < Reservation.of("chat", SMALL).total
+        time.sleep(retry_after)
+        again = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+        assert again.status_code == 200, again.text
+
+
+def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
+    """tokens_per_day 600 (refills 0.007 tokens/s: a fixed budget here): waves of 6
+    concurrent 48-token streams until every one is refused. The tokens served (vLLM's own
+    usage) stay within the budget plus one request's reservation, and reach the budget
+    minus one. Both router replicas served some (their access logs)."""
+    budgets.deploy(budgeted(budgets.tenants_cfg,
+                            globex={"tokens_per_minute": None, "tokens_per_day": 600}))
+    assert len(budgets.replica_ids("mesh", "MeshRouter")) == 2
+    reservation = Reservation.of("chat", STREAM).total
+    prefix = f"budget-{uuid.uuid4().hex[:8]}"
+    served, refused, waves = 0, [], 0
+    with budgets.http() as http, ThreadPoolExecutor(6) as pool:
+        too_big = http.post("/v1/chat/completions", json={**SMALL, "max_tokens": 1000},
+                            headers={"authorization": f"Bearer {KEYS['globex']}"})
+        assert too_big.status_code == 400, too_big.text
+        assert too_big.json()["error"]["code"] == "reservation_exceeds_budget"
+        while waves < 10:
+            waves += 1
+            results = list(pool.map(lambda i: stream(http, "globex", STREAM,
+                                                     f"{prefix}-{waves}-{i}"), range(6)))
+            served += sum(r["tokens"] for r in results if r["status"] == 200)
+            refused += [r for r in results if r["status"] != 200]
+            if all(r["status"] == 429 for r in results):
+                break
+    print(f"\n{waves} waves: {served} tokens served of a 600 budget (reservation "
+          f"{reservation} each), {len(refused)} refused")
+    assert {r["code"] for r in refused} == {"tokens_exhausted"}
+    assert all(r["headers"]["retry-after"] and r["headers"]["x-ratelimit-limit-tokens"] == "600"
+               for r in refused)
+    assert 600 - reservation < served <= 600 + reservation
+    routers = [f for f in budgets.serve_logs.glob("replica_mesh_MeshRouter_*.log")
+               if any(prefix in line for line in open(f))]
+    assert len(routers) == 2, routers
+
+
+def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
+    """A 1,500-token stream (reserving 1,500 + its prompt bound; long enough not to end by
+    itself within the test's 3 s) that the client leaves after 10 chunks is charged its
+    prompt bound plus the chunks the router relayed, not its reservation."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    long = {**STREAM, "max_tokens": 1500}
+    reservation = Reservation.of("chat", long)
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        r = stream(http, "acme", long, f"abandon-{uuid.uuid4().hex[:8]}", read_chunks=10)
+        assert r["status"] == 200
+        time.sleep(3)  # the router sees the disconnect and settles
+        left_after, _ = small(http, "acme")
+    probe_reservation = Reservation.of("chat", SMALL).total
+    abandoned = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                                probe_reservation)
+    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt bound "
+          f"{reservation.prompt}, reservation {reservation.total})")
+    assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
+    assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left
+
+
+def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets):
+    """Issue 27: a 1,500-token non-stream chat whose client leaves after 2 s was free (the
+    cancel path settled with no usage). Now its engine request is aborted (the replica's
+    engine holds nothing a moment later, long before 1,500 tokens would be generated) and
+    it is charged its reservation (vLLM gives a non-stream's usage only with its answer)."""
+    from ray import serve
+
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    body = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
+    reservation = Reservation.of("chat", body).total
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=body, timeout=2.0,
+                      headers={"authorization": f"Bearer {KEYS['acme']}"})
+        left_at = time.monotonic()
+        while (unfinished := replica.stats.remote().result()["engine_unfinished"]) > 0:
+            assert time.monotonic() - left_at < 5, "the engine still runs the abandoned request"
+            time.sleep(0.2)
+        stopped_s = time.monotonic() - left_at
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    probe_reservation = Reservation.of("chat", SMALL).total
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
+    print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
+          f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
+          f"{reservation})")
+    assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header
+
+
+def test_a_4xx_from_vllm_costs_nothing(budgets):
+    """vLLM's own 400 (a temperature it refuses, after the router reserved for the body)
+    gives every reserved token back: nothing ran."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
+    probe_reservation = Reservation.of("chat", SMALL).total
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        bad = http.post("/v1/chat/completions", json={**SMALL, "temperature": -1},
+                        headers={"authorization": f"Bearer {KEYS['acme']}"})
+        assert bad.status_code == 400, bad.text
+        time.sleep(0.5)  # the router's give-back is sent without waiting
+        left_after, _ = small(http, "acme")
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
+    print(f"\nvLLM's 400: charged {charged} tokens")
+    assert abs(charged) <= 1  # 1: whole-token rounding of the header
+
+
+def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothing(budgets):
+    """Issue 27, through the router: acme's 400-token stream loses its engine after 10
+    events (``LLMReplica.kill_engine``: the simulated core dies as vLLM's EngineCore does)
+    and is charged its prompt bound plus the events relayed (vLLM sends no usage then);
+    each request sent until Serve has replaced the replica is refused before any byte and
+    costs nothing. The bucket after the first request served again says so."""
+    from ray import serve
+
+    # 1,000 a day: the stream's reservation (~470) and two probes fit; it refills 0.7 tokens a
+    # minute, allowed for below (the wait for Serve's new replica took a minute in CI).
+    per_day = 1000
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": per_day}))
+    body = {**STREAM, "max_tokens": 400}
+    prompt = Reservation.of("chat", body).prompt
+    probe_reservation = Reservation.of("chat", SMALL).total
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    headers = {"authorization": f"Bearer {KEYS['acme']}"}
+    with budgets.http() as http:
+        left_before, probe_cost = small(http, "acme")
+        t_before = time.monotonic()
+        events, content, last = 0, 0, ""
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                last = line or last
+                if line.startswith("data: {"):
+                    events += 1
+                    content += '"content":"' in line and '"content":""' not in line
+                    if events == 10:
+                        replica.kill_engine.remote().result()
+        assert last == "data: [DONE]"
+        refused, t0 = [], time.monotonic()
+        while True:  # until Serve has replaced the replica
+            r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+            if r.status_code == 200:
+                break
+            refused.append(r.status_code)
+            assert r.status_code == 503 and time.monotonic() - t0 < 120, r.text
+            time.sleep(0.5)
+        left_after = int(r.headers["x-ratelimit-remaining-tokens"])
+        refill = day_refill(per_day, time.monotonic() - t_before)
+    charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
+                              probe_reservation)
+    print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
+          f"the client; charged {charged} (prompt bound {prompt}, refilled {refill:.1f} "
+          f"meanwhile); {len(refused)} requests refused meanwhile ({set(refused)})")
+    assert content < 400  # the stream was cut
+    # +1: whole-token rounding of the header; the refill over the wait is seen as a credit
+    assert prompt + content <= charged + refill + 1
+    assert charged <= prompt + events + 1  # what the router relayed, nothing for the 503s
+
+
+def spend_to_429(http: httpx.Client, tenant: str) -> int:
+    """1-token chats until the tenant's budget refuses one; returns how many were served."""
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    for served in range(60):
+        r = http.post("/v1/chat/completions", json=SMALL, headers=headers)
+        if r.status_code != 200:
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+            return served
+    raise AssertionError("60 requests and no 429")
+
+
+def refused_for_tokens(http: httpx.Client, tenant: str) -> None:
+    r = http.post("/v1/chat/completions", json=SMALL,
+                  headers={"authorization": f"Bearer {KEYS[tenant]}"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+
+
+def test_a_killed_ledger_actor_comes_back_with_the_budget_spent(budgets):
+    """The kill drill for the default ledger: acme spends its tokens_per_day to a 429; the
+    ledger actor is killed and Ray restarts it; it reads its buckets back from the GCS, so
+    the next request is still a 429 and the actor itself says the day is spent."""
+    budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 300}))
+    reservation = Reservation.of("chat", SMALL).total
+    with budgets.http() as http:
+        served = spend_to_429(http, "acme")
+        actor = ray.get_actor(SHARED_NAME, namespace=SHARED_NAMESPACE)
+        ray.kill(actor, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:  # Ray restarts it (max_restarts=-1)
+            try:
+                left = ray.get(actor.remaining.remote("acme"), timeout=5)
+                break
+            except (ray.exceptions.RayError, TimeoutError):
+                assert time.monotonic() < deadline, "the ledger actor did not come back"
+                time.sleep(0.5)
+        print(f"\nacme spent its 300 tokens/day in {served} requests; the restarted actor "
+              f"says {left} left")
+        assert left["tokens_per_day"] < reservation
+        refused_for_tokens(http, "acme")
+
+
+def test_a_killed_redis_ledger_comes_back_with_the_budget_spent(budgets, tmp_path):
+    """The kill drill for the redis ledger: the routers count in a real redis-server
+    (appendonly); acme spends its tokens_per_day to a 429; the server is killed (SIGKILL)
+    and started again on its data; the next request is still a 429, and Redis says so."""
+    proc, url = start_redis(str(tmp_path))
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    cfg = budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 300})
+    cfg["applications"][0]["deployments"][0]["user_config"]["ledger"] = {
+        "backend": "redis", "redis_url": url}
+    reservation = Reservation.of("chat", SMALL).total
+    try:
+        budgets.deploy(cfg)
+        with budgets.http() as http:
+            served = spend_to_429(http, "acme")
+            proc.kill()
+            proc.wait()
+            proc, _ = start_redis(str(tmp_path), port=port)
+            left = asyncio.run(RedisLedger(url).remaining("acme"))
+            print(f"\nacme spent its 300 tokens/day in {served} requests; Redis, restarted, "
+                  f"says {left} left")
+            assert left["tokens_per_day"] < reservation
+            refused_for_tokens(http, "acme")
+    finally:
+        budgets.deploy(budgets.tenants_cfg)
+        proc.kill()

@@ -1,0 +1,179 @@
+"""A catalog of bad Serve configs, each with the one problem ``meshctl validate`` must report.
+
+Each case starts from a shipped config (``serve_configs/<base>``), changes one thing, and
+names the problem line it must get, exactly (``{models}``, ``{tmp}`` and ``{repo}`` stand for
+this host's paths). ``tests/unit/test_config_catalog.py`` checks every case; add one with every new
+refusal. ``engine=True`` cases are vLLM's own verdicts (they import vLLM: ~10 s once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from serve_app.common.paths import REPO_ROOT, models_dir
+
+ROUTER = "applications[0].deployments[MeshRouter].user_config"
+VARIANT = "applications[1]"
+REPLICA_UC = f"{VARIANT}.deployments[LLMReplica].user_config"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad config.
+
+    Attributes:
+        name: what is wrong, as a user would say it.
+        base: the shipped config it starts from.
+        mutate: changes the config in place; ``tmp`` is a scratch folder for files.
+        problem: the line it must get first (a prefix when it ends with "...").
+        engine: a verdict of vLLM's (``serve_app.release.engine_check``).
+        count: the problems it gets in all (the same one may hit several items).
+    """
+
+    name: str
+    base: str
+    mutate: Callable[[dict[str, Any], Path], None]
+    problem: str
+    engine: bool = False
+    count: int = 1
+
+
+def router(cfg: dict) -> dict:
+    return cfg["applications"][0]["deployments"][0]["user_config"]
+
+
+def variant_args(cfg: dict) -> dict:
+    return cfg["applications"][1]["args"]
+
+
+def engine_args(**changes) -> Callable[[dict, Path], None]:
+    return lambda cfg, tmp: variant_args(cfg)["engine_args"].update(changes)
+
+
+def tenant(i: int, **changes) -> Callable[[dict, Path], None]:
+    return lambda cfg, tmp: router(cfg)["tenants"][i].update(changes)
+
+
+def manifest_with(**changes) -> Callable[[dict, Path], None]:
+    """A copy of the adapter registry in ``tmp`` whose acme-support@v1 has ``changes``; the
+    variant reads that one."""
+    def mutate(cfg: dict, tmp: Path) -> None:
+        registry = yaml.safe_load((REPO_ROOT / "adapters" / "manifest.yaml").read_text())
+        for entry in registry["adapters"]:
+            if entry["name"] == "acme-support" and entry["version"] == 1:
+                entry.update(changes)  # repo-relative uris resolve from the repo root
+        path = tmp / "manifest.yaml"
+        path.write_text(yaml.safe_dump(registry))
+        cfg["applications"][1]["deployments"][0]["user_config"]["adapters_manifest"] = str(path)
+    return mutate
+
+
+def model(name: str) -> Callable[[dict, Path], None]:
+    return lambda cfg, tmp: variant_args(cfg).update(model=name)
+
+
+def models_here() -> str:
+    return ", ".join(sorted(p.parent.name for p in models_dir().glob("*/config.json")))
+
+
+BUDGET = ("is below one request of the default size (568 tokens: a chat without max_tokens "
+          "reserves its prompt bound, at least 56, plus 512), so tenant {tenant!r} would get "
+          "400 reservation_exceeds_budget for every such request; set at least 568")
+
+CASES: list[Case] = [
+    # -- what is on this host --------------------------------------------------------------
+    Case("a model directory that does not exist", "local.yaml", model("nosuchmodel"),
+         f"{VARIANT}.args.model: model 'nosuchmodel' not found at {{models}}/nosuchmodel (no "
+         "config.json). Build the embedded model with `python scripts/prepare_model.py`, or "
+         "set MESH_MODELS_DIR to the folder that holds it. Models in {models}: "
+         "{models_here}."),
+    Case("an adapter uri that points at no directory", "tenants.yaml",
+         manifest_with(uri="adapters/acme-support/v9"),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: directory "
+         "{repo}/adapters/acme-support/v9 (uri 'adapters/acme-support/v9') does not exist; "
+         "train it with scripts/train_adapter.py or fix 'uri' in adapters/manifest.yaml"),
+    Case("adapter weights that are not the registered ones", "tenants.yaml",
+         manifest_with(sha256="0" * 64),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: SHA-256 mismatch for "
+         "{repo}/adapters/acme-support/v1/adapter_model.safetensors: manifest 000000000000..., "
+         "file ..."),
+    Case("an adapter uri with a scheme the registry cannot read", "tenants.yaml",
+         manifest_with(uri="s3://bucket/acme-support/v1"),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: adapter uri "
+         "'s3://bucket/acme-support/v1': scheme 's3://' is not supported; only local paths "
+         "are supported yet; s3:// and gs:// are planned via fsspec"),
+    # -- engine args: vLLM's verdict --------------------------------------------------------
+    Case("a misspelled engine arg", "local.yaml", engine_args(max_num_seqz=4),
+         f"{VARIANT}.args.engine_args.max_num_seqz: vLLM has no engine argument "
+         "'max_num_seqz'; did you mean 'max_num_seqs'? use the names of vLLM's "
+         "AsyncEngineArgs (`vllm serve --help` lists them as --kebab-case options)",
+         engine=True),
+    Case("a dtype vLLM does not know", "local.yaml", engine_args(dtype="float33"),
+         f"{VARIANT}.args.engine_args.dtype: vLLM refuses 'float33': Input should be 'auto', "
+         "'half', 'float16', 'bfloat16', 'float' or 'float32'", engine=True),
+    Case("a negative max_num_seqs", "local.yaml", engine_args(max_num_seqs=-3),
+         f"{VARIANT}.args.engine_args.max_num_seqs: vLLM refuses -3: Input should be greater "
+         "than or equal to 1", engine=True),
+    Case("a max_lora_rank vLLM does not support", "local.yaml", engine_args(max_lora_rank=7),
+         f"{VARIANT}.args.engine_args.max_lora_rank: vLLM refuses 7: Input should be 1, 8, "
+         "16, 32, 64, 128, 256, 320 or 512", engine=True),
+    Case("a max_model_len longer than the model's", "local.yaml",
+         engine_args(max_model_len=99_999),
+         f"{VARIANT}.args.engine_args.max_model_len: vLLM refuses 99999: Value error, "
+         "User-specified max_model_len (99999) is greater than the derived max_model_len...",
+         engine=True),
+    # -- tenants -------------------------------------------------------------------------
+    Case("a tenant owning a misspelled adapter", "tenants.yaml",
+         tenant(2, adapters=["globex-reprot"]),
+         f"{ROUTER}.tenants[2].adapters[0]: 'globex-reprot' is declared by no variant of the "
+         "routes tenant 'globex' may call (declared: acme-support, globex-report); did you "
+         "mean 'globex-report'? fix the name, or declare the adapter in a variant's "
+         "LLMReplica user_config.adapters"),
+    Case("a daily token budget below one default request", "tenants.yaml",
+         tenant(1, tokens_per_day=100),
+         f"{ROUTER}.tenants[1].tokens_per_day: 100 " + BUDGET.format(tenant="acme")),
+    Case("a per-minute token budget below one default request", "tenants.yaml",
+         tenant(1, tokens_per_minute=567),
+         f"{ROUTER}.tenants[1].tokens_per_minute: 567 " + BUDGET.format(tenant="acme")),
+    Case("an API key stored in clear", "tenants.yaml", tenant(1, api_keys_sha256=["sk-acme"]),
+         f"{ROUTER}.tenants.1.api_keys_sha256: Value error, 'sk-acme'... is not a SHA-256 hex "
+         "digest (64 lowercase hex characters); store hashes, never keys: meshctl hash-key"),
+    Case("a tenant naming an unknown route", "tenants.yaml", tenant(1, routes=["smolm"]),
+         f"{ROUTER}: Value error, tenant 'acme' names unknown route 'smolm'"),
+    Case("one adapter owned by two tenants", "tenants.yaml",
+         tenant(2, adapters=["globex-report", "acme-support"]),
+         f"{ROUTER}: Value error, adapter 'acme-support' is owned by both 'acme' and "
+         "'globex'; an adapter belongs to one tenant"),
+    # -- routes and variants ------------------------------------------------------------
+    Case("a negative weight", "canary.yaml",
+         lambda cfg, tmp: router(cfg)["routes"]["smollm"]["variants"][1].update(weight=-1),
+         f"{ROUTER}.routes.smollm.variants.1.weight: Input should be greater than or equal "
+         "to 0"),
+    Case("a route naming a variant that is not in the config", "local.yaml",
+         lambda cfg, tmp: router(cfg)["routes"]["smollm"]["variants"][0].update(
+             application="smollm-v9"),
+         f"{ROUTER}.routes.smollm.variants[0].application: no variant application named "
+         "'smollm-v9' in this config; add it or remove it from the route"),
+    Case("a variant serving another route's name", "local.yaml",
+         lambda cfg, tmp: variant_args(cfg).update(served_model_name="other"),
+         f"{ROUTER}.routes.smollm.variants[0].application: 'smollm-v1' serves 'other'; set "
+         "its args.served_model_name to 'smollm'"),
+    Case("a variant exposed over HTTP", "local.yaml",
+         lambda cfg, tmp: cfg["applications"][1].update(route_prefix="/v1"),
+         f"{VARIANT}.route_prefix: variant 'smollm-v1' must not be exposed over HTTP; set "
+         "`route_prefix: null` (clients go through the router)"),
+    Case("an adapter that is not registered", "tenants.yaml",
+         lambda cfg, tmp: cfg["applications"][1]["deployments"][0]["user_config"][
+             "adapters"].append({"name": "nope", "version": 1}),
+         f"{REPLICA_UC}.adapters[2]: nope@v1 is not in the adapter registry"),
+    Case("an adapter of a higher rank than the engine's", "tenants.yaml",
+         engine_args(max_lora_rank=4),
+         f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: rank 8 is over this "
+         "variant's max_lora_rank=4; raise max_lora_rank in the variant's engine args or "
+         "retrain with r<=4", count=2),  # and globex-report@v1
+]

@@ -1,0 +1,149 @@
+"""Fakes at the router's edges, for unit tests without Ray: the replicas' answers through
+Serve's handles (:class:`FakeStream`, :class:`FakeHandles`), the availability view, the
+router's metrics, Serve's status, and the tenant ledger."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from ray.exceptions import RayActorError
+
+from serve_app.common.wire import GenerateRequest, ReplicaInfo
+from serve_app.ingress.planner import RequestPlan
+from serve_app.tenancy.accounting import RequestAccount
+from serve_app.tenancy.counts import TenantCounts
+
+
+class FakeStream:
+    """What ``handle.options(stream=True).generate.remote(request)`` returns."""
+
+    def __init__(self, items, *, hang: bool = False):
+        self.items, self.hang, self.cancelled = list(items), hang, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.hang:
+            await asyncio.sleep(3600)
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeHandles:
+    """Application -> the answer its replica gives; records each call's request."""
+
+    def __init__(self, answers: dict[str, FakeStream]):
+        self.answers, self.sent = answers, []
+
+    def __call__(self, application):
+        def remote(request):
+            self.sent.append((application, request))
+            return self.answers[application]
+        return SimpleNamespace(options=lambda stream: SimpleNamespace(
+            generate=SimpleNamespace(remote=remote)))
+
+
+class FakeAvailability:
+    """The availability view as the Dispatcher asks it: 4 slots a variant, every variant
+    awake; records refreshes and lost replicas."""
+
+    def __init__(self):
+        self.lost, self.refreshed = [], 0
+
+    def slots(self, application):
+        return 4
+
+    async def refresh(self, max_age_s=0.0):
+        self.refreshed += 1
+
+    def replica_lost(self, application):
+        self.lost.append(application)
+
+    def is_asleep(self, application):
+        return False
+
+    def may_be_asleep(self, application):
+        return False
+
+    def used(self, application):
+        pass
+
+
+class FakeRouterMetrics:
+    """The router metrics a RequestAccount records to."""
+
+    def __init__(self):
+        self.recorded, self.failovers = [], []
+        self.queue_time = SimpleNamespace(observe=lambda *a: None)
+        self.rejected = SimpleNamespace(inc=lambda *a: None)
+        self.failovers_counter = SimpleNamespace(
+            inc=lambda n, tags: self.failovers.append(tags["variant"]))
+
+    def record(self, tags, status, latency_s, **kw):
+        self.recorded.append((tags["variant"], status, kw.get("error_kind")))
+
+    def account(self, observe, tenant: str = "") -> RequestAccount:
+        metrics = SimpleNamespace(queue_time=self.queue_time, rejected=self.rejected,
+                                  failovers=self.failovers_counter, record=self.record)
+        return RequestAccount(metrics, observe, {"route": "r", "variant": "", "tenant": tenant,
+                                                 "adapter": ""}, "req-1")
+
+
+def plan_of(candidates, queue_timeout_s=5.0, top_priority=True) -> RequestPlan:
+    """A chat request's plan over ``candidates`` (route ``r``, no tenant), as the Dispatcher
+    gets it."""
+    request = GenerateRequest("chat", {"model": "r", "messages": []}, priority=2,
+                              request_id="req-1")
+    return RequestPlan(request=request, route="r", adapter="", candidates=tuple(candidates),
+                       arms=(("r", ""),), tenant=None, top_priority=top_priority,
+                       queue_timeout_s=queue_timeout_s)
+
+
+#: A replica serving acme@v1 with 8 engine slots.
+INFO = ReplicaInfo(("acme@v1",), max_num_seqs=8)
+
+
+def status_of(apps: dict[str, dict], messages: dict[str, str] | None = None):
+    """serve.status() for {app: {"RUNNING": n, "STARTING": m}}, with the deployments'
+    ``messages`` (the controller's words on a replica that failed to start)."""
+    return SimpleNamespace(applications={
+        name: SimpleNamespace(status="RUNNING", deployments={
+            "LLMReplica": SimpleNamespace(replica_states=states,
+                                          message=(messages or {}).get(name, ""))})
+        for name, states in apps.items()})
+
+
+class FakeShared:
+    """A :class:`~serve_app.tenancy.ledger.Ledger` on a real TenantCounts, as the actor
+    runs it, with a delay or a failure on request."""
+
+    backend = "fake"
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+        self.counts, self.incarnation = TenantCounts(), "one"
+        self.delay_s, self.fail = delay_s, fail
+        self.calls = 0
+
+    async def acquire_many(self, requests):
+        self.calls += 1
+        if self.fail:
+            raise RayActorError()
+        await asyncio.sleep(self.delay_s)
+        return [(self.incarnation, *self.counts.acquire(*r)) for r in requests]
+
+    async def release_many(self, releases):
+        for tenant_id, incarnation, reserved, used in releases:
+            self.counts.release(tenant_id, reserved, used,
+                                counted=incarnation == self.incarnation)
+
+    async def ping(self):
+        pass

@@ -1,0 +1,1 @@
+"""Unit tests: no Ray cluster, no engine process (fakes at the edges; see tests/support/)."""

@@ -1,0 +1,161 @@
+"""Unit tests of the router's :class:`Dispatcher` (failover and verdicts) with fake handles
+at the edge: no Ray cluster. Admission queues and request accounts are the real ones.
+
+What a candidate's answer or exception causes: a variant failure moves on to the next
+candidate (and counts against its arm), a request error or an internal error is this
+request's answer, a full variant is a 503 at once, and no candidate left is 503
+``no_healthy_variant`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from ray.exceptions import ActorUnavailableError
+from ray.serve.exceptions import BackPressureError
+
+from serve_app.common.errors import MeshError
+from serve_app.common.failures import RETRY_AFTER_S, Failure
+from serve_app.common.wire import Accepted, Head, Tail, Usage
+from serve_app.ingress.admission import VariantAdmission
+from serve_app.ingress.dispatch import Dispatcher
+from serve_app.ingress.planner import VARIANT_HEADER
+from serve_app.ingress.relay import RelayResponse
+from tests.support.fakes import FakeAvailability, FakeHandles, FakeRouterMetrics, FakeStream, plan_of
+
+
+def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
+        queue_timeout_s: float = 5.0, admissions: dict | None = None, top_priority=True,
+        tenant: str = ""):
+    """Dispatch one planned request: (the response or the MeshError raised, the facts)."""
+    handles, availability, metrics, observed = FakeHandles(answers), FakeAvailability(), FakeRouterMetrics(), []
+    if admissions is None:
+        admissions = {v: VariantAdmission(v) for v in candidates}
+        for v, q in admissions.items():
+            q.set_capacity((capacity or {}).get(v, 4))
+    dispatcher = Dispatcher(handles, admissions.__getitem__, availability)
+    plan = plan_of(candidates, queue_timeout_s, top_priority)
+    account = metrics.account(lambda arms, **kw: observed.append((arms, kw)), tenant)
+    account.arms = plan.arms  # as the router does
+
+    async def main():
+        try:
+            return await dispatcher.dispatch(plan, account)
+        except MeshError as e:
+            return e
+
+    result = asyncio.run(main())
+    return result, SimpleNamespace(handles=handles, availability=availability, metrics=metrics,
+                                   observed=observed, admissions=admissions, account=account)
+
+
+OK = Head(200, '{"id":"x"}', usage=Usage(3, 2))
+
+
+def test_first_candidate_answers_and_every_candidate_gets_the_same_request():
+    result, f = run({"v1": FakeStream([Accepted(), OK])})
+    assert (result.status_code, result.body) == (200, b'{"id":"x"}')
+    assert result.headers[VARIANT_HEADER] == "v1"
+    assert f.handles.sent[0][1].request_id == "req-1" and f.handles.sent[0][1].priority == 2
+    assert f.metrics.recorded == [("v1", 200, None)]
+    assert f.admissions["v1"].in_flight == 0  # the slot went back when it finished
+
+
+def test_variant_failures_fail_over_and_count_against_the_arm():
+    unreachable = ActorUnavailableError("replica unreachable", None)
+    full = BackPressureError(num_queued_requests=64, max_queued_requests=64)
+    for first in ([unreachable], [full], [Head(503, "{}", failure=Failure.VARIANT)]):
+        result, f = run({"v1": FakeStream(first), "v2": FakeStream([Accepted(), OK])})
+        assert result.status_code == 200 and result.headers[VARIANT_HEADER] == "v2"
+        assert f.metrics.failovers == ["v1"]
+        arms, facts = f.observed[0]
+        assert arms == (("r", "v1"),) and facts["error"] is True
+        assert f.handles.sent[0][1] is f.handles.sent[1][1]  # one request, built once
+        assert f.admissions["v1"].in_flight == 0
+    # Only an unreachable replica marks its variant as lost (tried last from now on).
+    _, f = run({"v1": FakeStream([unreachable]), "v2": FakeStream([Accepted(), OK])})
+    assert f.availability.lost == ["v1"]
+
+
+def test_a_request_error_is_the_answer_and_does_not_fail_over():
+    bad = Head(400, json.dumps({"error": {"message": "bad"}}), failure=Failure.REQUEST)
+    result, f = run({"v1": FakeStream([Accepted(), bad]), "v2": FakeStream([Accepted(), OK])})
+    assert result.status_code == 400 and len(f.handles.sent) == 1
+    assert f.metrics.failovers == [] and f.observed == []  # no arm blamed for a 400
+
+
+def test_an_internal_error_is_one_500_without_failover():
+    class ReplicaBug(Exception):
+        pass
+
+    from ray.exceptions import RayTaskError
+
+    bug = RayTaskError("generate", "Traceback ...", ReplicaBug("bug")).as_instanceof_cause()
+    result, f = run({"v1": FakeStream([bug]), "v2": FakeStream([Accepted(), OK])})
+    assert isinstance(result, MeshError) and (result.status, result.code) == (500,
+                                                                              "internal_error")
+    assert len(f.handles.sent) == 1
+
+
+def test_no_candidate_left_is_503_with_retry_after():
+    gone = FakeStream([Head(503, "{}", failure=Failure.VARIANT)])
+    result, f = run({"v1": gone, "v2": FakeStream([Head(503, "{}", failure=Failure.VARIANT)])})
+    assert isinstance(result, MeshError)
+    assert (result.status, result.code) == (503, "no_healthy_variant")
+    assert result.headers == {"Retry-After": str(RETRY_AFTER_S)}
+    assert f.metrics.failovers == ["v1", "v2"]
+
+
+def test_a_replica_that_sends_no_first_item_in_time_is_failed_over_and_cancelled():
+    hanging = FakeStream([], hang=True)
+    result, f = run({"v1": hanging, "v2": FakeStream([Accepted(), OK])}, queue_timeout_s=0.1)
+    assert result.status_code == 200 and hanging.cancelled
+
+
+def test_a_full_variant_is_503_at_once_and_one_without_replicas_is_skipped():
+    # No replica running: the next candidate.
+    result, _ = run({"v2": FakeStream([Accepted(), OK])}, capacity={"v1": 0})
+    assert result.headers[VARIANT_HEADER] == "v2"
+    # Full (queue bound reached): a 503 with the admission's own Retry-After.
+    queue = VariantAdmission("v1", max_queued_per_slot=0)
+    queue.set_capacity(1)
+    queue.in_flight = 1  # its one slot is taken
+    refusal, f = run({"v1": FakeStream([Accepted(), OK])}, candidates=("v1",),
+                     admissions={"v1": queue}, top_priority=False)
+    assert isinstance(refusal, MeshError)
+    assert (refusal.status, refusal.code) == (503, "overloaded")
+    assert int(refusal.headers["Retry-After"]) >= 1 and f.handles.sent == []
+
+
+def test_a_request_in_a_newcomer_slot_tells_the_replica_router_so():
+    """The replica router places a newcomer slot's request apart (rule 6 of
+    replica_affinity): the request it gets says so; any other request does not."""
+    def admissions(busy_share_full: bool) -> dict:
+        out = {}
+        for v in ("v1", "v2"):
+            out[v] = VariantAdmission(v, fairness="tokens", newcomer_slots=1)
+            out[v].set_capacity(2)
+        # the busy tenants' share of v1 (2 - 1 newcomer slot) is full, or not
+        out["v1"].in_flight = 1 if busy_share_full else 0
+        return out
+
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, admissions=admissions(True),
+               tenant="light")
+    assert [r.newcomer for _, r in f.handles.sent] == [True]
+    _, f = run({"v1": FakeStream([Accepted(), OK])}, admissions=admissions(False),
+               tenant="light")
+    assert [r.newcomer for _, r in f.handles.sent] == [False]
+    # v1's replica fails: v2's slot is an ordinary one, and so is the request it gets
+    _, f = run({"v1": FakeStream([ActorUnavailableError("replica unreachable", None)]),
+                "v2": FakeStream([Accepted(), OK])}, admissions=admissions(True),
+               tenant="light")
+    assert [(v, r.newcomer) for v, r in f.handles.sent] == [("v1", True), ("v2", False)]
+
+
+def test_a_stream_is_relayed():
+    stream = FakeStream([Head(200, stream=True), "data: [DONE]\n\n", Tail()])
+    result, f = run({"v1": stream})
+    assert isinstance(result, RelayResponse) and result.headers[VARIANT_HEADER] == "v1"
+    assert not f.account.finished  # the relay finishes it when the stream ends

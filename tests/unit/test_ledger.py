@@ -1,0 +1,225 @@
+"""The ledger contract (:mod:`serve_app.tenancy.ledger`): both backends, the same tests.
+
+``actor``: the :class:`KeptCounts` the Ray actor runs, called in-process over a key-value
+store (the Ray actor itself, killed and restarted by Ray, is in
+``tests/integration/test_tenant_token_budgets.py``). ``redis``: :class:`RedisLedger` against a real
+``redis-server`` (Debian's, ``scripts/install_services.sh``), killed with SIGKILL and started
+again on its data directory. Each test runs two routers (two :class:`TenantLimiter`, each with
+its own client of the backend) against one ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
+from serve_app.tenancy.ledger import KeptCounts
+from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.redis_ledger import RedisLedger
+from bench.servers import start_redis
+
+
+def tenant(**limits) -> Tenant:
+    return Tenant(id="t", api_keys_sha256=["0" * 64], **limits)
+
+
+class InProcessLedger:
+    """A :class:`Ledger` over the :class:`KeptCounts` the backend runs now, as
+    ``ActorLedger`` is over the actor (its handle reaches the actor's new incarnation)."""
+
+    backend = "actor"
+
+    def __init__(self, actor: ActorBackend) -> None:
+        self.actor = actor
+
+    @property
+    def kept(self) -> KeptCounts:
+        return self.actor.kept
+
+    async def acquire_many(self, asks):
+        await asyncio.sleep(0.001)  # a call's round trip: asks from both routers interleave
+        return self.kept.acquire_many(asks)
+
+    async def release_many(self, releases):
+        self.kept.release_many(releases)
+
+    async def ping(self):
+        pass
+
+    async def remaining(self, tenant_id):
+        return self.kept.remaining(tenant_id)
+
+
+class ActorBackend:
+    def __init__(self, tmp_path) -> None:
+        self.store: dict[str, str] = {}  # tenant id -> JSON, as the GCS keeps it
+        self.restart()
+
+    def client(self) -> InProcessLedger:
+        return InProcessLedger(self)
+
+    def restart(self) -> None:
+        """The actor dies and Ray starts it again: a new incarnation reads the store."""
+        self.kept = KeptCounts(lambda: dict(self.store), self.store.__setitem__)
+
+    def stop(self) -> None:
+        pass
+
+
+class RedisBackend:
+    def __init__(self, tmp_path) -> None:
+        self.dir = str(tmp_path)
+        self.proc, self.url = start_redis(self.dir)
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+    def client(self) -> RedisLedger:
+        return RedisLedger(self.url)
+
+    def restart(self) -> None:
+        """The server is killed (SIGKILL) and started again on its data directory."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc, _ = start_redis(self.dir, port=self.port)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(params=["actor", "redis"])
+def backend(request, tmp_path):
+    b = (ActorBackend if request.param == "actor" else RedisBackend)(tmp_path)
+    yield b
+    b.stop()
+
+
+def two_routers(backend) -> tuple[TenantLimiter, TenantLimiter]:
+    return TenantLimiter(shared=backend.client()), TenantLimiter(shared=backend.client())
+
+
+async def granted(limiter: TenantLimiter, t: Tenant, tokens: int):
+    try:
+        return await limiter.acquire(t, tokens)
+    except MeshError as e:
+        assert e.status == 429, e.body()
+        return None
+
+
+def test_concurrent_reservations_from_two_routers_never_overdraw(backend):
+    """40 asks of 100 tokens at once, half through each router, against 1,000 per minute:
+    exactly 10 are granted. Settled at 50 each, half of what they drew comes back."""
+    t = tenant(tokens_per_minute=1000)
+
+    async def main():
+        a, b = two_routers(backend)
+        leases = await asyncio.gather(*(granted(a if i % 2 else b, t, 100) for i in range(40)))
+        got = [(r, lease) for r, lease in zip([a, b] * 20, leases) if lease is not None]
+        assert len(got) == 10, len(got)
+        for router, lease in got:
+            router.release(lease, used=50)
+        await asyncio.sleep(0.2)  # give-backs are sent without waiting
+        return await backend.client().remaining("t")
+
+    left = asyncio.run(main())["tokens_per_minute"]
+    assert 500 <= left <= 530, left  # 500 settled back, plus a moment's refill (16.7/s)
+
+
+def test_the_concurrency_limit_holds_across_two_routers(backend):
+    t = tenant(max_concurrent_requests=2)
+
+    async def main():
+        a, b = two_routers(backend)
+        first, second = await a.acquire(t), await b.acquire(t)
+        assert await granted(a, t, 0) is None and await granted(b, t, 0) is None
+        a.release(first)
+        await asyncio.sleep(0.2)
+        assert await granted(b, t, 0) is not None
+        assert await granted(a, t, 0) is None
+        assert second is not None
+
+    asyncio.run(main())
+
+
+def test_the_window_refills_at_limit_per_window(backend):
+    """600 per minute is 10 tokens/s: spent to 0, 20 tokens fit again about 2 s later."""
+    t = tenant(tokens_per_minute=600)
+
+    async def main():
+        a, b = two_routers(backend)
+        a.release(await a.acquire(t, 600), used=600)
+        await asyncio.sleep(0.1)
+        with pytest.raises(MeshError) as e:
+            await b.acquire(t, 20)
+        assert e.value.status == 429 and e.value.headers["Retry-After"] == "2"
+        await asyncio.sleep(2.1)
+        assert await b.acquire(t, 20) is not None
+
+    asyncio.run(main())
+
+
+def test_a_cost_beyond_the_reservation_is_a_debt_paid_before_the_next_request(backend):
+    t = tenant(tokens_per_day=1000)
+
+    async def main():
+        a, b = two_routers(backend)
+        a.release(await a.acquire(t, 100), used=1300)  # 300 beyond the whole budget
+        await asyncio.sleep(0.2)
+        with pytest.raises(MeshError) as e:
+            await b.acquire(t, 1)
+        assert e.value.code == "tokens_exhausted" and "owes 30" in e.value.message, e.value
+
+    asyncio.run(main())
+
+
+def test_a_restart_of_the_ledger_gives_no_budget_back(backend):
+    """The kill drill at the ledger's seam: a tenant spends its tokens_per_day down to a 429,
+    the ledger dies and comes back, and the next request is still a 429. A request that was
+    in flight across the restart settles its tokens when it ends."""
+    t = tenant(tokens_per_day=1000)
+
+    async def main():
+        a, _ = two_routers(backend)
+        a.release(await a.acquire(t, 800), used=800)
+        in_flight = await a.acquire(t, 150)
+        with pytest.raises(MeshError) as e:
+            await a.acquire(t, 100)
+        assert e.value.code == "tokens_exhausted", e.value
+        backend.restart()
+        after, other = two_routers(backend)
+        with pytest.raises(MeshError) as e:
+            await after.acquire(t, 100)
+        assert e.value.code == "tokens_exhausted", e.value  # 50 left: 1000 - 800 - 150
+        a.release(in_flight, used=50)  # settled by a router that counted it before
+        await asyncio.sleep(0.3)
+        left = (await backend.client().remaining("t"))["tokens_per_day"]
+        assert 150 <= left <= 152, left  # 1000 - 800 - 50, and a moment's refill
+        assert await other.acquire(t, 100) is not None
+
+    asyncio.run(main())
+
+
+def test_redis_leases_of_a_router_that_died_expire(tmp_path, monkeypatch):
+    """A router that dies holding a request holds its tenant's slot until the lease
+    expires, not forever."""
+    from serve_app.tenancy import redis_ledger
+    backend = RedisBackend(tmp_path)
+    try:
+        monkeypatch.setattr(redis_ledger, "LEASE_TTL_S", 1.0)
+        t = tenant(max_concurrent_requests=1)
+
+        async def main():
+            dead, alive = two_routers(backend)
+            assert await dead.acquire(t) is not None  # never released
+            assert await granted(alive, t, 0) is None
+            deadline = time.monotonic() + 5
+            while await granted(alive, t, 0) is None:
+                assert time.monotonic() < deadline, "the dead router's lease did not expire"
+                await asyncio.sleep(0.2)
+
+        asyncio.run(main())
+    finally:
+        backend.stop()
