@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 ACME = {"authorization": "Bearer sk-acme-demo"}
+GLOBEX = {"authorization": "Bearer sk-globex-demo"}
 OPS = {"authorization": "Bearer sk-mesh-ops-demo"}
 QUESTION = [{"role": "user", "content": "What is the largest ocean on Earth?"}]
 
@@ -159,20 +160,39 @@ def loops() -> list[Loop]:
             Loop("base non-stream", {"model": "smollm", **ask}, OPS)]
 
 
+def adapter_contention_loops() -> list[Loop]:
+    """Two adapters under steady load on one variant: three acme-support loops, streamed and
+    not, of different lengths (batched together, they would all end in one engine step and
+    leave the slot idle; these never end together, so acme's slot is never idle), one
+    globex-report loop, and the base model streamed."""
+    ask = {"messages": QUESTION, "ignore_eos": True}
+    acme = {"model": "smollm:acme-support", **ask}
+    return [Loop("acme stream", {**acme, "stream": True, "max_tokens": 41}, ACME),
+            Loop("acme stream 2", {**acme, "stream": True, "max_tokens": 29}, ACME),
+            Loop("acme non-stream", {**acme, "max_tokens": 19}, ACME),
+            Loop("globex non-stream", {"model": "smollm:globex-report", "max_tokens": 16,
+                                       **ask}, GLOBEX),
+            Loop("base stream", {"model": "smollm", "stream": True, "max_tokens": 16, **ask},
+                 OPS)]
+
+
 def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]],
-         answered_between: bool = False) -> list[Loop]:
+         answered_between: bool = False, clients: list[Loop] | None = None,
+         answers_before: int = 1) -> list[Loop]:
     """Apply ``changes`` one after another with ``serve deploy`` (each waits for RUNNING)
-    while the four loops run; returns the loops (their answers and failures).
+    while the client loops run (default: :func:`loops`); returns the loops (their answers
+    and failures). Every loop is answered ``answers_before`` times before the first change.
     ``answered_between``: after each change, wait until every loop has had an answer since
     (a slow engine's loops would otherwise see several changes within one request)."""
-    clients, stop = loops(), threading.Event()
+    clients, stop = clients or loops(), threading.Event()
     threads = [threading.Thread(target=c.run, args=(mesh.base_url, stop)) for c in clients]
     for t in threads:
         t.start()
     try:
         deadline = time.monotonic() + 120
-        while not all(c.answers for c in clients):  # every loop is answered before a change
-            assert time.monotonic() < deadline, [(c.name, c.failures[:2]) for c in clients]
+        while not all(c.answers >= answers_before for c in clients):  # before any change
+            assert time.monotonic() < deadline, [(c.name, c.answers, c.failures[:2])
+                                                 for c in clients]
             time.sleep(0.2)
         for i, (kind, change) in enumerate(changes, 1):
             change(cfg)
