@@ -24,7 +24,21 @@ from serve_app.common.policies import (Admission, RolloutPolicy, ShadowConfig,
 from serve_app.common.paths import DEFAULT_MODEL_NAME
 
 # Route and application names end up in URLs, metric labels and `route:adapter` model ids.
+# Matched whole (pydantic's `pattern`, `re.fullmatch`): `$` alone lets a trailing newline pass.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+#: Upper bounds of the config's numbers: far above any real setting, and small enough that
+#: every figure derived from them per request (token buckets in float, weight sums) is finite.
+MAX_WEIGHT = 1_000_000
+MAX_CONCURRENT_REQUESTS = 1_000_000
+MAX_REQUESTS_PER_MINUTE = 1_000_000_000
+MAX_TOKENS_BUDGET = 10**15  # tokens per minute or per day
+
+
+def check_name(what: str, name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` matches :data:`NAME_PATTERN` whole."""
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise ValueError(f"{what} {name!r} must match {NAME_PATTERN} (letters, digits, '.', "
+                         "'_', '-'; at most 64)")
 
 
 def duplicates(names: list[str]) -> list[str]:
@@ -64,7 +78,7 @@ class SimArgs(Strict):
     """
 
     profile: str = "cpu-smollm2"
-    start_s: float | None = Field(default=None, ge=0)
+    start_s: float | None = Field(default=None, ge=0, le=86_400)
     fail_start: str | None = None
     reconfigure_s: float = Field(default=0.0, ge=0, le=60)
     time_scale: float = Field(default=1.0, gt=0, le=10)
@@ -169,7 +183,7 @@ class ReplicaConfig(Strict):
     stream_batching_interval_ms: int = Field(default=100, ge=0, le=1000)
     adapters: list[AdapterRef] = Field(default_factory=list)
     adapters_manifest: str | None = None
-    max_adapters_per_replica: int | None = Field(default=None, ge=1)
+    max_adapters_per_replica: int | None = Field(default=None, ge=1, le=4096)
     fault_injection: FaultInjection | None = None
 
     @field_validator("adapters")
@@ -202,14 +216,14 @@ class VariantWeight(Strict):
     """One variant of a route and its integer weight (0: deployed, gets no new traffic)."""
 
     application: str = Field(pattern=NAME_PATTERN)
-    weight: int = Field(ge=0)
+    weight: int = Field(ge=0, le=MAX_WEIGHT)
 
 
 class VersionWeight(Strict):
     """One version of an adapter and its integer weight."""
 
     version: int = Field(ge=1)
-    weight: int = Field(ge=0)
+    weight: int = Field(ge=0, le=MAX_WEIGHT)
 
 
 class AdapterSplit(Strict):
@@ -277,6 +291,15 @@ class RouteConfig(Strict):
             if "@" in adapter:
                 raise ValueError(f"merged: {adapter!r}: name the adapter without a version "
                                  "(the merged variant's model says which version it holds)")
+            check_name("merged: adapter name", adapter)
+            check_name(f"merged.{adapter}: application", app)
+        return v
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: dict[str, AdapterSplit]) -> dict[str, AdapterSplit]:
+        for adapter in v:
+            check_name("adapters: adapter name", adapter)
         return v
 
     @field_validator("variants")
@@ -336,10 +359,10 @@ class Tenant(Strict):
     admin: bool = False
     routes: list[str] = Field(default_factory=lambda: ["*"])
     adapters: list[str] = Field(default_factory=list)
-    max_concurrent_requests: int | None = Field(default=None, ge=1)
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    tokens_per_minute: int | None = Field(default=None, ge=1)
-    tokens_per_day: int | None = Field(default=None, ge=1)
+    max_concurrent_requests: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_REQUESTS)
+    requests_per_minute: int | None = Field(default=None, ge=1, le=MAX_REQUESTS_PER_MINUTE)
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=MAX_TOKENS_BUDGET)
+    tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_TOKENS_BUDGET)
     limits_fail_mode: Literal["open", "closed"] = "open"
     priority: int = Field(default=0, ge=-1000, le=1000)
     shadow: bool = True
@@ -348,9 +371,16 @@ class Tenant(Strict):
     @classmethod
     def _hex_digests(cls, v: list[str]) -> list[str]:
         for digest in v:
-            if not re.match(SHA256_HEX, digest):
+            if not re.fullmatch(SHA256_HEX, digest):
                 raise ValueError(f"{digest[:12]!r}... is not a SHA-256 hex digest (64 lowercase "
                                  "hex characters); store hashes, never keys: meshctl hash-key")
+        return v
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: list[str]) -> list[str]:
+        for adapter in v:
+            check_name("adapter name", adapter)
         return v
 
     def may_call(self, route: str) -> bool:
@@ -372,7 +402,7 @@ class ResidentBudget(Strict):
             replicas, s; past it, 503 ``resident_budget_full``.
     """
 
-    max_variants: int = Field(ge=1)
+    max_variants: int = Field(ge=1, le=10_000)
     evict_timeout_s: float = Field(default=60.0, gt=0, le=600)
 
 
@@ -443,8 +473,7 @@ class RouterConfig(Strict):
     @classmethod
     def _route_names(cls, v: dict[str, RouteConfig]) -> dict[str, RouteConfig]:
         for name in v:
-            if not re.match(NAME_PATTERN, name):
-                raise ValueError(f"route name {name!r} must match {NAME_PATTERN}")
+            check_name("route name", name)
         return v
 
     def applications(self) -> set[str]:

@@ -9,7 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A config schema: unknown fields refused, frozen, and no ``inf`` or ``nan`` in any
+    number (``.inf`` in YAML would pass every ``ge=`` bound)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Admission(Strict):
@@ -43,10 +46,10 @@ class Admission(Strict):
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
-    reserved_slots: int = Field(default=1, ge=0)
-    max_queued_per_slot: float | None = Field(default=None, ge=0)
+    reserved_slots: int = Field(default=1, ge=0, le=100_000)
+    max_queued_per_slot: float | None = Field(default=None, ge=0, le=10_000)
     fairness: Literal["tokens", "fifo"] = "tokens"
-    newcomer_slots: int = Field(default=1, ge=0)
+    newcomer_slots: int = Field(default=1, ge=0, le=100_000)
     anticipation_s: float = Field(default=0.05, ge=0, le=5)
 
 
@@ -67,9 +70,9 @@ class RolloutGates(Strict):
     """
 
     max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
-    max_ttft_p95_ratio: float | None = Field(default=1.5, gt=0)
-    max_latency_p95_ratio: float | None = Field(default=1.5, gt=0)
-    max_truncated_streams: int = Field(default=0, ge=0)
+    max_ttft_p95_ratio: float | None = Field(default=1.5, gt=0, le=1000)
+    max_latency_p95_ratio: float | None = Field(default=1.5, gt=0, le=1000)
+    max_truncated_streams: int = Field(default=0, ge=0, le=1_000_000)
 
 
 class ShadowConfig(Strict):
@@ -87,7 +90,7 @@ class ShadowConfig(Strict):
 
     application: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     percent: float = Field(default=100, ge=0, le=100)
-    max_in_flight: int = Field(default=4, ge=1)
+    max_in_flight: int = Field(default=4, ge=1, le=100_000)
     keep_samples: int = Field(default=0, ge=0, le=1000)
 
 
@@ -107,12 +110,12 @@ class ShadowPhase(Strict):
     """
 
     percent: float = Field(default=100, ge=0, le=100)
-    max_in_flight: int = Field(default=4, ge=1)
-    min_requests: int = Field(default=20, ge=1)
+    max_in_flight: int = Field(default=4, ge=1, le=100_000)
+    min_requests: int = Field(default=20, ge=1, le=1_000_000)
     min_agreement: float = Field(default=0.8, ge=0, le=1)
     min_similarity: float = Field(default=0.9, ge=0, le=1)
     max_error_rate: float = Field(default=0.05, ge=0, le=1)
-    max_latency_ratio: float | None = Field(default=2.0, gt=0)
+    max_latency_ratio: float | None = Field(default=2.0, gt=0, le=1000)
 
 
 class RolloutPolicy(Strict):
@@ -137,8 +140,8 @@ class RolloutPolicy(Strict):
 
     id: str = Field(default="1", min_length=1, max_length=64)
     steps: list[int] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
-    min_requests: int = Field(default=20, ge=1)
-    min_step_s: float = Field(default=60, ge=0)
+    min_requests: int = Field(default=20, ge=1, le=1_000_000)
+    min_step_s: float = Field(default=60, ge=0, le=7 * 86_400)
     gates: RolloutGates = Field(default_factory=RolloutGates)
     paused: bool = False
     abort: bool = False
