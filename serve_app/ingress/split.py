@@ -58,8 +58,9 @@ def splits_of(config: RouterConfig) -> dict[str, Split]:
 
 
 def caller_point(salt: str, identity: str) -> float:
-    """Map ``identity`` to a stable point in [0, 1) for this ``salt``."""
-    digest = hashlib.sha256(f"{salt}\x00{identity}".encode()).digest()
+    """Map ``identity`` to a stable point in [0, 1) for this ``salt``. Any string hashes,
+    a lone surrogate (JSON ``"\\ud800"`` in a client's ``user``) included."""
+    digest = hashlib.sha256(f"{salt}\x00{identity}".encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

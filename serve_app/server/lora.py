@@ -2,11 +2,15 @@
 
 *Declared* is what the variant may serve: the replica's ``user_config.adapters`` lists
 ``{name, version}``, specs come from the adapter registry (:mod:`serve_app.common.adapters`),
-and :meth:`AdapterSet.reconcile` verifies every one (SHA-256, base model, rank, target
-modules, no pickle) without loading it. Hundreds may be declared. *Resident* is what this
-replica holds in vLLM: at most ``max_resident`` (``user_config.max_adapters_per_replica``,
-default the engine's ``max_cpu_loras``) adapter versions, each loaded under its versioned LoRA
-name ``name@vN`` (so prefix-cache blocks of one version are never reused for another).
+and :meth:`AdapterSet.reconcile` verifies every one without loading it (base model, rank;
+for a local folder also SHA-256, target modules, no pickle). Hundreds may be declared. What
+vLLM loads is the version's private copy (:mod:`serve_app.common.adapter_cache`), made from
+its source (a folder, the hub, a bucket) on its first load on the node and hashed again right
+before every load: a source changed after reconcile is refused, never served. *Resident* is
+what this replica holds in vLLM: at most ``max_resident``
+(``user_config.max_adapters_per_replica``, default the engine's ``max_cpu_loras``) adapter
+versions, each loaded under its versioned LoRA name ``name@vN`` (so prefix-cache blocks of
+one version are never reused for another).
 
 - :meth:`AdapterSet.acquire` makes the request's version resident if it is not: a burst of
   requests for a cold adapter shares one load. When the replica is full, the least recently
@@ -59,6 +63,7 @@ from typing import Any, Callable
 from serve_app.common.logs import get_logger
 from serve_app.common.adapters import (AdapterError, AdapterSpec, adapter_key, adapter_name,
                                        load_manifest, verify_adapter)
+from serve_app.common.adapter_cache import verified_copy
 from serve_app.common.errors import MeshError
 
 logger = get_logger(__name__)
@@ -91,7 +96,7 @@ class LiveAdapter:
     while it is resident (0 when not)."""
 
     spec: AdapterSpec
-    path: Path  # the verified adapter directory
+    path: Path | None  # its local source folder, checked at reconcile (None: remote)
     lora_int_id: int = 0
     in_flight: int = 0
     resident_since: float = 0.0  # monotonic s of its last load
@@ -388,12 +393,18 @@ class AdapterSet:
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
         t0 = time.monotonic()
-        result = await self.models.load_lora_adapter(
-            LoadLoRAAdapterRequest(lora_name=live.lora_name, lora_path=str(live.path)))
-        if isinstance(result, ErrorResponse):
+        try:  # what vLLM reads is the private copy, hashed again right now (every load)
+            path = await asyncio.to_thread(verified_copy, live.spec)
+        except AdapterError as e:
+            result, reason = None, str(e)
+        else:
+            result = await self.models.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=live.lora_name, lora_path=str(path)))
+            reason = (f"vLLM could not load adapter {live.lora_name}: {result.error.message}"
+                      if isinstance(result, ErrorResponse) else "")
+        if reason:
             # Declared stays declared (the variant's adapter list must not differ between its
             # replicas): this request fails over (503), the next one tries the load again.
-            reason = f"vLLM could not load adapter {live.lora_name}: {result.error.message}"
             self.load_errors[live.lora_name] = reason
             self.on_event(live.lora_name, "refused", None)
             logger.error("adapter %s: %s", live.lora_name, reason)

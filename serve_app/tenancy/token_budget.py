@@ -57,6 +57,10 @@ CHAT_TEMPLATE_TOKENS = 48
 PROMPT_SPECIAL_TOKENS = 1
 #: Completion tokens reserved for a request that states no ``max_tokens``.
 DEFAULT_MAX_TOKENS = 512
+#: Most tokens one request reserves (2**53: exact as a float, above any budget the config
+#: allows): a ``max_tokens`` or ``n`` of thousands of digits reserves this, and is refused
+#: as ``reservation_exceeds_budget`` (or by vLLM), not overflowed into a float.
+MAX_RESERVATION = 2**53
 #: Window of each budget, s.
 WINDOW_S = {"tokens_per_minute": 60.0, "tokens_per_day": 86400.0}
 
@@ -143,7 +147,7 @@ def completion_reservation(body: dict[str, Any], endpoint: str = "chat",
     elif max_model_len:
         per_sequence = min(per_sequence, max_model_len)
     sequences = max(1, as_int(body.get("n")) or 1, as_int(body.get("best_of")) or 1)
-    return per_sequence * sequences * _prompts(endpoint, body)
+    return min(per_sequence * sequences * _prompts(endpoint, body), MAX_RESERVATION)
 
 
 @dataclass(frozen=True)
