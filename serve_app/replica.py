@@ -23,7 +23,8 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from serve_app.common.adapters import merged_adapter
 from serve_app.common.config import VariantArgs
-from serve_app.common.deployment_options import REPLICA_OPTIONS, options
+from serve_app.common.deployment_options import replica_options
+from serve_app.common.fetch import cached_model, fetch_model
 from serve_app.common.logs import get_logger
 from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaInfo
 from serve_app.server.engine import engine_config, start_engine
@@ -41,9 +42,15 @@ CALIBRATION_TIMEOUT_S = 60
 class LLMReplica:
     """One variant's replica. ``args``: the application's (:class:`VariantArgs`).
 
+    The model is fetched first when it comes from the hub or a bucket (once per node, into
+    the cache other replicas reuse: :mod:`serve_app.common.fetch`), with progress in the
+    replica's log.
+
     Raises:
         pydantic.ValidationError / ValueError / FileNotFoundError: bad ``args`` or a missing
-            model; Serve reports the deploy as failed and keeps serving what ran before.
+            model; FetchError: the model could not be fetched (the reason is in the message).
+            Serve reports the start as failed and keeps serving what ran before; requests
+            held for a cold start of this variant get 503 ``cold_start_failed`` with it.
     """
 
     async def __init__(self, args: dict[str, Any]):
@@ -51,6 +58,7 @@ class LLMReplica:
         # a simulated engine's drill: every reconfigure takes this long (Serve: UPDATING)
         self._reconfigure_s = checked.sim.reconfigure_s if checked.sim else 0.0
         variant = serve.get_replica_context().app_name
+        model_dir = await asyncio.to_thread(fetch_model, checked.model, checked.revision)
         logger.info("variant %s: starting vLLM engine for model %s", variant, checked.model)
         self._reaper = start_reaper()  # stops the engine's processes should this one die first
         self.engine = await start_engine(checked)
@@ -62,7 +70,7 @@ class LLMReplica:
             max_lora_rank=self.engine.max_lora_rank, max_cpu_loras=self.engine.max_cpu_loras)
         self._adapter_metrics = adapters.on_event = AdapterMetrics(variant, replica, adapters)
         self.server = ReplicaServer(variant, self.engine, adapters, replica=replica,
-                                    merged=merged_adapter(checked.model) or "")
+                                    merged=merged_adapter(str(model_dir)) or "")
         # What a full batch costs, for the router's admission (its queue bound and wait
         # estimate) before it has seen this variant under load.
         try:  # a failed measure must not fail the replica: admission then uses its prior
@@ -170,17 +178,21 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     the deploy (``DEPLOY_FAILED``, vLLM's message) and the running replicas keep serving.
     ``args`` vLLM accepted before, with the same vLLM and model files, are not checked again
     (:mod:`serve_app.server.engine_checks`: the check costs 10-20 s per build). A variant on
-    the simulated engine (tests, benchmarks) is not checked here: its replica builds the same
-    ``VllmConfig`` when it starts, so a bad value fails its start instead.
+    the simulated engine (tests, benchmarks), or whose model from the hub or a bucket is not
+    fetched on this node yet, is not checked here: its replica builds the same ``VllmConfig``
+    when it starts, so a bad value fails its start instead. The deployment options are
+    :func:`~serve_app.common.deployment_options.replica_options` of ``args`` (a placement
+    group of one bundle per GPU for a replica that spans GPUs).
 
     Raises:
         ValueError: invalid ``args`` or engine arguments (the message names the field).
     """
     checked = VariantArgs.model_validate(args)
-    if checked.engine == "vllm" and not accepted_before(checked):
+    if (checked.engine == "vllm" and cached_model(checked.model, checked.revision) is not None
+            and not accepted_before(checked)):
         try:
             engine_config(checked)
         except ValueError as e:
             raise ValueError(f"invalid engine_args for model {checked.model!r}: {e}") from None
         remember_accepted(checked)
-    return serve.deployment(LLMReplica, **options(REPLICA_OPTIONS)).bind(args)
+    return serve.deployment(LLMReplica, **replica_options(checked)).bind(args)

@@ -116,12 +116,28 @@ def test_missing_dir_refused(acme, tmp_path):
 
 
 @pytest.mark.parametrize("uri", ["s3://bucket/acme/v1", "gs://bucket/acme/v1"])
-def test_remote_uri_refused(acme, uri):
-    with pytest.raises(AdapterError, match="only local paths are supported yet; "
-                                           "s3:// and gs:// are planned via fsspec"):
+def test_remote_uri_is_fetched_not_read_in_place(acme, uri):
+    """A bucket uri is no local folder; verify_adapter checks what it can offline (the
+    source's shape, the fit) and leaves the files to the private copy's checks."""
+    with pytest.raises(AdapterError, match="is remote: it is fetched into the node's cache"):
         resolve_uri(uri)
-    with pytest.raises(AdapterError, match="adapter acme-support@v1: .*only local paths"):
-        verify_adapter(acme.model_copy(update={"uri": uri}), base_model=BASE, max_lora_rank=8)
+    remote = acme.model_copy(update={"uri": uri})
+    assert verify_adapter(remote, base_model=BASE, max_lora_rank=8) is None
+    with pytest.raises(AdapterError, match="rank 8 is over"):
+        verify_adapter(remote, base_model=BASE, max_lora_rank=4)
+
+
+@pytest.mark.parametrize("uri, revision, match", [
+    ("ftp://host/acme", None, "scheme 'ftp://' is not supported"),
+    ("s3://B/acme", None, "'B' is not a bucket name"),
+    ("hf://org/acme", None, "no revision: pin the commit"),
+    ("hf://org/acme", "main", "revision 'main' is not pinned"),
+    ("adapters/acme-support/v1", "a" * 40, "is not a Hugging Face model id"),
+])
+def test_bad_sources_refused(acme, uri, revision, match):
+    bad = acme.model_copy(update={"uri": uri, "revision": revision})
+    with pytest.raises(AdapterError, match=match):
+        verify_adapter(bad, base_model=BASE, max_lora_rank=8)
 
 
 def test_duplicate_manifest_entries_refused(acme, tmp_path):

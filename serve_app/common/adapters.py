@@ -1,9 +1,13 @@
 """The LoRA adapter registry (``adapters/manifest.yaml``) and the checks run before serving one.
 
-An adapter is registered once, as ``name`` + ``version``, with the SHA-256 of its weights. Before
-a variant loads it, :func:`verify_adapter` checks that the files on disk are the registered ones,
-hold no pickled weights, and fit the variant (base model, LoRA rank, target modules). Every
-failure is an :class:`AdapterError` whose message names the adapter and says how to fix it.
+An adapter is registered once, as ``name`` + ``version``, with the SHA-256 of its weights and
+where it comes from (``uri``: a local folder, a Hugging Face id with a pinned ``revision``, or
+``s3://`` / ``gs://``; :mod:`serve_app.common.sources`). :func:`verify_adapter` checks that it
+fits a variant (base model, LoRA rank) and, for a local folder, that the files are the
+registered ones (:func:`check_adapter_files`: no pickled weights, a LoRA config, the weights'
+SHA-256, target modules). What is loaded into vLLM is always a private copy, verified again
+right before every load (:mod:`serve_app.common.adapter_cache`). Every failure is an
+:class:`AdapterError` whose message names the adapter and says how to fix it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serve_app.common.paths import REPO_ROOT, model_identity, resolve_model_path, resolve_repo_path
+from serve_app.common.sources import LOCAL, Source, SourceError, parse_source
 
 #: Default registry location.
 MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -47,8 +52,12 @@ class AdapterSpec(BaseModel):
     name: str = Field(min_length=1)
     version: int = Field(ge=1)
     base_model: str = Field(min_length=1)
-    #: Where the adapter directory is: a local path (absolute or repo-relative) or ``file://``.
+    #: Where the adapter directory is: a local path (absolute or repo-relative), ``file://``,
+    #: a Hugging Face id (``org/name`` or ``hf://org/name``, with ``revision``), or a bucket
+    #: folder (``s3://bucket/prefix``, ``gs://bucket/prefix``).
     uri: str = Field(min_length=1)
+    #: The hub commit (40 hex) of an adapter from the hub; nothing else has one.
+    revision: str | None = None
     rank: int = Field(ge=1)
     target_modules: list[str] = Field(min_length=1)
     #: Hex SHA-256 of ``adapter_model.safetensors``.
@@ -123,25 +132,42 @@ def load_manifest(path: Path | None = None) -> dict[str, AdapterSpec]:
 
 
 def resolve_uri(uri: str) -> Path:
-    """Turn an adapter ``uri`` into a local directory path (existence is not checked).
+    """Turn a local adapter ``uri`` into a directory path (existence is not checked).
 
     Accepts absolute paths, repo-relative paths and ``file:///abs/path``.
 
     Raises:
-        AdapterError: any other scheme (``s3://``, ``gs://``, ...), or a ``file://`` URI with a
-            host part.
+        AdapterError: a remote source (``hf://``, ``s3://``, ``gs://``: fetched into the node's
+            cache, :func:`serve_app.common.adapter_cache.private_copy`), another scheme, or a
+            ``file://`` URI with a host part.
     """
     parts = urlsplit(uri)
     if parts.scheme == "":
         return resolve_repo_path(uri)
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise AdapterError(f"adapter uri {uri!r}: file:// URIs must be absolute "
-                               "(file:///path/to/adapter)")
-        return Path(unquote(parts.path))
-    raise AdapterError(f"adapter uri {uri!r}: scheme '{parts.scheme}://' is not supported; "
-                       "only local paths are supported yet; s3:// and gs:// are planned via "
-                       "fsspec")
+    try:
+        source = parse_source(uri)
+    except SourceError as e:
+        raise AdapterError(f"adapter uri {e}") from None
+    if source.kind != LOCAL:
+        raise AdapterError(f"adapter uri {uri!r} is remote: it is fetched into the node's "
+                           "cache, not read in place")
+    return Path(source.location)
+
+
+def adapter_source(spec: "AdapterSpec") -> Source:
+    """The :class:`~serve_app.common.sources.Source` of ``spec``. A ``uri`` without a scheme
+    is a local path (absolute or repo-relative), unless ``revision`` makes it a hub id.
+
+    Raises:
+        AdapterError: a malformed uri, a hub id without a pinned revision, a revision on
+            anything else.
+    """
+    try:
+        if urlsplit(spec.uri).scheme in ("", "file") and spec.revision is None:
+            return parse_source(str(resolve_uri(spec.uri)))
+        return parse_source(spec.uri, spec.revision)
+    except (SourceError, AdapterError) as e:
+        raise AdapterError(f"adapter {spec.key}: {e}") from None
 
 
 def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> str | None:
@@ -170,14 +196,13 @@ def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> st
 
 
 def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
-                   supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> Path:
-    """Check that an adapter can be served by a variant; return its local directory.
+                   supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> Path | None:
+    """Check that an adapter can be served by a variant; return its local directory (None
+    for a remote source, whose files are checked when its private copy is made).
 
-    Checks, in order: the directory exists; it holds no pickle-format weights (``*.bin``,
-    ``*.pt``, ``*.pth``, ``*.pkl``); ``adapter_config.json`` is valid JSON with
-    ``peft_type: LORA``; ``adapter_model.safetensors`` exists and its SHA-256 matches the
-    manifest; the adapter's base model is the variant's; its rank matches the manifest and is at
-    most ``max_lora_rank``; its target modules are all in ``supported_modules``.
+    Checks, in order: its source parses (:func:`adapter_source`); a local one's files pass
+    :func:`check_adapter_files`; its base model is the variant's and its rank fits
+    ``max_lora_rank`` (:func:`fit_problem`).
 
     Args:
         spec: the manifest entry.
@@ -188,13 +213,29 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
     Raises:
         AdapterError: the first failed check, with the reason and the fix.
     """
+    source = adapter_source(spec)
+    path = None
+    if source.kind == LOCAL:
+        path = Path(source.location)
+        check_adapter_files(spec, path, supported_modules)
+    if problem := fit_problem(spec, base_model=base_model, max_lora_rank=max_lora_rank):
+        raise AdapterError(f"adapter {spec.key}: {problem}")
+    return path
+
+
+def check_adapter_files(spec: AdapterSpec, path: Path,
+                        supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> None:
+    """Check an adapter directory against its manifest entry: it exists; it holds no
+    pickle-format weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.pkl``); ``adapter_config.json``
+    is valid JSON with ``peft_type: LORA``, the manifest's rank and supported target modules;
+    ``adapter_model.safetensors`` exists and its SHA-256 is the manifest's.
+
+    Raises:
+        AdapterError: the first failed check, with the reason and the fix.
+    """
     def fail(reason: str) -> AdapterError:
         return AdapterError(f"adapter {spec.key}: {reason}")
 
-    try:
-        path = resolve_uri(spec.uri)
-    except AdapterError as e:
-        raise fail(str(e)) from None
     if not path.is_dir():
         raise fail(f"directory {path} (uri {spec.uri!r}) does not exist; train it with "
                    "scripts/train_adapter.py or fix 'uri' in adapters/manifest.yaml")
@@ -228,8 +269,6 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
                    f"{actual[:12]}...; the weights changed after registration: restore them, or "
                    "register the new weights as a new version")
 
-    if problem := fit_problem(spec, base_model=base_model, max_lora_rank=max_lora_rank):
-        raise fail(problem)
     rank = config.get("r")
     if rank != spec.rank:
         raise fail(f"{CONFIG_FILE} has r={rank} but the manifest says rank={spec.rank}; "
@@ -243,7 +282,6 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
     if unsupported:
         raise fail(f"target modules {unsupported} are not supported (supported: "
                    f"{sorted(supported_modules)}); retrain targeting only supported modules")
-    return path
 
 
 def merged_adapter(model: str) -> str | None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from serve_app.common.adapters import adapter_key
 from serve_app.common.policies import (Admission, RolloutPolicy, ShadowConfig,
@@ -96,7 +97,12 @@ class VariantArgs(Strict):
     """``args`` of a variant application (``import_path: serve_app.replica:build_app``).
 
     Attributes:
-        model: prepared model directory name under ``models/`` (or an absolute path).
+        model: where the weights come from (:mod:`serve_app.common.sources`): a model folder's
+            name under ``$MESH_MODELS_DIR`` (default ``models/``) or a path; a Hugging Face
+            id (``org/name``, ``hf://org/name``) with ``revision``; or a bucket folder
+            (``s3://bucket/prefix``, ``gs://bucket/prefix``). A remote one is fetched into the
+            node's cache when a replica starts (:mod:`serve_app.common.fetch`).
+        revision: the hub commit (40 hex) a Hugging Face id is pinned to; nothing else has one.
         served_model_name: the name vLLM serves the base model under; must equal the route
             name that sends traffic here, so responses carry the route name as ``model``.
         engine_args: vLLM engine arguments by their ``AsyncEngineArgs`` names (``dtype``,
@@ -108,6 +114,7 @@ class VariantArgs(Strict):
         sim: the simulated engine's settings (only with ``engine: sim``).
     """
 
+    revision: str | None = None  # before model: the model's check reads it
     model: str = DEFAULT_MODEL_NAME
     served_model_name: str = Field(pattern=NAME_PATTERN)
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -121,12 +128,43 @@ class VariantArgs(Strict):
                              "or remove sim")
         return self
 
+    @field_validator("model")
+    @classmethod
+    def _model_source(cls, v: str, info: ValidationInfo) -> str:
+        from serve_app.common.sources import source_problem
+
+        if problem := source_problem(v, info.data.get("revision")):
+            raise PydanticCustomError("model_source", "{problem}", {"problem": problem})
+        return v
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> "VariantArgs":
+        backend = self.engine_args.get("distributed_executor_backend")
+        if self.gpus_per_replica > 1 and backend not in (None, "ray"):
+            raise ValueError(
+                f"engine_args.distributed_executor_backend {backend!r}: a replica that spans "
+                f"{self.gpus_per_replica} GPUs (tensor_parallel_size x pipeline_parallel_size) "
+                "runs vLLM's workers in its Ray placement group: use 'ray' (the default then)")
+        return self
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """``tensor_parallel_size`` x ``pipeline_parallel_size``: the GPUs one replica's
+        engine spans (1 for a replica on one GPU or on CPUs)."""
+        return (int(self.engine_args.get("tensor_parallel_size") or 1)
+                * int(self.engine_args.get("pipeline_parallel_size") or 1))
+
     @field_validator("engine_args")
     @classmethod
     def _no_model_in_engine_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        for key in ("model", "served_model_name"):
+        for key in ("model", "served_model_name", "revision"):
             if key in v:
                 raise ValueError(f"set {key!r} at the top level of args, not in engine_args")
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if key in v and (not isinstance(v[key], int) or isinstance(v[key], bool)
+                             or v[key] < 1):
+                raise ValueError(f"engine_args.{key} must be a whole number >= 1, "
+                                 f"got {v[key]!r}")
         return v
 
 

@@ -74,6 +74,75 @@ CONTROLLER_OPTIONS: dict[str, Any] = dict(
 )
 
 
+#: Ray resources of the actor of a replica that spans GPUs: Ray Serve LLM's replica actor
+#: (one CPU, no GPU: its engine's workers hold the GPUs, one bundle each).
+SPANNING_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 1}
+#: Placement strategy of a spanning replica's bundles, Ray Serve LLM's default: on one node
+#: when it fits, else across nodes.
+PLACEMENT_STRATEGY = "PACK"
+
+
+def replica_placement(gpus: int, actor: dict[str, Any]) -> dict[str, Any]:
+    """``placement_group_bundles`` and ``placement_group_strategy`` of a replica whose engine
+    spans ``gpus`` GPUs, as Ray Serve LLM builds them (Ray 2.60,
+    ``ray/llm/_internal/serve/core/server/llm_server.py``: ``get_deployment_options`` and
+    ``_merge_replica_actor_and_child_actor_bundles``, over the GPU accelerator's
+    ``default_bundles``): one ``{"GPU": 1}`` bundle per GPU, the first one also holding the
+    replica actor's resources (``actor``: its ``ray_actor_options``), since Serve places the
+    actor in the first bundle. vLLM's Ray executor puts one worker on each GPU bundle.
+
+    Args:
+        gpus: ``tensor_parallel_size`` x ``pipeline_parallel_size``.
+        actor: the replica actor's ``ray_actor_options`` (``num_cpus``, ``num_gpus``,
+            ``resources``, ``memory``).
+    """
+    own = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0),
+           **(actor.get("resources") or {})}
+    if "memory" in actor:
+        own["memory"] = actor["memory"]
+    bundles = [{"GPU": 1} for _ in range(gpus)]
+    first = {k: bundles[0].get(k, 0) + own.get(k, 0) for k in [*bundles[0], *own]}
+    bundles[0] = {k: v for k, v in first.items() if v or k == "GPU"}
+    return {"placement_group_bundles": bundles, "placement_group_strategy": PLACEMENT_STRATEGY}
+
+
+def replica_options(args) -> dict[str, Any]:
+    """The Serve options ``build_app`` deploys a variant's ``LLMReplica`` with
+    (:data:`REPLICA_OPTIONS`), for its :class:`~serve_app.common.config.VariantArgs`: a
+    replica whose engine spans GPUs (``args.gpus_per_replica`` > 1) gets the actor options
+    :data:`SPANNING_ACTOR_OPTIONS` and a placement group of one bundle per GPU
+    (:func:`replica_placement`). A Serve config's ``deployments:`` entry still overrides
+    any of them (``meshctl validate`` checks the result: :func:`replica_resources`)."""
+    opts = options(REPLICA_OPTIONS)
+    if args.gpus_per_replica > 1:
+        opts["ray_actor_options"] = dict(SPANNING_ACTOR_OPTIONS)
+        opts.update(replica_placement(args.gpus_per_replica, SPANNING_ACTOR_OPTIONS))
+    return opts
+
+
+def replica_resources(args, dep: dict[str, Any] | None) -> dict[str, Any]:
+    """The options Serve runs a variant's replica with: :func:`replica_options` of its
+    ``args``, overridden by its Serve config ``deployments:`` entry ``dep`` (Serve's rule: a
+    given option replaces the code's whole). Only the resource options are returned:
+    ``ray_actor_options`` and, when it has a placement group, ``placement_group_bundles``
+    and ``placement_group_strategy``."""
+    code = replica_options(args)
+    dep = dep or {}
+    keys = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
+    return {k: dep[k] if k in dep else code[k] for k in keys if k in dep or k in code}
+
+
+def granted_gpus(resources: dict[str, Any]) -> float:
+    """GPUs a replica's engine is granted by :func:`replica_resources`: those of its
+    placement group's bundles less what the replica actor itself takes (it sits in the
+    first bundle), or, without a placement group, the actor's ``num_gpus``."""
+    actor = resources.get("ray_actor_options") or {}
+    bundles = resources.get("placement_group_bundles")
+    if bundles:
+        return sum(b.get("GPU", 0) for b in bundles) - (actor.get("num_gpus") or 0)
+    return actor.get("num_gpus") or 0
+
+
 def options(table: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``table`` for ``serve.deployment(cls, **options(table))``, so Serve never
     holds (or changes) the table's own dicts."""

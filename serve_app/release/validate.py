@@ -16,13 +16,19 @@ Checks, each reported as ``<path.of.field>: <problem>``:
    that fits ``max_lora_rank``, on an engine with ``enable_lora``; every adapter version a
    route's adapter split names is declared by a variant of the route; every adapter a tenant
    owns is declared by a variant of a route the tenant may call.
-5. What is on this host: each variant's model directory (``args.model``, with its
-   ``config.json``), and each declared adapter's files (the directory its ``uri`` names, no
-   pickled weights, the SHA-256 of its weights as registered: the checks a replica runs
-   before it loads one, :func:`~serve_app.common.adapters.verify_adapter`).
+5. Where weights come from: a variant's ``args.model`` and an adapter's ``uri`` parse as a
+   source (:mod:`serve_app.common.sources`: a hub id of the right shape pinned to a commit, a
+   bucket URI with a bucket and a folder); a local model directory exists here (with its
+   ``config.json``), and a local adapter's files pass the checks a replica runs
+   (:func:`~serve_app.common.adapters.verify_adapter`: no pickled weights, the SHA-256 of its
+   weights as registered). Remote sources are fetched when a replica starts, not here.
 6. Token budgets: a tenant's ``tokens_per_minute`` and ``tokens_per_day`` hold at least one
    request of the default size (:data:`DEFAULT_RESERVATION`), else every request that sets
    no small ``max_tokens`` is refused.
+7. GPUs: a replica whose engine spans GPUs (``tensor_parallel_size`` x
+   ``pipeline_parallel_size`` > 1) is granted at least that many
+   (:func:`~serve_app.common.deployment_options.granted_gpus` of the options Serve will run
+   it with), and its actor fits the first bundle of its placement group.
 
 vLLM's own checks of the engine args (names and values) are in
 :mod:`serve_app.release.engine_check` (slower: it imports vLLM); ``meshctl validate`` runs both.
@@ -40,7 +46,8 @@ import difflib
 from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, fit_problem,
                                        load_manifest, merged_adapter, verify_adapter)
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
-from serve_app.common.deployment_options import SURGE_PERCENT
+from serve_app.common.deployment_options import (SURGE_PERCENT, granted_gpus,
+                                                 replica_resources)
 from serve_app.common.errors import format_validation_error
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -51,6 +58,7 @@ from serve_app.common.serve_configs import (
     mesh_parts,
 )
 from serve_app.common.paths import models_dir, resolve_model_path, resolve_repo_path
+from serve_app.common.sources import parse_source
 from serve_app.tenancy.token_budget import Reservation
 
 #: Tokens the smallest request of default size reserves: a chat of one empty message with no
@@ -96,7 +104,7 @@ def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
 
 
 def validate_config(config: dict[str, Any]) -> list[str]:
-    """All problems found in a Serve config dict (checks 1-6 of the module docstring); an
+    """All problems found in a Serve config dict (checks 1-7 of the module docstring); an
     empty list means it is valid. Engine args are vLLM's to judge:
     :func:`serve_app.release.engine_check.engine_problems`."""
     from ray.serve.schema import ServeDeploySchema
@@ -130,12 +138,14 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     for name, app in parts.variant_apps.items():
         at = f"applications[{parts.app_index[name]}]"
         args = _check(problems, VariantArgs, app.get("args") or {}, f"{at}.args")
-        if args and (missing := _model_problem(args.model)):
+        if args and (missing := _model_problem(args)):
             problems.append(f"{at}.args.model: {missing}")
             no_model.add(name)
         if args:
             variant_args[name] = args
         dep = deployment(app, REPLICA_DEPLOYMENT)
+        if args:
+            problems += _gpu_problems(args, dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}]")
         if dep and dep.get("user_config") is not None:
             uc_at = f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config"
             replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
@@ -196,14 +206,59 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _model_problem(model: str) -> str | None:
-    """Why a variant's ``args.model`` cannot be served from this host, or None."""
+def _model_problem(args: VariantArgs) -> str | None:
+    """Why a variant's local ``args.model`` cannot be served from this host, or None (a
+    model from the hub or a bucket is fetched by the replica: nothing to look at here)."""
+    if parse_source(args.model, args.revision).remote:
+        return None
     try:
-        resolve_model_path(model)
+        resolve_model_path(args.model)
     except FileNotFoundError as e:
         here = sorted(p.parent.name for p in models_dir().glob("*/config.json"))
         return f"{e} Models in {models_dir()}: {', '.join(here) or 'none'}."
     return None
+
+
+def _gpu_problems(args: VariantArgs, dep: dict[str, Any] | None, at: str) -> list[str]:
+    """A replica that spans GPUs must be granted them, and its actor must fit the first
+    bundle of its placement group (Serve refuses the deploy otherwise)."""
+    need = args.gpus_per_replica
+    if need <= 1:
+        return []
+    resources = replica_resources(args, dep)
+    actor = resources.get("ray_actor_options") or {}
+    bundles = resources.get("placement_group_bundles") or []
+    granted = granted_gpus(resources)
+    why = (f"tensor_parallel_size x pipeline_parallel_size = {need}: the engine spans {need} "
+           "GPUs")
+    problems = []
+    if granted < need:
+        if bundles:
+            held = sum(b.get("GPU", 0) for b in bundles)
+            taken = actor.get("num_gpus") or 0
+            has = (f"{held:g} GPU(s) in its placement_group_bundles"
+                   + (f", less the {taken:g} its actor takes (ray_actor_options.num_gpus)"
+                      if taken else ""))
+        else:
+            has = f"ray_actor_options.num_gpus: {granted:g}"
+        problems.append(
+            f"{at}: {why}, and the replica is granted {granted:g} ({has}). The mesh gives a "
+            "replica that spans GPUs a placement group of one GPU bundle each "
+            "(docs/gpu-fleet.md): leave num_gpus out of its ray_actor_options and "
+            "placement_group_bundles out of the deployment, or lower the parallel sizes")
+    if bundles:
+        first = bundles[0]
+        wants = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus") or 0,
+                 **(actor.get("resources") or {})}
+        over = sorted(k for k, v in wants.items() if v and v > first.get(k, 0))
+        if over:
+            problems.append(
+                f"{at}.ray_actor_options: the replica actor asks for "
+                f"{', '.join(f'{k} {wants[k]:g}' for k in over)}, over the first bundle of "
+                f"its placement group {first} (Serve places the actor there and refuses the "
+                "deploy); ask for less, or remove ray_actor_options to take the mesh's "
+                "(num_cpus: 1)")
+    return problems
 
 
 def _tenant_problems(router: RouterConfig, variant_adapters: dict[str, set[str]] | None,

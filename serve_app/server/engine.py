@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.common.config import VariantArgs
-from serve_app.common.paths import resolve_model_path
+from serve_app.common.fetch import model_dir_here
 from serve_app.common.wire import CALIBRATION_TOKENS, Usage
 from serve_app.server.serving import EngineAnswer, EngineError
 
@@ -149,11 +149,13 @@ def build_cli_namespace(args: VariantArgs):
     except SystemExit:  # argparse exits on a bad value; its message went to stderr
         raise ValueError(f"vLLM refused engine_args {', '.join(mappings)}: "
                          f"{json.dumps(mappings)}") from None
-    ns.model = resolve_model_path(args.model)
+    ns.model = model_dir_here(args.model, args.revision)
     ns.served_model_name = [args.served_model_name]
     for key, value in args.engine_args.items():
         if key not in mappings:
             setattr(ns, key, value)
+    if args.gpus_per_replica > 1:  # workers in the replica's placement group, as Ray Serve LLM
+        ns.distributed_executor_backend = "ray"
     validate_parsed_serve_args(ns)
     return ns
 
@@ -193,6 +195,13 @@ async def start_engine(args: VariantArgs) -> EngineHandle:
     from serve_app.observability.engine_metrics import VariantStatLogger
 
     ns, engine_args, vllm_config = engine_config(args)
+    if args.gpus_per_replica > 1:
+        # The replica runs in the placement group Serve made from its bundles (one per GPU,
+        # serve_app.common.deployment_options.replica_placement); vLLM's Ray executor places
+        # a worker on each GPU bundle of it, as Ray Serve LLM's vLLM engine does.
+        from ray.util import get_current_placement_group
+
+        vllm_config.parallel_config.placement_group = get_current_placement_group()
     if args.engine == "sim":  # vLLM's front end on a simulated engine core
         from serve_app.sim.core import start_sim_async_llm
 

@@ -17,12 +17,11 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from serve_app.common.config import VariantArgs
-from serve_app.common.paths import resolve_model_path
+from serve_app.common.fetch import model_dir_here
+from serve_app.common.paths import cache_root
 
 #: Model files the check reads, whose content is part of the key.
 _MODEL_FILES = ("config.json", "tokenizer_config.json", "generation_config.json")
@@ -30,12 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def _records() -> Path:
-    if "MESH_CACHE_DIR" in os.environ:
-        return Path(os.environ["MESH_CACHE_DIR"]) / "engine-checks"
-    home = Path.home() / ".cache" / "model-mesh"
-    if os.access(home if home.exists() else Path.home(), os.W_OK):
-        return home / "engine-checks"
-    return Path(tempfile.gettempdir()) / "model-mesh" / "engine-checks"
+    return cache_root() / "engine-checks"
 
 
 def _vllm_version() -> str:
@@ -55,7 +49,7 @@ def check_key(args: VariantArgs) -> str:
     """
     h = hashlib.sha256(json.dumps(args.model_dump(mode="json"), sort_keys=True).encode())
     h.update(_vllm_version().encode())
-    model = Path(resolve_model_path(args.model))
+    model = Path(model_dir_here(args.model, args.revision))
     for name in _MODEL_FILES:
         path = model / name
         h.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))

@@ -90,8 +90,50 @@ CASES: list[Case] = [
     Case("a model directory that does not exist", "local.yaml", model("nosuchmodel"),
          f"{VARIANT}.args.model: model 'nosuchmodel' not found at {{models}}/nosuchmodel (no "
          "config.json). Build the embedded model with `python scripts/prepare_model.py`, or "
-         "set MESH_MODELS_DIR to the folder that holds it. Models in {models}: "
-         "{models_here}."),
+         "set MESH_MODELS_DIR to the folder that holds it; weights from the hub or a bucket: "
+         "model: org/name with revision: <commit>, or s3://bucket/prefix (docs/gpu-fleet.md). "
+         "Models in {models}: {models_here}."),
+    Case("a hub id with no pinned revision", "local.yaml",
+         model("meta-llama/Llama-3.1-8B-Instruct"),
+         f"{VARIANT}.args.model: 'meta-llama/Llama-3.1-8B-Instruct' is a Hugging Face id "
+         "with no revision: pin the commit every replica downloads with `revision: <40-hex "
+         "commit hash>` (the hub's 'main' moves; HfApi().model_info(id).sha gives today's)"),
+    Case("a hub id pinned to a branch", "local.yaml",
+         lambda cfg, tmp: variant_args(cfg).update(model="hf://meta-llama/Llama-3.1-8B",
+                                                   revision="main"),
+         f"{VARIANT}.args.model: 'hf://meta-llama/Llama-3.1-8B': revision 'main' is not "
+         "pinned: a branch or a tag can move between two replicas' starts; give the full "
+         "40-hex commit hash"),
+    Case("a malformed hub id", "local.yaml",
+         lambda cfg, tmp: variant_args(cfg).update(model="meta-llama/Llama 3", revision="a" * 40),
+         f"{VARIANT}.args.model: 'meta-llama/Llama 3' is not a Hugging Face model id "
+         "(org/name: letters, digits, '-', '_', '.'); a local folder is a bare name under "
+         "MESH_MODELS_DIR or a path (/abs/path, ./relative)"),
+    Case("a bucket URI with no folder", "local.yaml", model("s3://models"),
+         f"{VARIANT}.args.model: 's3://models': name the folder inside the bucket "
+         "(s3://models/<prefix>), not the whole bucket"),
+    Case("a bucket name S3 refuses", "local.yaml", model("gs://My_Models/llama"),
+         f"{VARIANT}.args.model: 'gs://My_Models/llama': 'My_Models' is not a bucket name "
+         "(3-63 lowercase letters, digits, '-', '.'); write gs://<bucket>/<prefix>"),
+    Case("tensor parallelism over the GPUs a replica is granted", "local.yaml",
+         lambda cfg, tmp: (engine_args(tensor_parallel_size=3)(cfg, tmp), cfg["applications"][1][
+             "deployments"][0].update(ray_actor_options={"num_cpus": 1, "num_gpus": 1})),
+         f"{VARIANT}.deployments[LLMReplica]: tensor_parallel_size x pipeline_parallel_size = "
+         "3: the engine spans 3 GPUs, and the replica is granted 2 (3 GPU(s) in its "
+         "placement_group_bundles, less the 1 its actor takes (ray_actor_options.num_gpus)). "
+         "The mesh gives a replica that spans GPUs a placement group of one GPU bundle each "
+         "(docs/gpu-fleet.md): leave num_gpus out of its ray_actor_options and "
+         "placement_group_bundles out of the deployment, or lower the parallel sizes"),
+    Case("a placement group with fewer GPUs than the engine spans", "local.yaml",
+         lambda cfg, tmp: (engine_args(tensor_parallel_size=2, pipeline_parallel_size=2)(
+             cfg, tmp), cfg["applications"][1]["deployments"][0].update(
+             placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}])),
+         f"{VARIANT}.deployments[LLMReplica]: tensor_parallel_size x pipeline_parallel_size = "
+         "4: the engine spans 4 GPUs, and the replica is granted 2 (2 GPU(s) in its "
+         "placement_group_bundles). The mesh gives a replica that spans GPUs a placement group "
+         "of one GPU bundle each (docs/gpu-fleet.md): leave num_gpus out of its "
+         "ray_actor_options and placement_group_bundles out of the deployment, or lower the "
+         "parallel sizes"),
     Case("an adapter uri that points at no directory", "tenants.yaml",
          manifest_with(uri="adapters/acme-support/v9"),
          f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: directory "
@@ -103,10 +145,17 @@ CASES: list[Case] = [
          "{repo}/adapters/acme-support/v1/adapter_model.safetensors: manifest 000000000000..., "
          "file ..."),
     Case("an adapter uri with a scheme the registry cannot read", "tenants.yaml",
-         manifest_with(uri="s3://bucket/acme-support/v1"),
-         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: adapter uri "
-         "'s3://bucket/acme-support/v1': scheme 's3://' is not supported; only local paths "
-         "are supported yet; s3:// and gs:// are planned via fsspec"),
+         manifest_with(uri="ftp://host/acme-support/v1"),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: 'ftp://host/acme-support/v1': "
+         "scheme 'ftp://' is not supported; use a local path, a Hugging Face id (org/name or "
+         "hf://org/name) with a pinned revision, or a bucket (s3://bucket/prefix, "
+         "gs://bucket/prefix)"),
+    Case("an adapter from the hub with no pinned revision", "tenants.yaml",
+         manifest_with(uri="hf://acme/support-lora"),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: 'hf://acme/support-lora' is a "
+         "Hugging Face id with no revision: pin the commit every replica downloads with "
+         "`revision: <40-hex commit hash>` (the hub's 'main' moves; HfApi().model_info(id).sha "
+         "gives today's)"),
     # -- engine args: vLLM's verdict --------------------------------------------------------
     Case("a misspelled engine arg", "local.yaml", engine_args(max_num_seqz=4),
          f"{VARIANT}.args.engine_args.max_num_seqz: vLLM has no engine argument "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import serve_app.replica as replica
+from serve_app.common import paths
 from serve_app.common.config import VariantArgs
 from serve_app.server import engine_checks
 
@@ -57,11 +58,11 @@ def test_an_unwritable_home_falls_back_to_the_temporary_directory(monkeypatch, t
     home = tmp_path / "home"
     home.mkdir(mode=0o555)
     monkeypatch.delenv("MESH_CACHE_DIR", raising=False)
-    monkeypatch.setattr(engine_checks.Path, "home", classmethod(lambda cls: home))
-    monkeypatch.setattr(engine_checks.os, "access", lambda path, mode: False)  # root writes all
-    monkeypatch.setattr(engine_checks.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(paths.Path, "home", classmethod(lambda cls: home))
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: False)  # root writes all
+    monkeypatch.setattr(paths.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert engine_checks._records() == tmp_path / "tmp" / "model-mesh" / "engine-checks"
-    monkeypatch.setattr(engine_checks.os, "access", lambda path, mode: True)
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: True)
     assert engine_checks._records() == home / ".cache" / "model-mesh" / "engine-checks"
 
 
