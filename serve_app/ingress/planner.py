@@ -27,6 +27,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -144,10 +145,19 @@ def _session(session_id: str | None, body: dict[str, Any]) -> str | None:
 
 def conversation(session_id: str | None, body: dict[str, Any], tenant: Tenant | None
                  ) -> str | None:
-    """The caller's conversation for replica affinity: ``<tenant>/<x-session-id>``, else
-    ``<tenant>/<user>``; None without either (a tenant is many conversations, not one)."""
+    """The caller's conversation for replica affinity: a digest of the tenant and its
+    ``x-session-id``, else of its ``user`` (:func:`session_key`); None without either (a
+    tenant is many conversations, not one)."""
     session = _session(session_id, body)
-    return f"{tenant.id if tenant else ''}/{session}" if session else None
+    return session_key(tenant.id if tenant else "", session) if session else None
+
+
+def session_key(tenant_id: str, session: str) -> str:
+    """The key a conversation is remembered by: 32 hex characters (BLAKE2b, 16 bytes) of
+    ``tenant_id`` and ``session``, whatever its length: a client's ids of any size cost the
+    replica router's table the same (tenants apart: the same id of two tenants is two keys)."""
+    return hashlib.blake2b(f"{tenant_id}\0{session}".encode("utf-8", "surrogatepass"),
+                           digest_size=16).hexdigest()
 
 
 class RequestPlanner:

@@ -71,7 +71,9 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
-``max_blocks`` block keys and ``max_sessions`` sessions per router.
+``max_blocks`` block keys and ``max_sessions`` sessions per router; a session is a
+fixed-size digest (:func:`serve_app.ingress.planner.conversation`), so the table's memory is
+bounded by those counts whatever the clients' session ids.
 """
 
 from __future__ import annotations
@@ -99,23 +101,27 @@ MAX_ADAPTER_ROUTES = 10_000  # (adapter, replica) pairs remembered since the rep
 
 
 def _text(content: Any) -> str:
-    """The text of an OpenAI message ``content``: a string, or the ``text`` of its parts."""
+    """The text of an OpenAI message ``content``: a string, or the string ``text`` of its
+    parts (or string parts); anything else in it, of any JSON type, adds nothing (vLLM
+    answers a malformed body with its 400; the router must not raise on it first)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        return "".join(p if isinstance(p, str) else p.get("text") if isinstance(p, dict)
+                       and isinstance(p.get("text"), str) else "" for p in content)
     return ""
 
 
 def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
     """The text a request's prompt starts with: for ``"chat"`` each message as
     ``role: text`` on its own line, for ``"completion"`` the ``prompt`` (its first item when
-    it is a list). An unusable body gives ``""`` (no affinity; vLLM answers it)."""
+    it is a list). An unusable body, or part of one, gives ``""`` (no affinity; vLLM answers
+    it): any JSON shape is read without raising."""
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
             return ""
-        return "".join(f"{m.get('role')}: {_text(m.get('content'))}\n"
+        return "".join(f"{_text(m.get('role'))}: {_text(m.get('content'))}\n"
                        for m in messages if isinstance(m, dict))
     prompt = body.get("prompt")
     if isinstance(prompt, list):
@@ -127,7 +133,8 @@ def prefix_keys(text: str, adapter: str | None = None, block_chars: int = BLOCK_
                 ) -> list[bytes]:
     """Chained keys of ``text``'s whole blocks: key ``i`` identifies the first
     ``(i + 1) * block_chars`` characters under ``adapter``. 8-byte BLAKE2b digests."""
-    h = hashlib.blake2b(f"{adapter or ''}\0".encode(), digest_size=8)
+    h = hashlib.blake2b(f"{adapter or ''}\0".encode("utf-8", "surrogatepass"),
+                        digest_size=8)
     keys = []
     for end in range(block_chars, len(text) + 1, block_chars):
         h.update(text[end - block_chars:end].encode("utf-8", "surrogatepass"))
@@ -239,7 +246,7 @@ class ReplicaAffinity:
                 first = min(seated, key=lambda r: self.routed_at.get(r, -math.inf))
                 return Choice([[first], [r for r in by_load if r != first]], "newcomer")
         coolest = [r for r in by_load if loads[r] == least]
-        seed = keys[0] if keys else (session or "").encode()
+        seed = keys[0] if keys else (session or "").encode("utf-8", "surrogatepass")
         coolest.sort(key=lambda r: (self.held[r] + self.conversations[r], _rendezvous(seed, r)))
         return Choice([coolest[:1], [r for r in by_load if r != coolest[0]]], "new")
 
@@ -253,7 +260,8 @@ class ReplicaAffinity:
         among equals, so routers that see the same loads agree, and the adapter's next
         requests find it held (rule 3)."""
         coolest = [r for r in among if loads[r] == loads[among[0]]]
-        top = min(coolest, key=lambda r: _rendezvous(adapter_name(adapter).encode(), r))
+        name = adapter_name(adapter).encode("utf-8", "surrogatepass")
+        top = min(coolest, key=lambda r: _rendezvous(name, r))
         return Choice([[top], [r for r in by_load if r != top]], decision)
 
     def adapter_bound(self, replica: Hashable,

@@ -34,7 +34,10 @@ would not apply. The replica's :class:`~serve_app.server.lora.AdapterSet` keeps 
 never evicts an adapter in use; this router only prefers the replicas that hold it.
 
 Calls other than ``generate`` (availability polls, stats) go to any replica, least-loaded
-first, as with Serve's default router.
+first, as with Serve's default router. So does a ``generate`` call whose affinity the router
+cannot work out: :meth:`AffinityRouter.choose_replicas` never raises (an exception there is
+Serve's failure to route, which the mesh would count as the variant's), it logs and falls
+back to Serve's own choice among all the candidates.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from serve_app.common.logs import get_logger
+
 from ray.serve.request_router import FIFOMixin, RequestRouter  # Serve's public custom-router API
 from ray.util.metrics import Counter
 
@@ -50,6 +55,12 @@ from serve_app.common.wire import GenerateRequest
 from serve_app.ingress.replica_affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
                                                 MIN_MATCH_RATE, MAX_SESSIONS, ReplicaAffinity,
                                                 prefix_keys, prompt_text)
+
+logger = get_logger(__name__)
+
+#: Seconds between two logged tracebacks of the router's fallback (a client can send any
+#: number of bodies that reach it).
+FALLBACK_LOG_EVERY_S = 60.0
 
 #: ``request_router_class`` of a variant that routes with :class:`AffinityRouter`.
 AFFINITY_ROUTER = "serve_app.ingress.replica_router:AffinityRouter"
@@ -103,7 +114,8 @@ def affinity_inputs(request: GenerateRequest, block_chars: int
                     ) -> tuple[list[bytes], str | None, str | None]:
     """The prefix keys, session and LoRA adapter (``name@vN`` when the router chose a
     version, else ``name``; None for the base model) of one ``generate`` call."""
-    _, _, adapter = str(request.body.get("model", "")).partition(":")
+    model = request.body.get("model") if isinstance(request.body, dict) else None
+    _, _, adapter = model.partition(":") if isinstance(model, str) else ("", "", "")
     adapter = request.adapter_version or adapter or None
     text = prompt_text(request.endpoint, request.body)
     return prefix_keys(text, adapter, block_chars), request.session, adapter
@@ -169,6 +181,23 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         return request if isinstance(request, GenerateRequest) else None
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        """Serve's ranks of ``candidate_replicas`` for ``pending_request``; never raises:
+        anything unexpected is logged and leaves the choice to Serve (one rank of all)."""
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:  # noqa: BLE001 - a request's routing must not fail on our rules
+            self._fallback("choose_replicas")
+            return [candidate_replicas]
+
+    def _fallback(self, where: str) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_logged_at", -FALLBACK_LOG_EVERY_S) >= FALLBACK_LOG_EVERY_S:
+            self._logged_at = now
+            logger.exception("affinity router (%s) of %s failed; Serve's default choice "
+                             "routes the request (logged at most every %.0f s)", where,
+                             self._variant, FALLBACK_LOG_EVERY_S)
+
+    def _choose(self, candidate_replicas, pending_request):
         request = self._request(pending_request)
         if request is None:
             return [candidate_replicas]
@@ -199,6 +228,12 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             self._chosen.popitem(last=False)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        try:
+            self._routed(pending_request, replica_id)
+        except Exception:  # noqa: BLE001 - Serve's hook: routing is done, only learning failed
+            self._fallback("on_request_routed")
+
+    def _routed(self, pending_request, replica_id) -> None:
         request = self._request(pending_request)
         if request is None:
             return

@@ -10,7 +10,7 @@ import pytest
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.planner import UNKNOWN, RequestPlanner
+from serve_app.ingress.planner import UNKNOWN, RequestPlanner, session_key
 from serve_app.ingress.split import pick_variant, splits_of
 
 
@@ -94,10 +94,11 @@ def test_base_model_plan_is_sticky_with_failover_order_and_route_settings():
     assert p.candidates == (first, "v2" if first == "v1" else "v1")
     assert (p.route, p.adapter, p.version) == ("smollm", "", None)
     # What every candidate's replica is sent, built once.
-    assert p.request == GenerateRequest("chat", body, None, 0, "req-1", session="ops/user-7",
+    assert p.request == GenerateRequest("chat", body, None, 0, "req-1",
+                                        session=session_key("ops", "user-7"),
                                         queue_timeout_s=7.0)
     # The replica router's conversation: the header, else the OpenAI user; never the tenant.
-    assert plan({"model": "smollm", "user": "u1"}).request.session == "ops/u1"
+    assert plan({"model": "smollm", "user": "u1"}).request.session == session_key("ops", "u1")
     assert plan({"model": "smollm"}).request.session is None
     # The route's settings travel in the plan: a deploy that changes or removes the route
     # while the request waits for its tenant slot cannot reach it.
