@@ -75,11 +75,15 @@ MANIFEST_HEADER = """\
 #   name            adapter name; requests address it as name@vN
 #   version         integer >= 1; a registered version never changes: new weights get a new one
 #   base_model      the model the adapter was trained on (variants serving another model refuse it)
-#   uri             where the adapter directory is: a repo-relative or absolute local path, or
-#                   file:///abs/path (named uri so s3:// and gs:// can be added later via fsspec)
+#   uri             where the adapter directory is: a repo-relative or absolute local path,
+#                   file:///abs/path, a Hugging Face id (hf://org/name, with revision), or a
+#                   bucket folder (s3://bucket/prefix, gs://bucket/prefix) (docs/gpu-fleet.md)
+#   revision        the hub commit (40 hex) of an adapter from the hub; nothing else has one
 #   rank            LoRA rank r (= adapter_config.json's r; must fit the engine's max_lora_rank)
 #   target_modules  modules the LoRA applies to (must be supported by the engine)
-#   sha256          SHA-256 of adapter_model.safetensors; checked before every load
+#   sha256          SHA-256 of adapter_model.safetensors. A replica loads the adapter from a
+#                   private read-only copy (MESH_CACHE_DIR/adapters/<sha256>), made from the
+#                   uri on first use and hashed again right before every load into vLLM
 #   training        free-form record of how the adapter was made
 #
 # The directory must hold adapter_config.json + adapter_model.safetensors only: pickle-format
