@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 say() { printf '\033[1m[gpu-smoke]\033[0m %s\n' "$*"; }
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
+case "${1:-}" in -*) echo "gpu_smoke.sh: unknown option '$1' (see ./scripts/gpu_smoke.sh --help)" >&2; exit 2;; esac
 OUT=$(realpath -m "${1:-gpu-smoke.json}")
 WORK=${SMOKE_WORKDIR:-$(mktemp -d -t gpu-smoke.XXXXXX)}
 EAGER=${SMOKE_EAGER:-1}

@@ -25,6 +25,7 @@ from serve_app.common.adapters import merged_adapter
 from serve_app.common.config import VariantArgs
 from serve_app.common.deployment_options import replica_options
 from serve_app.common.fetch import cached_model, fetch_model
+from serve_app.common.sources import parse_source
 from serve_app.common.logs import get_logger
 from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaInfo
 from serve_app.server.engine import engine_config, start_engine
@@ -188,8 +189,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         ValueError: invalid ``args`` or engine arguments (the message names the field).
     """
     checked = VariantArgs.model_validate(args)
-    if (checked.engine == "vllm" and cached_model(checked.model, checked.revision) is not None
-            and not accepted_before(checked)):
+    fetched_later = (parse_source(checked.model, checked.revision).remote
+                     and cached_model(checked.model, checked.revision) is None)
+    if checked.engine == "vllm" and not fetched_later and not accepted_before(checked):
         try:
             engine_config(checked)
         except ValueError as e:

@@ -70,3 +70,14 @@ def test_a_sim_variant_is_not_checked_at_build(checks):
     """Its replica builds vLLM's config when it starts (serve_app/server/engine.py)."""
     replica.build_app({**ARGS, "engine": "sim"})
     assert checks == []
+
+
+def test_a_model_fetched_at_replica_start_is_checked_there(checks):
+    """A hub or bucket model not on this node: the build does not download it (the replica
+    fetches it and builds the same VllmConfig at start); a local folder is checked at the
+    build as before (a missing one fails it there: vLLM reads its config.json)."""
+    replica.build_app({**ARGS, "model": "s3://models/llama", "engine_args": {"max_num_seqs": 2}})
+    replica.build_app({**ARGS, "model": "org/llama", "revision": "a" * 40})
+    assert checks == []
+    replica.build_app({**ARGS, "model": "no-such-local-model"})
+    assert checks == [{"max_num_seqs": 4}]

@@ -45,3 +45,10 @@ def test_dry_run_writes_valid_configs_and_the_json(tmp_path):
         == [[{"name": "acme-support", "version": 2}]] * 2
     assert "serve-v1.yaml: ok" in r.stdout and "serve-v2.yaml: ok" in r.stdout
     assert "IN PLACE" in r.stdout and "RESTART" not in r.stdout
+
+
+def test_an_unknown_option_is_refused_in_one_line():
+    r = subprocess.run([str(SCRIPT), "--bogus"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("gpu_smoke.sh: unknown option '--bogus' "
+                                "(see ./scripts/gpu_smoke.sh --help)")
