@@ -169,10 +169,6 @@ ERROR_CODES: dict[str, ErrorCode] = {
         403, "the tenant may not call this route (its `routes`)", "call a route the tenant "
         "may call; the operator may add the route to the tenant", NO_RETRY,
         "ingress/planner.py"),
-    "adapter_not_allowed": ErrorCode(
-        403, "the adapter belongs to another tenant (or to none)", "call your own adapters "
-        "(`route:adapter`); the operator assigns adapters to tenants", NO_RETRY,
-        "ingress/planner.py"),
     "pinning_not_allowed": ErrorCode(
         403, "a non-admin caller sent the `x-mesh-variant` header", "remove the header "
         "(pinning a variant is for admin tenants)", NO_RETRY, "ingress/planner.py"),
@@ -181,7 +177,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "key", NO_RETRY, "router.py"),
     # -- 404 / 413 / 415 ----------------------------------------------------------------------
     "model_not_found": ErrorCode(
-        404, "the `model` names no route, or an adapter no variant of the route serves",
+        404, "the `model` names no route, an adapter the tenant does not own (the same "
+        "answer whether another tenant owns it or no one does), or an adapter no variant of "
+        "the route serves",
         "call a model `GET /v1/models` lists", NO_RETRY, "ingress/planner.py"),
     "adapter_not_found": ErrorCode(
         404, "the replica the router chose does not declare the adapter (the router's view "

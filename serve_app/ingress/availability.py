@@ -18,7 +18,8 @@ Its running replica is asked ``serving_info`` only while the router sends it req
 (:meth:`VariantAvailability.used` within :func:`idle_poll_s`): Serve's autoscaler counts
 the calls it finds in flight when it samples, and a poll once a second could keep it from
 reaching zero. What it served when last warm (adapters, ``max_num_seqs``) is kept while it
-sleeps. A variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`)
+sleeps; one asleep since the router started answers for the adapters its deployed
+``user_config`` declares (read from the controller's deployment details), none other. A variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`)
 takes no new requests: it is asleep from the moment its eviction starts.
 """
 
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from ray import serve
 
 from serve_app.common.logs import get_logger
-from serve_app.common.adapters import adapter_name
+from serve_app.common.adapters import adapter_key, adapter_name
 from serve_app.common.failures import queue_full, replica_gone
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.common.shared_task import start_shared_task
@@ -134,6 +135,8 @@ class VariantAvailability:
         self.evictable: set[str] = set()  # apps whose LLMReplica uses the resident policy
         self.evicting: set[str] = set()  # apps the resident budget is evicting (it sets it)
         self._declared_seqs: dict[str, int] = {}  # app -> engine_args.max_num_seqs deployed
+        self._declared_adapters: dict[str, set[str]] = {}  # app -> user_config.adapters
+        # deployed, as "name@vN"
         self._start_errors: dict[str, tuple[str, str]] = {}  # app -> start_error()
         self.start_failed: dict[str, tuple[float, str]] = {}  # app -> (monotonic until, why):
         # a cold start failed; it is not woken again (nor resident) until then (cold_start)
@@ -252,13 +255,14 @@ class VariantAvailability:
             logger.warning("could not read Serve deployment details: %s", e)
             return
         self._deploys_read = dict(self._deploys)
-        zero, evictable, idle_poll, declared = set(), set(), {}, {}
+        zero, evictable, idle_poll, declared, adapters = set(), set(), {}, {}, {}
         for name, app in (details.get("applications") or {}).items():
             engine_args = ((app.get("deployed_app_config") or {}).get("args") or {}).get(
                 "engine_args") or {}
             if isinstance(engine_args.get("max_num_seqs"), int):
                 declared[name] = engine_args["max_num_seqs"]
             deployment = (app.get("deployments") or {}).get(REPLICA_DEPLOYMENT) or {}
+            adapters[name] = _declared_adapters(deployment)
             scaling = (deployment.get("deployment_config") or {}).get("autoscaling_config")
             if scaling and scaling.get("min_replicas", 1) == 0:
                 zero.add(name)
@@ -272,6 +276,7 @@ class VariantAvailability:
                         "%s)", sorted(zero) or "none", sorted(evictable) or "none")
         self.scales_to_zero, self.evictable, self._idle_poll_s = zero, evictable, idle_poll
         self._declared_seqs = declared  # what is deployed now: none of a deleted app's
+        self._declared_adapters = adapters
 
     def _update_states(self) -> None:
         now = time.time()
@@ -529,9 +534,22 @@ class VariantAvailability:
 
     def serves(self, application: str, adapter: str) -> bool:
         """Whether the application serves ``adapter``: a version ``name@vN``, or any version
-        of ``name``."""
+        of ``name``. What its replicas last reported; for a variant asleep since its deploy
+        (no report yet), what its deployed ``user_config.adapters`` declare."""
         if application not in self.adapters and application in self.scales_to_zero:
-            return True  # asleep since its deploy: unknown; its replica refuses what it lacks
-        versions = self.adapters.get(application, ())
+            versions = self._declared_adapters.get(application, set())
+        else:
+            versions = self.adapters.get(application, set())
         return adapter in versions if "@" in adapter else any(
             adapter_name(v) == adapter for v in versions)
+
+
+def _declared_adapters(deployment: dict) -> set[str]:
+    """The adapter versions (``name@vN``) an ``LLMReplica`` deployment's applied
+    ``user_config`` declares, from the controller's deployment details; empty when it
+    declares none or says nothing readable."""
+    user_config = (deployment.get("deployment_config") or {}).get("user_config")
+    listed = user_config.get("adapters") if isinstance(user_config, dict) else None
+    return {adapter_key(a["name"], a["version"]) for a in listed or ()
+            if isinstance(a, dict) and isinstance(a.get("name"), str)
+            and isinstance(a.get("version"), int)}

@@ -10,8 +10,9 @@ Rules, in order:
 
 1. ``model`` names a route (``smollm``) or ``route:adapter`` (``smollm:acme-support``);
    anything else is 400 (not a string) or 404 ``model_not_found``.
-2. A tenant calls only its routes (403) and its own adapters (403 for another tenant's);
-   an adapter no variant of the route serves is 404.
+2. A tenant calls only its routes (403) and its own adapters: an adapter it does not own is
+   404 ``model_not_found``, the very answer a name no one owns gets (a 403 would tell it
+   that another tenant's adapter exists); an adapter no variant of the route serves is 404.
 3. An adapter with a version split (``routes.<route>.adapters``) gets the caller's sticky
    version; the variants are those of the route that serve it.
 4. ``x-mesh-variant`` pins a variant (admin only, 403 otherwise); else the caller's sticky
@@ -160,6 +161,13 @@ def session_key(tenant_id: str, session: str) -> str:
                            digest_size=16).hexdigest()
 
 
+def _no_such_model(model: str) -> MeshError:
+    """404 ``model_not_found`` for a ``model`` the caller cannot use: no such route, a
+    version in it, or an adapter the caller does not own (whoever else may)."""
+    return MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for the "
+                     "models you can use.", param="model", code="model_not_found")
+
+
 class RequestPlanner:
     """Plans requests for one router config.
 
@@ -213,8 +221,10 @@ class RequestPlanner:
                 "adapter": adapter}
 
     def _known_adapter(self, adapter: str) -> bool:
+        """A tenant owns ``adapter``, or a variant of the config serves (or, asleep,
+        declares) it: a name that may be a metric label."""
         return adapter in self.owned_adapters or any(
-            self.availability.serves(v, adapter) for v in self.availability.adapters)
+            self.availability.serves(v, adapter) for v in self.config.applications())
 
     async def plan(self, endpoint: str, body: dict[str, Any], tenant: Tenant | None, *,
                    request_id: str | None = None, session_id: str | None = None,
@@ -239,8 +249,7 @@ class RequestPlanner:
                             "GET /v1/models)", param="model")
         route, _, adapter = model.partition(":")
         if route not in self.config.routes or "@" in adapter:
-            raise MeshError(404, f"The model {model!r} does not exist. See GET /v1/models for "
-                            "the models you can use.", param="model", code="model_not_found")
+            raise _no_such_model(model)
         if tenant and not tenant.may_call(route):
             raise MeshError(403, f"tenant {tenant.id!r} may not call model {route!r}",
                             param="model", code="model_not_allowed")
@@ -254,7 +263,8 @@ class RequestPlanner:
         weighted = self.weighted(route)
         version = wake = None
         if adapter:
-            self._check_owner(adapter, tenant)
+            if tenant is not None and adapter not in tenant.adapters:
+                raise _no_such_model(model)  # another's, or no one's: the same answer
             version = await self._pick_version(route, adapter, identity)
             weighted = await self._serving(weighted, model, version or adapter)
         if pinned:
@@ -310,13 +320,6 @@ class RequestPlanner:
         wanted = self.availability.version_for(lora_variant, version or adapter)
         return (merged, wanted) if wanted and self.availability.merged(merged) == wanted \
             else None
-
-    def _check_owner(self, adapter: str, tenant: Tenant | None) -> None:
-        """Raises MeshError 403 when ``adapter`` belongs to another tenant (or to none, and
-        the caller does not own it)."""
-        if tenant is not None and adapter not in tenant.adapters and self._known_adapter(adapter):
-            raise MeshError(403, f"tenant {tenant.id!r} may not use adapter {adapter!r}",
-                            param="model", code="adapter_not_allowed")
 
     async def _pick_version(self, route: str, adapter: str, identity: str | None) -> str | None:
         """The version ``name@vN`` an adapter split gives this caller (sticky); if no variant

@@ -102,14 +102,14 @@ def test_every_dashboard_panel_returns_data_and_a_rollout_report_is_written(obse
                     max_tokens=16, duration_s=900, user_prefix="caller-",
                     mix=(("smollm", OPS), ("smollm:acme-support", ACME)))
     with observed.http() as http, background_load(spec) as results:
-        # Tenant rejections: 401 (a wrong key), 403 (another tenant's adapter), 429 (initech
-        # sends two at once, its limit is one).
+        # Tenant rejections: 401 (a wrong key), 404 (another tenant's adapter: the answer a
+        # name no one owns gets), 429 (initech sends two at once, its limit is one).
         body = {"model": "smollm", "max_tokens": 24, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Count to ten."}]}
         assert http.post("/v1/chat/completions", json=body,
                          headers={"authorization": "Bearer sk-wrong"}).status_code == 401
         assert http.post("/v1/chat/completions", json={**body, "model": "smollm:acme-support"},
-                         headers={"authorization": f"Bearer {INITECH}"}).status_code == 403
+                         headers={"authorization": f"Bearer {INITECH}"}).status_code == 404
         with ThreadPoolExecutor(3) as pool:
             statuses = sorted(pool.map(lambda _: observed.http().post(
                 "/v1/chat/completions", json=body,

@@ -28,9 +28,11 @@ from tests.support.fakes import INFO, FakeRouterMetrics, FakeStream, status_of
 
 
 def details_of(zero: set[str]) -> dict:
-    """The controller's deployment details: which apps have min_replicas 0."""
+    """The controller's deployment details: which apps have min_replicas 0 (each declaring
+    acme@v1, as INFO serves)."""
     return {"applications": {name: {"deployments": {"LLMReplica": {"deployment_config": {
-        "autoscaling_config": {"min_replicas": 0, "max_replicas": 1}}}}} for name in zero}}
+        "autoscaling_config": {"min_replicas": 0, "max_replicas": 1},
+        "user_config": {"adapters": [{"name": "acme", "version": 1}]}}}}} for name in zero}}
 
 
 class Replicas:
@@ -102,7 +104,8 @@ def test_a_variant_that_scales_to_zero_sleeps_is_not_polled_idle_and_keeps_its_a
         assert mesh.view.scales_to_zero == {"v2"}
         assert mesh.view.state("v2") == "zero" and mesh.view.is_asleep("v2")
         assert not mesh.view.is_available("v2") and not mesh.view.is_asleep("v1")
-        assert mesh.view.serves("v2", "acme")  # never seen: its replica will say
+        # never seen: what its deployed user_config declares, and nothing else
+        assert mesh.view.serves("v2", "acme") and not mesh.view.serves("v2", "globex")
         mesh.apps["v2"] = {"STARTING": 1}
         await mesh.view.refresh()
         assert mesh.view.state("v2") == "starting"

@@ -140,7 +140,7 @@ def test_model_names():
 
 def test_tenancy_routes_adapters_and_pinning():
     assert refused({"model": "other"}, "globex").code == "model_not_allowed"
-    assert refused({"model": "smollm:globex"}, "acme").code == "adapter_not_allowed"
+    assert refused({"model": "smollm:globex"}, "acme").code == "model_not_found"
     assert refused({"model": "smollm:nope"}, "acme").status == 404
     assert refused({"model": "smollm"}, "acme", pinned="v2").code == "pinning_not_allowed"
     assert refused({"model": "smollm"}, "ops", pinned="o1").code == "unknown_variant"
@@ -249,7 +249,7 @@ def test_an_adapter_with_a_merged_variant_goes_there_first_with_the_lora_path_as
     # tenant isolation is unchanged: another tenant is refused before any variant is chosen
     with pytest.raises(MeshError) as e:
         plan({"model": "smollm:globex"}, "acme", p)
-    assert e.value.status == 403
+    assert (e.value.status, e.value.code) == (404, "model_not_found")
     # base-model traffic never goes to the merged variant
     assert "g-merged" not in plan({"model": "smollm"}, "globex", p).candidates
 
