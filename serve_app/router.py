@@ -188,12 +188,35 @@ class MeshRouter:
         return self.config
 
     def _require_admin(self, request: Request) -> RouterConfig:
+        """The config, for an admin caller. Open mode has no admin: every caller is
+        anonymous, so ``/admin/*`` (kept shadow prompts included) answers no one.
+
+        Raises:
+            MeshError: 503 no config yet; 401 a missing or unknown key; 403 ``admin_only``
+                for a tenant that is not admin, or in open mode.
+        """
         config = self._require_config()
+        if not config.tenants:
+            raise MeshError(403, "/admin endpoints need an admin caller, and this mesh runs "
+                            "in open mode (no tenants, everyone anonymous): add `tenants:` "
+                            "with an admin tenant (`admin: true`) to the MeshRouter "
+                            "user_config and call with its key", code="admin_only")
         tenant = authenticate(self._tenants, request.headers.get("authorization"))
-        if config.tenants and not (tenant and tenant.admin):
+        if not (tenant and tenant.admin):
             raise MeshError(403, "/admin endpoints are for admin callers only",
                             code="admin_only")
         return config
+
+    def _sees_everything(self, request: Request, config: RouterConfig) -> bool:
+        """Open mode (no tenant's names to keep apart: ``GET /v1/models`` lists every
+        adapter to anyone), or an admin tenant's key; never raises (``/health`` is a probe)."""
+        if not config.tenants:
+            return True
+        try:
+            tenant = authenticate(self._tenants, request.headers.get("authorization"))
+        except MeshError:
+            return False
+        return bool(tenant and tenant.admin)
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -259,15 +282,24 @@ class MeshRouter:
             for i in self.planner.model_ids(tenant)]}
 
     @app.get("/health")
-    async def health(self) -> dict[str, Any]:
-        """Router liveness, the weights in force per route (and per adapter version split),
-        which variants have a running replica (as of the last poll, at most ~1 s old), and
-        per variant that scales to zero its state (``warm``, ``starting``, ``zero``) and
-        since when (epoch s); with a resident budget, the budget and the variants resident
-        now (``resident_budget``, else null)."""
+    async def health(self, request: Request) -> dict[str, Any]:
+        """Router liveness: ``status``, ``open_mode`` and, per route, whether a variant of
+        it can take a request now or be woken for one (``routes_available``). An admin
+        caller (and any caller in open mode) also gets the weights in force per route and
+        per adapter version split, which variants have a running replica (as of the last
+        poll, at most ~1 s old), per variant that scales to zero its state (``warm``,
+        ``starting``, ``zero``) and since when (epoch s), and with a resident budget the
+        budget and the variants resident now (``resident_budget``, else null). Anyone else
+        gets no adapter or variant name: adapter names are their tenants' own."""
         config = self._require_config()
+        summary = {"status": "ok", "open_mode": not config.tenants, "routes_available": {
+            route: any(self.availability.is_available(v.application)
+                       or self.availability.is_asleep(v.application) for v in rc.variants)
+            for route, rc in config.routes.items()}}
+        if not self._sees_everything(request, config):
+            return summary
         weights = self.rollouts.weights()
-        return {"status": "ok", "open_mode": not config.tenants,
+        return {**summary,
                 "routes": {k: w for k, w in weights.items() if k in config.routes},
                 "adapters": {k: w for k, w in weights.items() if k not in config.routes},
                 "available": {a: self.availability.is_available(a)

@@ -17,6 +17,7 @@ from serve_app.ingress.split import pick_variant
 pytestmark = pytest.mark.integration
 
 OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of serve_configs/canary.yaml
+ADMIN = {"authorization": f"Bearer {OPS_KEY}"}  # /health's weights and states are for admins
 PROMPT = [{"role": "user", "content": "What is 2 + 2?"}]
 CALLERS = 100  # distinct callers of the 90/10 split: 10 +- 9 (3 sigma) on the canary
 
@@ -113,7 +114,7 @@ def test_weight_change_applies_in_place(canary):
     canary.deploy(with_weights(canary.canary_cfg, 50, 50))
     try:
         with canary.http() as http:
-            assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 50,
+            assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 50,
                                                                       "smollm-v2": 50}
         assert canary.all_replica_ids() == before
     finally:
@@ -124,7 +125,7 @@ def test_invalid_config_deployed_live_keeps_last_good(canary):
     before = canary.all_replica_ids()
     canary.deploy(with_weights(canary.canary_cfg, 70, -30))  # serve accepts it; the router must not
     with canary.http() as http:
-        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 90,
+        assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 90,
                                                                   "smollm-v2": 10}
         assert chat(http).status_code == 200
     assert canary.all_replica_ids() == before
@@ -170,7 +171,7 @@ def test_failover_before_first_byte_when_replica_dies(canary):
         # the router must stop choosing smollm-v2 rather than queue behind its restart.
         deadline = time.monotonic() + 60
         with canary.http() as http:
-            while http.get("/health").json()["available"]["smollm-v2"]:
+            while http.get("/health", headers=ADMIN).json()["available"]["smollm-v2"]:
                 assert time.monotonic() < deadline, "the router never saw the dead replica"
                 time.sleep(0.5)
         with canary.http() as http:

@@ -58,7 +58,7 @@ def test_healthy_canary_is_promoted_step_by_step(rollouts):
     rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "promote", "steps": [25, 50, 100]}))
     with rollouts.http() as http:
         assert rollout_state(http)["weights"] == {"smollm-v1": 75, "smollm-v2": 25}
-        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 75,
+        assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 75,
                                                                   "smollm-v2": 25}
         with background_load(load(rollouts)) as results:
             state = wait_for_state(http, {"promoted", "rolled_back"})
@@ -71,7 +71,7 @@ def test_healthy_canary_is_promoted_step_by_step(rollouts):
         for d in state["history"][1:]:
             assert d["canary"]["requests"] >= 4 and d["canary"]["errors"] == 0, d
         assert state["weights"] == {"smollm-v1": 0, "smollm-v2": 100}
-        assert http.get("/health").json()["routes"]["smollm"]["smollm-v2"] == 100
+        assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"]["smollm-v2"] == 100
     assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
     # Each decision is a metric too.
     deadline = time.monotonic() + 60
@@ -140,7 +140,7 @@ def test_rollout_state_survives_restarts_and_follows_deploys(rollouts):
         after = rollout_state(http)
         assert after["started_at"] == before["started_at"]
         assert after["history"] == before["history"] and after["state"] == "progressing"
-        assert http.get("/health").json()["routes"]["smollm"] == {"smollm-v1": 80,
+        assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 80,
                                                                   "smollm-v2": 20}
         # The controller replica restarts: it takes the saved state up again.
         kill_replica(rollouts, "mesh", "RolloutController")

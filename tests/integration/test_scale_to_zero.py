@@ -39,6 +39,7 @@ from tests.support.waits import wait_for_metric, wait_until
 pytestmark = pytest.mark.integration
 
 OPS_KEY = "sk-mesh-ops-demo"  # admin tenant of the config
+ADMIN = {"authorization": f"Bearer {OPS_KEY}"}  # /health's states are for admins
 AUTH = {"authorization": f"Bearer {OPS_KEY}"}
 CANARY = "smollm-v2"
 STABLE = "smollm-v1"  # always on
@@ -125,7 +126,7 @@ def test_an_idle_variant_reaches_zero_and_its_memory_comes_back(sleepy):
         assert len(procs) >= 2  # the replica and vLLM's engine processes
         assert freed >= 0.8 * engine_bytes, (freed, engine_bytes)
     with sleepy.http() as http:  # the router reads Serve's status every few seconds
-        wait_until(lambda: http.get("/health").json()["scale_to_zero"][CANARY]["state"]
+        wait_until(lambda: http.get("/health", headers=ADMIN).json()["scale_to_zero"][CANARY]["state"]
                    == "zero", 15, "the router sees the canary at zero")
 
 
@@ -143,7 +144,7 @@ def test_a_herd_at_zero_and_one_at_a_warm_variant_get_no_5xx_but_fast_503s(sleep
     answer: what fits within queue_timeout_s, 503 ``overloaded`` for the rest."""
     wait_until(lambda: not replicas(sleepy), 120, "the canary is at zero")
     with sleepy.http() as http:  # the router reads Serve's status every few seconds
-        wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(CANARY, {}).get(
+        wait_until(lambda: http.get("/health", headers=ADMIN).json()["scale_to_zero"].get(CANARY, {}).get(
             "state") == "zero", 30, "the router sees the canary at zero")
     short = copy.deepcopy(sleepy.sleepy_cfg)
     route = short["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
@@ -270,7 +271,7 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
     sleepy.deploy(cfg)  # in place: new applications with no replica, weight-0 variants
     try:
         with sleepy.http() as http:
-            wait_until(lambda: all(http.get("/health").json()["scale_to_zero"].get(
+            wait_until(lambda: all(http.get("/health", headers=ADMIN).json()["scale_to_zero"].get(
                 app, {}).get("state") == "zero" for app in (BROKEN, SLOW)), 30,
                 "the router sees the broken and the slow variant at zero")
             before, t_before = chat(http, pin=STABLE), time.monotonic()
@@ -283,9 +284,9 @@ def test_a_variant_whose_engine_fails_to_start_gets_503_with_the_reason_and_back
             t1 = time.monotonic()
             again = chat(http, pin=BROKEN)
             again_s = time.monotonic() - t1
-            state = http.get("/health").json()["scale_to_zero"].get(BROKEN, {})
+            state = http.get("/health", headers=ADMIN).json()["scale_to_zero"].get(BROKEN, {})
             after, t_after = chat(http, pin=STABLE), time.monotonic()
-            wait_until(lambda: http.get("/health").json()["scale_to_zero"].get(SLOW, {}).get(
+            wait_until(lambda: http.get("/health", headers=ADMIN).json()["scale_to_zero"].get(SLOW, {}).get(
                 "state") == "warm", 180, "the slow variant's start goes on to warm")
     finally:
         sleepy.deploy(sleepy.sleepy_cfg)
@@ -335,7 +336,7 @@ def budget(sleepy):
     # then it polls smollm-v1 as an always-on variant, which may wake it once after the
     # deploy stopped it (initial_replicas 0): the swaps below start from either state.
     with sleepy.http() as http:
-        wait_until(lambda: sorted(http.get("/health").json()["scale_to_zero"])
+        wait_until(lambda: sorted(http.get("/health", headers=ADMIN).json()["scale_to_zero"])
                    == sorted(BUDGET_ROUTES.values()), 60,
                    "the router sees both variants scale to zero", every_s=1)
     return sleepy
@@ -391,7 +392,7 @@ def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
         t0 = time.monotonic()
         refused = chat(http, model="smollm-fr")
         took = time.monotonic() - t0
-        health = http.get("/health").json()["resident_budget"]
+        health = http.get("/health", headers=ADMIN).json()["resident_budget"]
         rest = [line for line in lines if line.startswith("data: ")]
     print(f"\n[resident budget] refused in {took:.2f} s while a stream ran: "
           f"{refused.json()['error']['message']}")
