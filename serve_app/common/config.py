@@ -384,8 +384,9 @@ class Tenant(Strict):
             :mod:`serve_app.tenancy.token_budget`).
         limits_fail_mode: what a router does with a limited tenant's request while the
             cluster-wide counts do not answer: ``open`` counts it on that router replica
-            alone (the limits then hold per router), ``closed`` refuses it (503
-            ``limits_unavailable`` with ``Retry-After``).
+            alone, within its share of each limit (the limit divided by the router replicas
+            running), ``closed`` refuses it (503 ``limits_unavailable`` with
+            ``Retry-After``).
         priority: the tenant's priority under contention, in vLLM's convention: lower is
             served first (default 0). It orders the router's admission queues, and reaches
             vLLM as the request ``priority`` on engines with ``scheduling_policy: priority``.

@@ -259,8 +259,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "is full, and no resident variant is idle enough to evict", "retry after "
         "`Retry-After`", RETRY_AFTER, "ingress/resident_budget.py"),
     "limits_unavailable": ErrorCode(
-        503, "the tenant has limits, `limits_fail_mode: closed`, and the cluster-wide "
-        "counts did not answer", "retry after `Retry-After`", RETRY_AFTER,
+        503, "the tenant has limits and the cluster-wide counts did not answer: its "
+        "`limits_fail_mode` is `closed`, or it is `open` and the request reserves more than "
+        "the router's share of the budget", "retry after `Retry-After`", RETRY_AFTER,
         "tenancy/limits.py"),
     "controller_unavailable": ErrorCode(
         503, "an `/admin/rollouts` or `/admin/shadows` read: the rollout controller did not "

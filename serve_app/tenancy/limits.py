@@ -10,8 +10,11 @@ cost per call is paid per batch.
 When the ledger does not answer within :data:`SHARED_TIMEOUT_S`, the router stops asking
 for :data:`RETRY_SHARED_S` and applies each tenant's ``limits_fail_mode``: ``closed``
 refuses with 503 ``limits_unavailable`` and ``Retry-After``; ``open`` counts the tenant on
-this router replica alone, from **its share of what the ledger last said remained** (that
-remainder divided by the router replicas running), never from a full budget of its own.
+this router replica alone, within **its share of each limit** (the limit divided by the
+router replicas running, at least 1; refilled at that share of the rate), starting from its
+share of what the ledger last said remained, or, with no figure from the ledger (a router
+just started, or the tenant's first request since the outage began), from its share of the
+limit: never from a full budget of its own, so N routers together grant at most the limit.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.call_batcher import MAX_BATCH, CallBatcher
-from serve_app.tenancy.counts import Limits, Quota, TenantCounts
+from serve_app.tenancy.counts import REQUESTS, Limits, Quota, TenantCounts
 from serve_app.tenancy.ledger import Ledger, ledger_for
 
 logger = get_logger(__name__)
@@ -144,18 +147,25 @@ class TenantLimiter:
             if lease is not None:
                 return lease
         if tenant.limits_fail_mode == "closed":
-            raise MeshError(503, f"tenant {tenant.id!r} has limits and the mesh cannot count "
-                            "them right now (limits_fail_mode: closed); retry shortly",
-                            code="limits_unavailable",
-                            headers={"Retry-After": str(math.ceil(RETRY_SHARED_S))})
+            raise _unavailable(f"tenant {tenant.id!r} has limits and the mesh cannot count "
+                               "them right now (limits_fail_mode: closed); retry shortly")
+        share = max(1, self._routers())
+        local = share_of(limits[1], share)  # this router's share of each limit
         if tenant.id not in self._seeded and tenant.id in self._left:
             # This router's share of what the ledger last said remained, not a full budget.
-            share = max(1, self._routers())
-            self._local.seed(tenant.id, limits[1], {
+            self._local.seed(tenant.id, local, {
                 name: level / share if level > 0 else level
                 for name, level in self._left[tenant.id].items()})
         self._seeded.add(tenant.id)
-        refusal, quota = self._local.acquire(*limits)
+        refusal, quota = self._local.acquire(tenant.id, local, tokens)
+        if refusal is not None and refusal.code == "reservation_exceeds_budget" and all(
+                tokens <= limit for name, limit in limits[1].buckets().items()
+                if name != REQUESTS):
+            # More than this router's share, not more than the budget: the outage's fault.
+            raise _unavailable(f"the request reserves {tokens} tokens, more than this router "
+                               f"may grant tenant {tenant.id!r} alone ({share} routers share "
+                               "its budget) while the mesh cannot count its limits; retry "
+                               "shortly, or set a smaller max_tokens")
         if refusal is not None:
             raise refusal.error()
         return Lease(tenant.id, reserved=tokens, quota=quota)
@@ -206,6 +216,18 @@ class TenantLimiter:
             self._local.release(lease.tenant_id, lease.reserved, used)
         else:
             self._calls_to(lease.shared).give_back(lease, used)
+
+
+def share_of(limits: Limits, routers: int) -> Limits:
+    """What one of ``routers`` router replicas may grant alone: each limit of ``limits``
+    divided by ``routers``, rounded down, at least 1."""
+    return Limits(*(None if v is None else max(1, v // routers) for v in astuple(limits)))
+
+
+def _unavailable(message: str) -> MeshError:
+    """503 ``limits_unavailable`` with ``Retry-After``: the shared counts do not answer."""
+    return MeshError(503, message, code="limits_unavailable",
+                     headers={"Retry-After": str(math.ceil(RETRY_SHARED_S))})
 
 
 def _release_late(answer: asyncio.Future, calls: _SharedCalls, limits: tuple) -> None:
