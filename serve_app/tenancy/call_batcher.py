@@ -24,7 +24,8 @@ MAX_BATCH = 256
 class CallBatcher:
     """Batches items for ``send`` (``list[item] -> awaitable list[result]``, same order).
 
-    :meth:`submit` returns a future per item: its result, or the exception the call raised.
+    :meth:`submit` returns a future per item: its result, or the exception the call raised
+    (or returned in that item's place: one item's failure, the others answered).
     A future nobody waits for any more (a caller that timed out) still gets its result, so
     its caller can undo what it counted (:mod:`serve_app.tenancy.limits` does).
     """
@@ -57,7 +58,11 @@ class CallBatcher:
                             future.set_exception(e)
                     continue
                 for (_, future), result in zip(batch, results):
-                    if not future.done():
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
                         future.set_result(result)
         finally:
             self._sending = False

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field, replace
 from typing import Any
 
@@ -230,6 +232,22 @@ class TenantCounts:
 
     def tenants(self) -> list[str]:
         return list(self._state)
+
+    @contextmanager
+    def all_or_nothing(self, tenant_id: str) -> Iterator[None]:
+        """What the block changes of ``tenant_id``'s counts is kept only if it does not
+        raise: on an exception its buckets and in-flight count are put back as they were,
+        and the exception goes on (a ledger commits a tenant's counts only once saved)."""
+        known = tenant_id in self._state
+        data, in_flight = self.export(tenant_id), self.in_flight(tenant_id)
+        try:
+            yield
+        except BaseException:
+            if known:
+                self.load(tenant_id, data, in_flight)
+            else:
+                self._state.pop(tenant_id, None)
+            raise
 
     def seed(self, tenant_id: str, limits: Limits, left: dict[str, float]) -> None:
         """Start the tenant's buckets at ``left`` (bucket name -> level), keeping its

@@ -7,7 +7,9 @@ router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerCo
 - ``actor`` (the default): one named, detached Ray actor, :class:`SharedTenantCounts`. It
   writes the token buckets of each tenant a call changed to the Ray GCS key-value store
   before that call answers, and reads them back when Ray restarts it, so a crash gives no
-  budget back. The GCS itself is lost with the head node unless Ray runs with GCS fault
+  budget back. A tenant's counts are committed only once written; a tenant whose counting
+  or write fails is put back as it was and its asks answer :class:`AskFailed`, the call's
+  other tenants are answered as usual. The GCS itself is lost with the head node unless Ray runs with GCS fault
   tolerance (an external Redis); in-flight counts start from zero in a new incarnation
   (their requests settle their tokens all the same).
 - ``redis``: :class:`~serve_app.tenancy.redis_ledger.RedisLedger`, the counts in a Redis
@@ -54,14 +56,31 @@ Answer = tuple[str, Refusal | None, Quota]
 Release = tuple[str, str, int, int]
 
 
+class AskFailed(Exception):
+    """The answer, in :meth:`Ledger.acquire_many`'s list, to an ask the ledger could not count
+    (its tenant's counts could not be saved, or counting them raised): nothing of it is
+    counted, the batch's other asks are answered as usual, and the router applies that
+    tenant's ``limits_fail_mode`` to that request alone."""
+
+
+def by_tenant(items: list[tuple]) -> dict[str, list[int]]:
+    """Indices of ``items`` (asks or releases, tenant id first) per tenant, in order."""
+    out: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        out.setdefault(item[0], []).append(i)
+    return out
+
+
 class Ledger(Protocol):
     """The cluster's tenant counts, as a router calls them (every call may raise: the
     router then applies the tenant's ``limits_fail_mode``)."""
 
     backend: str
 
-    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
-        """Count each ask in order (:meth:`TenantCounts.acquire`); one answer each."""
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer | AskFailed]:
+        """Count each ask in order (:meth:`TenantCounts.acquire`); one answer each, or
+        :class:`AskFailed` for an ask of a tenant the ledger could not count (raises only
+        when it cannot answer at all)."""
 
     async def release_many(self, releases: list[Release]) -> None:
         """Settle each ended request (:meth:`TenantCounts.release`)."""
@@ -97,22 +116,45 @@ class KeptCounts:
         if saved:
             logger.info("tenant ledger: buckets of %d tenants read back", len(saved))
 
-    def _save(self, tenant_ids) -> None:
-        for tenant_id in set(tenant_ids):
-            self._write(tenant_id, json.dumps(self.counts.export(tenant_id)))
+    def _save(self, tenant_id: str) -> None:
+        self._write(tenant_id, json.dumps(self.counts.export(tenant_id)))
 
-    def acquire_many(self, asks: list[Ask]) -> list[Answer]:
-        """:meth:`TenantCounts.acquire` for each ask, saved before it answers."""
-        answers = [(self.incarnation, *self.counts.acquire(*ask)) for ask in asks]
-        self._save(ask[0] for ask in asks)
+    def acquire_many(self, asks: list[Ask]) -> list[Answer | AskFailed]:
+        """:meth:`TenantCounts.acquire` for each ask, tenant by tenant, each tenant's counts
+        saved before the call answers and committed only once saved: a tenant whose
+        counting or saving raises is left as it was and its asks answer :class:`AskFailed`,
+        so one tenant's failure neither fails the others' asks nor leaves counts that no
+        request holds (the next request would get 429 until a restart)."""
+        answers: list[Answer | AskFailed] = [AskFailed("not counted")] * len(asks)
+        for tenant_id, indices in by_tenant(asks).items():
+            try:
+                with self.counts.all_or_nothing(tenant_id):
+                    counted = [(i, (self.incarnation, *self.counts.acquire(*asks[i])))
+                               for i in indices]
+                    self._save(tenant_id)
+            except Exception as e:  # noqa: BLE001 - that tenant's asks only
+                logger.warning("tenant ledger: %d asks of tenant %r not counted (%s: %s)",
+                               len(indices), tenant_id, type(e).__name__, str(e)[:200])
+                for i in indices:
+                    answers[i] = AskFailed(f"tenant {tenant_id!r}: {type(e).__name__}")
+                continue
+            for i, answer in counted:
+                answers[i] = answer
         return answers
 
     def release_many(self, releases: list[Release]) -> None:
-        """:meth:`TenantCounts.release` for each, saved."""
-        for tenant_id, incarnation, reserved, used in releases:
-            self.counts.release(tenant_id, reserved, used,
-                                counted=incarnation == self.incarnation)
-        self._save(r[0] for r in releases)
+        """:meth:`TenantCounts.release` for each, tenant by tenant, saved: one tenant's
+        failure is logged and the others are still settled."""
+        for tenant_id, indices in by_tenant(releases).items():
+            try:
+                for i in indices:
+                    _, incarnation, reserved, used = releases[i]
+                    self.counts.release(tenant_id, reserved, used,
+                                        counted=incarnation == self.incarnation)
+                self._save(tenant_id)
+            except Exception as e:  # noqa: BLE001 - that tenant's settlements only
+                logger.warning("tenant ledger: settlements of tenant %r not saved (%s: %s)",
+                               tenant_id, type(e).__name__, str(e)[:200])
 
     def in_flight(self, tenant_id: str) -> int:
         return self.counts.in_flight(tenant_id)
@@ -146,7 +188,7 @@ class ActorLedger:
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer | AskFailed]:
         return await self.handle.acquire_many.remote(asks)
 
     async def release_many(self, releases: list[Release]) -> None:

@@ -30,7 +30,7 @@ from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.call_batcher import MAX_BATCH, CallBatcher
 from serve_app.tenancy.counts import REQUESTS, Limits, Quota, TenantCounts
-from serve_app.tenancy.ledger import Ledger, ledger_for
+from serve_app.tenancy.ledger import AskFailed, Ledger, ledger_for
 
 logger = get_logger(__name__)
 
@@ -191,6 +191,10 @@ class TenantLimiter:
             return self._unavailable(f"no answer in {SHARED_TIMEOUT_S} s")
         try:
             incarnation, refusal, quota = answer.result()
+        except AskFailed as e:  # the ledger answers, but could not count this tenant now
+            logger.warning("tenant ledger could not count tenant %r (%s); its "
+                           "limits_fail_mode applies to this request", limits[0], e)
+            return None
         except Exception as e:  # noqa: BLE001 - a dead actor, or one that cannot answer this
             return self._unavailable(f"{type(e).__name__}: {e}"[:200])
         self._left[limits[0]] = dict(quota.left)
