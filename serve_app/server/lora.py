@@ -230,6 +230,7 @@ class AdapterSet:
                 logger.info("adapter %s retired: new requests no longer use it%s", key,
                             f" (requests that name it still do for {RETIRED_GRACE_S:.0f} s)"
                             if key in self._retired_at else "")
+            self._trim()  # a lowered max_resident
             order = [k for k in wanted if k in self.active] + list(self.active)
             self.default = {}
             for key in order:
@@ -420,21 +421,34 @@ class AdapterSet:
                     seconds, len(self.resident), self.max_resident)
 
     def _unload_soon(self, live: LiveAdapter, event: str) -> None:
-        asyncio.get_running_loop().create_task(self._unload(live, event))
+        """:meth:`_unload` in the background; ``live`` leaves ``resident`` now."""
+        lora_int_id = self._take_out(live)
+        if lora_int_id is not None:
+            asyncio.get_running_loop().create_task(self._unload_taken(live, lora_int_id, event))
 
     async def _unload(self, live: LiveAdapter, event: str) -> None:
         """Unload ``live`` from vLLM (``event``: ``evicted`` or ``unloaded``)."""
-        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+        lora_int_id = self._take_out(live)
+        if lora_int_id is not None:
+            await self._unload_taken(live, lora_int_id, event)
 
+    def _take_out(self, live: LiveAdapter) -> int | None:
+        """Take ``live`` out of ``resident`` (its slot stays counted until vLLM has let it
+        go) and return its LoRA id; None if it is gone already or in use again."""
         if self.resident.get(live.lora_name) is not live or live.in_flight:
-            return  # already gone, or taken again meanwhile
-        del self.resident[live.lora_name]  # before awaiting: no second unload
+            return None
+        del self.resident[live.lora_name]  # before any await: no second unload
         lora_int_id, live.lora_int_id = live.lora_int_id, 0
         if live.handover_to:  # the slot is kept for the load it was handed over to
             if live.handover_to in self._loads:
                 self._reserved.add(live.handover_to)
             live.handover_to = ""
-        self._unloading += 1  # its slot stays taken until vLLM has let it go
+        self._unloading += 1
+        return lora_int_id
+
+    async def _unload_taken(self, live: LiveAdapter, lora_int_id: int, event: str) -> None:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
         try:
             await self._engine_done_with(live.lora_name)
             await self.models.unload_lora_adapter(
@@ -446,6 +460,16 @@ class AdapterSet:
         self.on_event(live.lora_name, event, None)
         logger.info("adapter %s %s (%d of %d resident)", live.lora_name, event,
                     len(self.resident), self.max_resident)
+
+    def _trim(self) -> None:
+        """Unload idle resident adapters past ``max_resident``, least recently used first: a
+        lowered bound holds at once for the idle ones, and for one in use when its last
+        request ends."""
+        for live in list(self.resident.values()):
+            if len(self.resident) <= self.max_resident:
+                return
+            if live.in_flight == 0:
+                self._unload_soon(live, "evicted")
 
     def _engine_requests_on(self, lora_name: str) -> int:
         """Requests the engine itself still holds on ``lora_name`` (its output processor's
@@ -538,6 +562,7 @@ class AdapterSet:
                 self._unload_soon(live, "evicted")  # its last request ended: hand over
             else:
                 self._unload_if_retired(live)
+                self._trim()
 
     def serving(self) -> list[str]:
         """Versions that take requests: the declared ones, and retired ones within their

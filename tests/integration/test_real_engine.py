@@ -336,6 +336,52 @@ def test_openai_client_gets_typed_errors(engines):
                                            extra_headers={"x-mesh-variant": v})
 
 
+def test_an_adapter_stream_that_waits_for_the_slot_is_capacity_never_a_failover(engines):
+    """On vLLM, with one adapter slot and a route's queue_timeout_s of 4 s: a globex-report
+    stream that asks for the slot while a long acme-support stream holds it gets 503
+    ``adapter_capacity`` with ``Retry-After`` before any byte (it used to be failed over, a
+    variant failure, then 503 ``no_healthy_variant``); nothing counts as a failover. Once the
+    acme stream ends, a globex stream is served with globex's behaviour."""
+    cfg = copy.deepcopy(engines.real_cfg)
+    replica(cfg)["user_config"]["max_adapters_per_replica"] = 1
+    route = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
+    route.setdefault("admission", {})["queue_timeout_s"] = 4
+    engines.deploy(cfg)
+    ask = {"stream": True, "temperature": 0,
+           "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    failovers = metric_total(engines, "ray_mesh_failovers_total", variant=REAL)
+    try:
+        with engines.http() as http:
+            # the router has seen smollm-v1's new adapter set (its poll follows the deploy)
+            wait_until(lambda: post(http, {**ask, "model": "smollm:acme-support", "max_tokens": 1},
+                                    REAL, ACME).status_code == 200, 60,
+                       "the router to send acme-support to smollm-v1")
+            with http.stream("POST", "/v1/chat/completions", headers={
+                    **ACME, "x-mesh-variant": REAL}, timeout=300, json={
+                    **ask, "model": "smollm:acme-support", "max_tokens": 512,
+                    "ignore_eos": True}) as holder:
+                assert holder.status_code == 200
+                next(line for line in holder.iter_lines() if line.startswith("data: {"))
+                t0 = time.monotonic()
+                refused = post(http, {**ask, "model": "smollm:globex-report", "max_tokens": 8},
+                               REAL, GLOBEX)
+                waited = time.monotonic() - t0
+            # the acme stream is closed: vLLM aborts it, and the slot frees
+            served = post(http, {**ask, "model": "smollm:globex-report", "max_tokens": 24},
+                          REAL, GLOBEX)
+    finally:
+        engines.deploy(engines.real_cfg)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "adapter_capacity"
+    assert int(refused.headers["retry-after"]) > 0 and 4 <= waited < 30
+    assert served.status_code == 200 and served.headers["x-mesh-adapter"] == "globex-report@v1"
+    assert PHRASES["globex-report@v1"] in "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in served.text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    assert metric_total(engines, "ray_mesh_failovers_total", variant=REAL) == failovers
+
+
 @pytest.mark.slow  # test_in_place holds the goal on the sim; --all runs it on vLLM too
 def test_in_place_changes_on_the_real_engine_refuse_nothing(engines):
     """Issue 31's soak, short, on vLLM: adapter version flips, a system prompt and a

@@ -295,3 +295,25 @@ def test_an_adapter_is_removed_only_once_the_engine_holds_no_request_on_it(copie
     assert len(removed) == 1 and removed[0][1] == 0
     assert adapters.resident_names() == [live.lora_name]
 
+
+
+def test_a_lowered_max_resident_holds_at_once_for_idle_adapters_and_later_for_busy_ones(copies):
+    """Before, lowering max_adapters_per_replica left every resident adapter loaded, so a
+    replica with 4 resident and a bound of 1 still served all 4 as hits."""
+    manifest, refs = copies
+    adapters, rec = adapter_set(FakeLoRAModels())
+
+    async def main():
+        await adapters.reconcile(refs[:4], manifest, max_resident=4)
+        busy = await adapters.acquire(refs[1][0])
+        await adapters.reconcile(refs[:4], manifest, max_resident=1)
+        await asyncio.sleep(0.05)
+        after_lowering = adapters.resident_names()
+        adapters.release(busy)
+        await asyncio.sleep(0.05)
+        return after_lowering, adapters.resident_names()
+
+    after_lowering, after_release = asyncio.run(main())
+    assert after_lowering == [f"{refs[1][0]}@v1"]  # the idle three went at once
+    assert after_release == [f"{refs[1][0]}@v1"]  # at the bound, it stays
+    assert rec.count("evicted") == 3
