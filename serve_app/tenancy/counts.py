@@ -179,6 +179,11 @@ class TenantCounts:
                            "max_tokens", "tokens_exhausted", math.ceil(wait_s))
         return None
 
+    def quota(self, tenant_id: str, limits: Limits) -> Quota:
+        """The tenant's :class:`Quota` now, counting nothing."""
+        now = self._clock()
+        return self._quota(self._tenant(tenant_id, limits, now), now)
+
     @staticmethod
     def _quota(st: _TenantState, now: float) -> Quota:
         def figures(name: str) -> tuple[int, int, float] | None:

@@ -5,10 +5,18 @@ Each tenant is one key, ``mesh:ledger:tenant:<id>``, holding JSON: its token buc
 **leases** (lease id -> expiry, s). A batch of asks or releases is one optimistic
 transaction (``WATCH`` the batch's tenant keys, read them, count with the same
 :class:`~serve_app.tenancy.counts.TenantCounts` every backend runs, ``MULTI``/``EXEC`` the
-new values; retried when another router wrote one of those keys in between), so two routers
-never both spend the same tokens. A lease expires after :data:`LEASE_TTL_S`: a router that
-dies holding requests does not hold its tenants' slots forever. A key idle for
+new values; retried when another router wrote one of those keys in between, at most
+:data:`MAX_WATCH_RETRIES` times with a growing, jittered back-off, then raised: the router
+applies the tenant's ``limits_fail_mode`` as for a ledger that does not answer), so two
+routers never both spend the same tokens. A lease expires after :data:`LEASE_TTL_S`: a
+router that dies holding requests does not hold its tenants' slots forever. A key idle for
 :data:`KEY_TTL_S` (longer than any window) expires: its buckets would be full by then.
+
+Retries are idempotent. Each ask's lease id is fixed before the first attempt (the batch's
+id and the ask's place in it) and written in the same transaction as its counts, so an
+attempt whose ``EXEC`` reply was lost (a connection dropped after Redis applied it) and is
+run again finds the lease there and answers it without counting it a second time; a
+settlement pops its lease, so a second attempt finds it gone and changes nothing.
 
 The server should run with ``appendonly yes`` so that its counts survive its restart
 (``scripts/redis_ledger.sh`` starts one so).
@@ -16,7 +24,9 @@ The server should run with ``appendonly yes`` so that its counts survive its res
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import uuid
 from typing import Any
 
@@ -24,8 +34,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
+from serve_app.common.logs import get_logger
 from serve_app.tenancy.counts import TenantCounts
-from serve_app.tenancy.ledger import Answer, Ask, Release
+from serve_app.tenancy.ledger import Answer, Ask, AskFailed, Release, by_tenant
+
+logger = get_logger(__name__)
 from serve_app.tenancy.token_budget import WINDOW_S
 
 #: Seconds a lease (one request in flight) is held at most; longer than any request runs.
@@ -35,6 +48,11 @@ KEY_TTL_S = int(2 * max(WINDOW_S.values()))
 KEY_PREFIX = "mesh:ledger:tenant:"
 #: Seconds a Redis call may take before the router's fail mode applies (it waits less).
 SOCKET_TIMEOUT_S = 2.0
+#: Transactions run again after another router wrote one of their keys, at most; then the
+#: call raises (the router's fail mode applies). Back-off before retry ``n``: up to
+#: ``min(BACKOFF_S * 2**n, MAX_BACKOFF_S)`` s, jittered, about 0.2 s over all of them.
+MAX_WATCH_RETRIES = 10
+BACKOFF_S, MAX_BACKOFF_S = 0.001, 0.032
 
 
 class RedisLedger:
@@ -56,18 +74,40 @@ class RedisLedger:
     async def ping(self) -> None:
         await self._redis.ping()
 
-    async def acquire_many(self, asks: list[Ask]) -> list[Answer]:
+    async def acquire_many(self, asks: list[Ask]) -> list[Answer | AskFailed]:
+        batch = uuid.uuid4().hex  # lease ids, fixed before the first attempt (idempotence)
+
         def count(counts: TenantCounts, leases: dict[str, dict[str, float]], now: float):
-            answers = []
-            for tenant_id, limits, tokens in asks:
-                refusal, quota = counts.acquire(tenant_id, limits, tokens)
-                lease = ""
-                if refusal is None:
-                    lease = uuid.uuid4().hex
-                    leases[tenant_id][lease] = now + LEASE_TTL_S
-                answers.append((lease, refusal, quota))
+            answers: list[Answer | AskFailed] = [AskFailed("not counted")] * len(asks)
+            for tenant_id, indices in by_tenant(asks).items():
+                held = dict(leases[tenant_id])
+                try:
+                    with counts.all_or_nothing(tenant_id):
+                        for i in indices:
+                            answers[i] = self._count(counts, leases[tenant_id], asks[i],
+                                                     f"{batch}-{i}", now)
+                except Exception as e:  # noqa: BLE001 - that tenant's asks only
+                    leases[tenant_id] = held
+                    logger.warning("redis ledger: %d asks of tenant %r not counted (%s: %s)",
+                                   len(indices), tenant_id, type(e).__name__, str(e)[:200])
+                    for i in indices:
+                        answers[i] = AskFailed(f"tenant {tenant_id!r}: {type(e).__name__}")
             return answers
         return await self._transaction([a[0] for a in asks], count)
+
+    @staticmethod
+    def _count(counts: TenantCounts, leases: dict[str, float], ask: Ask, lease: str,
+               now: float) -> Answer:
+        """One ask, counted under ``lease`` unless an earlier attempt of this transaction
+        already counted it (its ``EXEC`` reply lost): then answered as it stands."""
+        tenant_id, limits, tokens = ask
+        if lease in leases:
+            return lease, None, counts.quota(tenant_id, limits)
+        refusal, quota = counts.acquire(tenant_id, limits, tokens)
+        if refusal is not None:
+            return "", refusal, quota
+        leases[lease] = now + LEASE_TTL_S
+        return lease, None, quota
 
     async def release_many(self, releases: list[Release]) -> None:
         def settle(counts: TenantCounts, leases: dict[str, dict[str, float]], now: float):
@@ -84,11 +124,19 @@ class RedisLedger:
 
     async def _transaction(self, tenant_ids: list[str], change) -> Any:
         """Run ``change(counts, leases, now)`` on the tenants' state read under ``WATCH``,
-        and write it back in one ``MULTI``/``EXEC``; again if a key changed meanwhile."""
+        and write it back in one ``MULTI``/``EXEC``; again if a key changed meanwhile (at
+        most :data:`MAX_WATCH_RETRIES` times, backing off), and once after a lost
+        connection. ``change`` must be idempotent across attempts (see the module
+        docstring).
+
+        Raises:
+            redis.exceptions.WatchError: the keys kept changing through every retry.
+            redis.exceptions.RedisError: the server cannot be reached.
+        """
         tenants = sorted(set(tenant_ids))
         keys = [self.prefix + t for t in tenants]
         async with self._redis.pipeline(transaction=True) as pipe:
-            reconnected = False
+            reconnected, contended = False, 0
             while True:
                 try:
                     await pipe.watch(*keys)
@@ -110,11 +158,18 @@ class RedisLedger:
                     await pipe.execute()
                     return result
                 except WatchError:
-                    continue
+                    contended += 1
+                    if contended > MAX_WATCH_RETRIES:
+                        logger.warning("redis ledger: tenants %s changed under %d attempts "
+                                       "in a row; giving up on this call", tenants,
+                                       contended)
+                        raise
+                    await asyncio.sleep(random.uniform(0, min(
+                        BACKOFF_S * 2 ** contended, MAX_BACKOFF_S)))
                 except RedisConnectionError:
                     # A pooled connection to a server that restarted fails once. Run again:
-                    # should the lost reply have been EXEC's, an ask is counted twice (its
-                    # extra lease expires) and a settlement finds its lease gone (a no-op).
+                    # should the lost reply have been EXEC's, the asks find their leases
+                    # there (not counted twice) and a settlement finds its lease gone.
                     if reconnected:
                         raise
                     reconnected = True
