@@ -4,7 +4,8 @@
 Every call of ``LLMReplica.generate(request)`` is a streaming call whose first item is
 :class:`Accepted` for a non-stream (and for a stream that waits for its adapter), then a
 :class:`Head`; then, only when ``Head.stream`` is true, SSE text (``"data: {...}\\n\\n"``)
-ending with ``"data: [DONE]\\n\\n"``, then one :class:`Tail` (not sent to the client).
+ending with ``"data: [DONE]\\n\\n"``, each piece a :class:`StreamText` that carries the
+stream's token counts so far, then one :class:`Tail` (not sent to the client).
 The router decides the HTTP status from the head before
 sending any byte, which is what makes failover before the first byte possible.
 """
@@ -50,9 +51,9 @@ class GenerateRequest:
             vLLM when the engine runs ``scheduling_policy: priority``.
         request_id: the router's ``x-request-id``; it becomes vLLM's request id
             (``chatcmpl-<id>``).
-        session: the caller's conversation, ``<tenant>/<x-session-id or user>``; None when
-            the caller gave neither. The replica router keeps a session on one replica
-            (:mod:`serve_app.ingress.replica_affinity`).
+        session: the caller's conversation, a fixed-size digest of its tenant and its
+            ``x-session-id`` or ``user``; None when the caller gave neither. The replica
+            router keeps a session on one replica (:mod:`serve_app.ingress.replica_affinity`).
         queue_timeout_s: the route's ``queue_timeout_s``, s: the longest the replica lets it
             wait for an adapter slot (then 503 ``adapter_capacity``).
         newcomer: admission started it in a newcomer slot (``Slot.newcomer``); the replica
@@ -76,6 +77,24 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+class StreamText(str):
+    """A piece of a stream's SSE text as the client gets it, with ``usage``: the stream's
+    token counts up to its end (vLLM's ``continuous_usage_stats``), so a router whose client
+    leaves mid-stream charges the tokens generated, not one per SSE event (vLLM merges
+    several tokens into one event when its consumer lags). A ``str``: the relay sends it
+    as it is."""
+
+    usage: Usage
+
+    def __new__(cls, text: str, usage: Usage) -> StreamText:
+        piece = super().__new__(cls, text)
+        piece.usage = usage
+        return piece
+
+    def __reduce__(self):
+        return StreamText, (str(self), self.usage)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ Its running replica is asked ``serving_info`` only while the router sends it req
 the calls it finds in flight when it samples, and a poll once a second could keep it from
 reaching zero. What it served when last warm (adapters, ``max_num_seqs``) is kept while it
 sleeps; one asleep since the router started answers for the adapters its deployed
-``user_config`` declares (read from the controller's deployment details), none other. A variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`)
-takes no new requests: it is asleep from the moment its eviction starts.
+``user_config`` declares (read from the controller's deployment details), none other. A
+variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no
+new requests: it is asleep from the moment its eviction starts.
 """
 
 from __future__ import annotations

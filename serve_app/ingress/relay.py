@@ -2,7 +2,10 @@
 
 :class:`RelayResponse` is a Starlette ``StreamingResponse`` over the text a replica streams
 after its head (see :mod:`serve_app.common.wire`): each item is passed on as it comes, as
-one body chunk, with no parsing. When the stream ends, for any reason, the request's
+one body chunk, with no parsing: a piece's token counts so far come with it
+(:class:`~serve_app.common.wire.StreamText`) and go to the account, so a stream that ends
+without its usage chunk (its client left, or it failed) is charged the tokens generated,
+not one per SSE event. When the stream ends, for any reason, the request's
 :class:`~serve_app.tenancy.accounting.RequestAccount` is finished once. That includes a
 client that disconnects before the body starts: Starlette then never enters the body's
 generator, so a ``finally`` inside it would not run; the response's own ``__call__`` catches
@@ -78,8 +81,9 @@ class RelayResponse(StreamingResponse):
                     continue
                 if ttft is None:
                     ttft = time.monotonic() - self._account.t0
-                # One event per generated token (several when the replica coalesced them).
-                self._account.relayed(item.count("data: {"))
+                # The events, and the tokens so far (a StreamText's; vLLM merges several
+                # tokens into one event when its consumer lags).
+                self._account.relayed(item.count("data: {"), getattr(item, "usage", None))
                 if self._account.capture is not None:  # a mirrored request's answer
                     self._account.capture.chunks.append(item)
                 yield item

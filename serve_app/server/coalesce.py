@@ -5,8 +5,9 @@ a fixed cost per message. So, as Ray Serve LLM does with ``stream_batching_inter
 stream sends its first two messages at once (vLLM's first chunk carries only the role; the
 first token follows) and then at most one message per interval: everything that arrived in
 the meantime, joined. A chunk waits at most one interval; no text is changed,
-only how it is cut into messages. Time is the event loop's (``loop.time()``: monotonic), so a
-test can run it on a loop with a virtual clock.
+only how it is cut into messages. A batch of :class:`~serve_app.common.wire.StreamText`
+carries the usage of its last piece that has one. Time is the event loop's
+(``loop.time()``: monotonic), so a test can run it on a loop with a virtual clock.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TypeVar
+
+from serve_app.common.wire import StreamText
 
 T = TypeVar("T")
 
@@ -61,7 +64,10 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
                 batch.append(queue.get_nowait())
             text = [x for x in batch if isinstance(x, str)]
             if text:
-                yield "".join(text)
+                joined = "".join(text)
+                usage = next((x.usage for x in reversed(text) if isinstance(x, StreamText)),
+                             None)
+                yield joined if usage is None else StreamText(joined, usage)
                 sent_at, sent = loop.time(), sent + 1
             for x in batch:
                 if x is _END:

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from enum import IntFlag
 from typing import Any
 
-from serve_app.common.wire import ADAPTER_HEADER, GenerateRequest, Head, Tail
+from serve_app.common.wire import ADAPTER_HEADER, GenerateRequest, Head, StreamText, Tail, Usage
 
 #: How vLLM's stream generators start an in-band error event (then ``data: [DONE]``).
 IN_BAND_ERROR = 'data: {"error"'
 
 
+class UsageWanted(IntFlag):
+    """Which usage a streaming client asked for: ``FINAL`` the usage chunk at the end
+    (``stream_options.include_usage``), ``CONTINUOUS`` usage in every chunk as well
+    (``continuous_usage_stats``, with ``include_usage``). True when it asked for any."""
+
+    NONE = 0
+    FINAL = 1
+    CONTINUOUS = 2
+
+
 def engine_body(request: GenerateRequest, *, model: str | None, priority_scheduling: bool,
-                system_prompt: str | None) -> tuple[dict[str, Any], bool]:
+                system_prompt: str | None) -> tuple[dict[str, Any], UsageWanted]:
     """The body vLLM's OpenAI serving layer is given for ``request``.
 
     - ``model``: when given, the name vLLM serves it under: the resident LoRA's name
@@ -27,12 +38,14 @@ def engine_body(request: GenerateRequest, *, model: str | None, priority_schedul
     - ``request_id``: the router's ``x-request-id``;
     - chat only: the variant's ``system_prompt`` first, unless the client sent a system or
       developer message;
-    - streams always ask for usage (``stream_options.include_usage``), for the router's
-      token metrics.
+    - streams always ask for usage, at the end (``stream_options.include_usage``, for the
+      router's token metrics) and in every chunk (``continuous_usage_stats``: the tokens
+      generated so far, which the replica takes out of each chunk, :class:`StreamUsage`),
+      so a stream its client leaves is charged its tokens.
 
     Returns:
-        ``(body, client_wants_usage)``: the second is whether the client itself asked for
-        the usage chunk (it is passed on only then).
+        ``(body, client_wants_usage)``: the usage the client itself asked for
+        (:class:`UsageWanted`; only that is passed on).
     """
     body = dict(request.body)
     if model is not None:
@@ -47,10 +60,58 @@ def engine_body(request: GenerateRequest, *, model: str | None, priority_schedul
                         for m in messages)):
         body["messages"] = [{"role": "system", "content": system_prompt}, *messages]
     options = body.get("stream_options")
-    client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    client_wants_usage = UsageWanted.NONE
+    if isinstance(options, dict) and options.get("include_usage"):
+        client_wants_usage = UsageWanted.FINAL | (
+            UsageWanted.CONTINUOUS if options.get("continuous_usage_stats") else 0)
     if body.get("stream") and (options is None or isinstance(options, dict)):
-        body["stream_options"] = {**(options or {}), "include_usage": True}
+        body["stream_options"] = {**(options or {}), "include_usage": True,
+                                  "continuous_usage_stats": True}
     return body, client_wants_usage
+
+
+class StreamUsage:
+    """A stream's token counts so far, from the usage vLLM puts in each chunk
+    (``continuous_usage_stats``): per choice ``index``, its completion tokens so far, and
+    its prompt's tokens (a completion's prompt ``i`` has choices ``i * n`` to
+    ``i * n + n - 1``, as vLLM numbers them).
+
+    Args:
+        body: the engine body (``n``).
+        keep: the client asked for usage in every chunk; else :meth:`take` takes it out.
+    """
+
+    def __init__(self, body: dict[str, Any], keep: bool) -> None:
+        n = body.get("n")
+        self.n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        self.keep = keep
+        self._completion: dict[int, int] = {}  # choice index -> completion tokens so far
+        self._prompt: dict[int, int] = {}  # prompt index -> its tokens
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(sum(self._prompt.values()), sum(self._completion.values()))
+
+    def take(self, line: str) -> str:
+        """Record the usage of ``line`` (one SSE event) and return the line as the client
+        gets it: without that usage unless :attr:`keep`. Anything it cannot read is
+        passed on as it is."""
+        at = line.find(',"usage":{') if line.startswith("data: {") else -1
+        index_at = line.find('"index":')
+        if at < 0 or index_at < 0:
+            return line
+        try:
+            usage, end = json.JSONDecoder().raw_decode(line, at + len(',"usage":'))
+            index, _ = json.JSONDecoder().raw_decode(line, index_at + len('"index":'))
+            self._completion[int(index)] = int(usage.get("completion_tokens") or 0)
+            self._prompt[int(index) // self.n] = int(usage.get("prompt_tokens") or 0)
+        except (ValueError, TypeError, AttributeError):
+            return line
+        return line if self.keep else line[:at] + line[end:]
+
+    def text(self, line: str) -> StreamText:
+        """``line`` with the stream's usage so far, for the router."""
+        return StreamText(line, self.usage)
 
 
 def for_client(item: Head | str | Tail, engine_model: str, requested: str,
@@ -59,6 +120,8 @@ def for_client(item: Head | str | Tail, engine_model: str, requested: str,
     ``model`` in its JSON: show what the client asked (``route:adapter``) instead, and say
     which adapter version served in the ``x-mesh-adapter`` header."""
     old, new = f'"model":"{engine_model}"', f'"model":"{requested}"'
+    if isinstance(item, StreamText):
+        return StreamText(item.replace(old, new), item.usage)
     if isinstance(item, str):
         return item.replace(old, new)
     if isinstance(item, Head):

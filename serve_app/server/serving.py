@@ -44,8 +44,8 @@ from serve_app.common.wire import (REPLICA_HEADER, Accepted, GenerateRequest, He
 from serve_app.control.resident_policy import EVICTED, IDLE_S, IN_FLIGHT
 from serve_app.server.coalesce import coalesce
 from serve_app.server.lora import ADAPTER_CAPACITY, AdapterSet
-from serve_app.server.openai_body import (engine_body, for_client, in_band_error, usage_chunk,
-                                          wants_structured_output)
+from serve_app.server.openai_body import (StreamUsage, UsageWanted, engine_body, for_client,
+                                          in_band_error, usage_chunk, wants_structured_output)
 
 logger = get_logger(__name__)
 
@@ -322,11 +322,14 @@ class ReplicaServer:
                     yield item
 
     async def _stream(self, lines: AsyncIterator[str], body: dict[str, Any],
-                      client_wants_usage: bool) -> AsyncIterator[str | Tail]:
-        """The engine's SSE lines as the client gets them, then the :class:`Tail`: usage from
+                      client_wants_usage: UsageWanted) -> AsyncIterator[str | Tail]:
+        """The engine's SSE lines as the client gets them, each a
+        :class:`~serve_app.common.wire.StreamText` with the tokens so far (each chunk's own
+        usage taken out unless the client asked for it), then the :class:`Tail`: usage from
         the usage chunk (passed on only if the client asked for it), and the kind of an
         in-band error event the engine ended the stream with."""
         tail = Tail()
+        progress = StreamUsage(body, keep=bool(client_wants_usage & UsageWanted.CONTINUOUS))
         try:
             async for line in _closing(lines):
                 if (error := in_band_error(line)) is not None:
@@ -338,7 +341,9 @@ class ReplicaServer:
                                                      u.get("completion_tokens") or 0))
                     if not client_wants_usage:
                         continue
-                yield line
+                else:
+                    line = progress.take(line)
+                yield progress.text(line)
         except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
             verdict = self._classify(body, e)
             tail = replace(tail, failure=verdict.failure, message=verdict.message)

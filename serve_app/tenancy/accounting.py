@@ -77,6 +77,7 @@ class RequestAccount:
         self._tenant: tuple[TenantLimiter, Lease | None] | None = None
         self.reservation = Reservation()
         self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
+        self.streamed_usage = Usage()  # a stream's token counts up to what was relayed
         self.replica = ""  # the replica that answered (its x-mesh-replica), for the access log
         self.accepted = False  # a replica took this non-stream request (wire.Accepted)
         self._slot: tuple[VariantAdmission, Slot] | None = None
@@ -108,14 +109,19 @@ class RequestAccount:
         :func:`request_size` of its ``max_tokens`` reservation)."""
         return request_size(self.reservation.completion)
 
-    def relayed(self, chunks: int) -> None:
-        """``chunks`` more SSE events of a stream went to the client (one a generated token):
-        its progress, for a token budget if it ends without usage, and its tenant's service
-        in the token-fair order as it is served (:mod:`serve_app.ingress.fair_share`)."""
+    def relayed(self, chunks: int, so_far: Usage | None = None) -> None:
+        """``chunks`` more SSE events of a stream went to the client, ``so_far`` the stream's
+        token counts up to them (None: not known; then an event counts one token): its
+        progress, what it is charged if it ends without its usage chunk, and its tenant's
+        service in the token-fair order as it is served (:mod:`serve_app.ingress.fair_share`)."""
         self.streamed_chunks += chunks
-        if self._slot is not None and chunks:
+        served = chunks
+        if so_far is not None:
+            served = so_far.completion_tokens - self.streamed_usage.completion_tokens
+            self.streamed_usage = so_far
+        if self._slot is not None and served > 0:
             admission, slot = self._slot
-            admission.served(slot, service_cost(0, chunks))
+            admission.served(slot, service_cost(0, served))
 
     def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
                           waited_s: float) -> None:
@@ -164,6 +170,8 @@ class RequestAccount:
             return
         self.finished = True
         latency = time.monotonic() - self.t0
+        if usage == Usage():  # no usage chunk (a stream cut or failed): its tokens so far
+            usage = self.streamed_usage
         used = self.reservation.used(usage.prompt_tokens, usage.completion_tokens,
                                      self.streamed_chunks)
         abandoned = self.accepted and error_kind == "client_disconnected" and not any(used)

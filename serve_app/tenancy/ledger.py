@@ -9,9 +9,9 @@ router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerCo
   before that call answers, and reads them back when Ray restarts it, so a crash gives no
   budget back. A tenant's counts are committed only once written; a tenant whose counting
   or write fails is put back as it was and its asks answer :class:`AskFailed`, the call's
-  other tenants are answered as usual. The GCS itself is lost with the head node unless Ray runs with GCS fault
-  tolerance (an external Redis); in-flight counts start from zero in a new incarnation
-  (their requests settle their tokens all the same).
+  other tenants are answered as usual. The GCS itself is lost with the head node unless
+  Ray runs with GCS fault tolerance (an external Redis); in-flight counts start from zero
+  in a new incarnation (their requests settle their tokens all the same).
 - ``redis``: :class:`~serve_app.tenancy.redis_ledger.RedisLedger`, the counts in a Redis
   server, as Envoy's rate-limit service and LiteLLM keep theirs: survives the whole Ray
   cluster, and in-flight counts are leases that expire should a router die holding one.

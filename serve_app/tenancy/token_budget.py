@@ -31,12 +31,13 @@ A request **reserves** before it runs, when its real size is not known yet:
   strings or of token-id lists).
 
 It **settles** when it ends, however it ends, with the tokens it really cost: vLLM's usage
-when the answer carried it, else (a stream the client left, or one that failed) the prompt's
-bound plus one token per streamed chunk (vLLM streams a chunk per generated token), and 0
-when nothing ran. Settling returns the unused part of the reservation, or draws the excess:
-what a request cost beyond its reservation is charged, not forgiven. A bucket may go below
-0 (a debt); the tenant's next request fits only once the refill has paid the debt and its
-own reservation.
+when the answer carried it; for a stream the client left, or one that failed, the usage of
+its last chunk relayed (the replica asks vLLM for ``continuous_usage_stats``: prompt and
+completion tokens so far, exact however many tokens vLLM merged into one event); else (no
+usage known) the prompt's bound plus one token per streamed event, and 0 when nothing ran.
+Settling returns the unused part of the reservation, or draws the excess: what a request
+cost beyond its reservation is charged, not forgiven. A bucket may go below 0 (a debt); the
+tenant's next request fits only once the refill has paid the debt and its own reservation.
 """
 
 from __future__ import annotations

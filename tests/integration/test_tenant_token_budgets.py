@@ -34,6 +34,9 @@ STREAM = {"model": "smollm", "max_tokens": 48, "ignore_eos": True, "stream": Tru
           "stream_options": {"include_usage": True},
           "messages": [{"role": "user", "content": "Count to fifty."}]}
 SMALL = {"model": "smollm", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+#: A stream whose every chunk carries its usage so far (vLLM's continuous_usage_stats): the
+#: tokens a client saw generated, to compare with what a cut stream is charged.
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 def budgeted(cfg: dict, routers: int = 2, **limits: dict) -> dict:
@@ -59,8 +62,9 @@ def budgets(mesh):
 
 def stream(http: httpx.Client, tenant: str, body: dict, request_id: str,
            read_chunks: int | None = None) -> dict:
-    """One streamed chat: status, headers, the error code, and the tokens its usage chunk
-    reports (0 when refused, or when the client stops after ``read_chunks`` chunks)."""
+    """One streamed chat: status, headers, the error code, and the tokens (prompt +
+    completion) the last usage it read reports: its usage chunk, or with
+    :data:`CONTINUOUS` the last chunk read (0 when refused, or when none carried usage)."""
     headers = {"authorization": f"Bearer {KEYS[tenant]}", "x-request-id": request_id}
     with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
@@ -150,10 +154,11 @@ def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
 
 def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
     """A 1,500-token stream (reserving 1,500 + its prompt bound; long enough not to end by
-    itself within the test's 3 s) that the client leaves after 10 chunks is charged its
-    prompt bound plus the chunks the router relayed, not its reservation."""
+    itself within the test's 3 s) that the client leaves after 10 chunks is charged the
+    tokens generated up to the router's last relayed chunk (vLLM's prompt and completion
+    counts so far), not its reservation nor one token per event."""
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}))
-    long = {**STREAM, "max_tokens": 1500}
+    long = {**STREAM, "max_tokens": 1500, "stream_options": CONTINUOUS}
     reservation = Reservation.of("chat", long)
     with budgets.http() as http:
         left_before, probe_cost = small(http, "acme")
@@ -164,10 +169,12 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
     probe_reservation = Reservation.of("chat", SMALL).total
     abandoned = charged_between(left_before, probe_reservation, probe_cost, left_after,
                                 probe_reservation)
-    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens (prompt bound "
-          f"{reservation.prompt}, reservation {reservation.total})")
-    assert reservation.prompt + 9 <= abandoned + 1  # +1: whole-token rounding of the header
-    assert abandoned <= reservation.prompt + 10 + 40  # 40: chunks in flight when it left
+    seen = r["tokens"]  # prompt + completion tokens of the last chunk the client read
+    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens, {seen} seen by the "
+          f"client (prompt bound {reservation.prompt}, reservation {reservation.total})")
+    assert seen > 0
+    assert seen <= abandoned + 1  # +1: whole-token rounding of the header
+    assert abandoned <= seen + 40  # 40: tokens generated while the client's leaving reached it
 
 
 def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets):
@@ -223,7 +230,8 @@ def test_a_4xx_from_vllm_costs_nothing(budgets):
 def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothing(budgets):
     """Issue 27, through the router: acme's 400-token stream loses its engine after 10
     events (``LLMReplica.kill_engine``: the simulated core dies as vLLM's EngineCore does)
-    and is charged its prompt bound plus the events relayed (vLLM sends no usage then);
+    and is charged the tokens of its last chunk relayed (vLLM sends no usage chunk then;
+    each chunk carried its usage so far);
     each request sent until Serve has replaced the replica is refused before any byte and
     costs nothing. The bucket after the first request served again says so."""
     from ray import serve
@@ -232,7 +240,7 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
     # minute, allowed for below (the wait for Serve's new replica took a minute in CI).
     per_day = 1000
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": per_day}))
-    body = {**STREAM, "max_tokens": 400}
+    body = {**STREAM, "max_tokens": 400, "stream_options": CONTINUOUS}
     prompt = Reservation.of("chat", body).prompt
     probe_reservation = Reservation.of("chat", SMALL).total
     replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
@@ -240,7 +248,7 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
     with budgets.http() as http:
         left_before, probe_cost = small(http, "acme")
         t_before = time.monotonic()
-        events, content, last = 0, 0, ""
+        events, content, last, seen = 0, 0, "", 0
         with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -248,6 +256,9 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
                 if line.startswith("data: {"):
                     events += 1
                     content += '"content":"' in line and '"content":""' not in line
+                    if '"usage":{' in line:  # the tokens so far, as the router relayed them
+                        usage = json.loads(line[6:])["usage"]
+                        seen = usage["prompt_tokens"] + usage["completion_tokens"]
                     if events == 10:
                         replica.kill_engine.remote().result()
         assert last == "data: [DONE]"
@@ -264,12 +275,13 @@ def test_an_engine_death_charges_what_streamed_and_the_refusals_meanwhile_nothin
     charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
                               probe_reservation)
     print(f"\nengine killed after 10 events: {content} tokens and {events} events reached "
-          f"the client; charged {charged} (prompt bound {prompt}, refilled {refill:.1f} "
+          f"the client, {seen} tokens by their usage; charged {charged} (prompt bound "
+          f"{prompt}, refilled {refill:.1f} "
           f"meanwhile); {len(refused)} requests refused meanwhile ({set(refused)})")
     assert content < 400  # the stream was cut
     # +1: whole-token rounding of the header; the refill over the wait is seen as a credit
-    assert prompt + content <= charged + refill + 1
-    assert charged <= prompt + events + 1  # what the router relayed, nothing for the 503s
+    assert seen <= charged + refill + 1
+    assert charged <= seen + 1  # what the router relayed, nothing for the 503s
 
 
 def spend_to_429(http: httpx.Client, tenant: str) -> int:

@@ -77,7 +77,8 @@ def test_stream_usage_goes_to_the_tail_and_to_the_client_only_if_asked(asked):
     engine = FakeEngine(stream)
     options = {"stream_options": {"include_usage": True}} if asked else {}
     items = collect(replica_server(engine), chat(stream=True, **options))
-    assert engine.bodies[0][1]["stream_options"] == {"include_usage": True}  # always asked
+    assert engine.bodies[0][1]["stream_options"] == {  # always asked, at the end and in each
+        "include_usage": True, "continuous_usage_stats": True}
     assert items[0] == Head(200, stream=True, headers=SERVED_BY)
     assert items[1:-1] == (lines if asked else [lines[0], lines[2]])
     assert items[-1] == Tail(Usage(7, 1))
