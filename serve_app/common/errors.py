@@ -173,8 +173,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         403, "a non-admin caller sent the `x-mesh-variant` header", "remove the header "
         "(pinning a variant is for admin tenants)", NO_RETRY, "ingress/planner.py"),
     "admin_only": ErrorCode(
-        403, "a non-admin caller asked for an `/admin/*` endpoint", "use an admin tenant's "
-        "key", NO_RETRY, "router.py"),
+        403, "a non-admin caller asked for an `/admin/*` endpoint, or any caller did in open "
+        "mode (no tenants: no admin)", "use an admin tenant's key; in open mode, add "
+        "`tenants:` with an admin tenant to the router's config", NO_RETRY, "router.py"),
     # -- 404 / 413 / 415 ----------------------------------------------------------------------
     "model_not_found": ErrorCode(
         404, "the `model` names no route, an adapter the tenant does not own (the same "
