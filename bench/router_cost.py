@@ -10,9 +10,9 @@ import time
 
 from bench.fleet.virtual_time import run_virtual
 from bench.fleet.workloads import many_adapters
-from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.slots import Slot
+from serve_app.admission.variant_queue import ADMIT_MARGIN, VariantAdmission
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.slots import Slot
 from serve_app.observability.stats import percentile
 
 
@@ -24,8 +24,8 @@ def router_cost(sizes: list[int], adapters: int = 1000, requests: int = 3000) ->
     import random
     from types import SimpleNamespace
 
-    from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys
-    from serve_app.ingress.replica_router import rank_replicas
+    from serve_app.replica_routing.affinity import ReplicaAffinity, prefix_keys
+    from serve_app.replica_routing.router import rank_replicas
 
     rng = random.Random(0)
     reqs = many_adapters(100.0, requests / 100.0, adapters=adapters, seed=1)
@@ -61,7 +61,7 @@ def affinity_table_memory(replicas: int = 1000) -> float:
     replicas (tracemalloc)."""
     import tracemalloc
 
-    from serve_app.ingress.replica_affinity import (MAX_ADAPTER_ROUTES, MAX_BLOCKS,
+    from serve_app.replica_routing.affinity import (MAX_ADAPTER_ROUTES, MAX_BLOCKS,
                                                     MAX_SESSIONS, ReplicaAffinity)
 
     tracemalloc.start()
@@ -92,7 +92,7 @@ def admission_cost(depths: list[int], tenants_n: int = 8, samples: int = 300) ->
       one by one.
 
     ``far`` queues ``depth`` beyond the 16 of headroom the best priority may also run
-    (:data:`~serve_app.ingress.admission.HEADROOM`), which a busy tenant may not use.
+    (:data:`~serve_app.admission.variant_queue.HEADROOM`), which a busy tenant may not use.
     """
     rows = []
     for depth in depths:

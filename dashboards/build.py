@@ -31,7 +31,7 @@ SEL = 'route=~"$route"'  # the route picker (every series of the router carries 
 
 
 #: Each tenant's service rate (tokens/s), weighted as token-fair admission weighs it
-#: (serve_app/ingress/admission.py: PROMPT_WEIGHT 1, COMPLETION_WEIGHT 2).
+#: (serve_app/admission/variant_queue.py: PROMPT_WEIGHT 1, COMPLETION_WEIGHT 2).
 SERVICE = ("(sum by (tenant) (rate(ray_mesh_prompt_tokens_total[5m])) + 2 * sum by (tenant) "
            "(rate(ray_mesh_completion_tokens_total[5m])))")
 
@@ -45,7 +45,7 @@ def p95(metric: str, by: str = BY, selector: str = SEL, q: float = 0.95) -> str:
 #: queries (it has the cold starts); tests/integration/test_observability.py checks every
 #: other row.
 SCALE_TO_ZERO_ROW = ("Scale to zero: variant states, cold starts and the resident budget "
-                     "(serve_app/ingress/cold_start.py)")
+                     "(serve_app/variants/cold_start.py)")
 
 #: (row, [(title, unit, [(PromQL, legend)])]) in dashboard order.
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
@@ -152,11 +152,11 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "(rate(ray_mesh_cold_start_seconds_bucket[1h])))", "start {{variant}}"),
             ("histogram_quantile(0.95, sum by (le, variant) "
              "(rate(ray_mesh_cold_start_wait_seconds_bucket[1h])))", "held {{variant}}")]),
-        ("Resident budget: evictions (serve_app/ingress/resident_budget.py)", "short", [
+        ("Resident budget: evictions (serve_app/variants/resident_budget.py)", "short", [
             ("sum by (variant, outcome) (increase(ray_mesh_resident_evictions_total[1h]))",
              "evicted {{variant}} {{outcome}}")]),
     ]),
-    ("Replicas of a variant (the affinity router, serve_app/ingress/replica_router.py)", [
+    ("Replicas of a variant (the affinity router, serve_app/replica_routing/router.py)", [
         ("Replica routing decisions", "reqps", [
             ("sum by (variant, decision) (rate(ray_mesh_replica_routing_decisions_total[5m]))",
              "{{variant}} {{decision}}")]),

@@ -29,7 +29,7 @@ DOC = REPO_ROOT / "docs" / "errors.md"
 #: Calls whose first (``Verdict``: second) argument is a status and ``code=`` the code.
 _STATUS_ARG = {"MeshError": 0, "error_body": 0, "Verdict": 1}
 #: Admission reasons the dispatcher never sends (``unavailable``: no running replica, the
-#: next variant is tried: :mod:`serve_app.ingress.dispatch`).
+#: next variant is tried: :mod:`serve_app.dispatch.dispatcher`).
 NOT_A_CODE = {"unavailable"}
 
 

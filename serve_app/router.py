@@ -1,14 +1,20 @@
 """``MeshRouter``: the OpenAI-compatible ingress of application ``mesh`` (HTTP only).
 
-Per request, each step in its own module of :mod:`serve_app.ingress`:
+A request goes one way through the stages, each a package of its own:
 
-1. authenticate the tenant (``tenancy``) and read the body (``request_body``);
-2. plan it (``planner.RequestPlanner``: route, adapter and version, variants in order);
-3. take the tenant's slot (``limits``) and dispatch it (``dispatch.Dispatcher``: admission,
-   the handle call, failover before the first byte, the relay of a stream).
+1. authenticate: the tenant from its API key (:mod:`serve_app.tenancy.keys`);
+2. plan: read the body and decide route, adapter version and variants in order
+   (:mod:`serve_app.request`);
+3. limits: take the tenant's slot and reserve its tokens (:mod:`serve_app.tenancy.limits`);
+4. admit: a slot of the variant's admission queue (:mod:`serve_app.admission`);
+5. call: the variant's replica through its handle, failover before the first byte
+   (:mod:`serve_app.dispatch.dispatcher`);
+6. relay: the stream to the client (:mod:`serve_app.dispatch.relay`).
 
-One ``accounting.RequestAccount`` per request owns its slots, metrics and rollout
-observation, and releases them once however the request ends.
+One :class:`~serve_app.dispatch.account.RequestAccount` per request owns its slots, metrics
+and rollout observation, and releases them once however the request ends. The variants
+themselves (handles, admission queues, availability, cold starts, resident budget) are one
+:class:`~serve_app.variants.registry.VariantRegistry`.
 
 Routes, weights and tenants come from the deployment's ``user_config``
 (:class:`~serve_app.common.config.RouterConfig`), applied in place by ``reconfigure()``; an
@@ -29,26 +35,22 @@ from serve_app.common.logs import get_logger
 from serve_app.common.config import RouterConfig
 from serve_app.common.deployment_options import CONTROLLER_OPTIONS, ROUTER_OPTIONS, options
 from serve_app.common.failures import RETRY_AFTER_S
-from serve_app.common.serve_configs import REPLICA_DEPLOYMENT
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
-from serve_app.tenancy.accounting import REQUEST_ID_HEADER, RequestAccount, request_id_for
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.availability import VariantAvailability
-from serve_app.ingress.cold_start import ColdStarts
-from serve_app.ingress.resident_budget import ResidentBudget
-from serve_app.ingress.dispatch import Dispatcher
+from serve_app.dispatch.account import REQUEST_ID_HEADER, RequestAccount, request_id_for
+from serve_app.dispatch.dispatcher import Dispatcher
 from serve_app.tenancy.ledger import ledger_for
 from serve_app.tenancy.limits import TenantLimiter
-from serve_app.ingress.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
-from serve_app.ingress.request_body import read_json_body
-from serve_app.ingress.rollouts import RolloutClient
-from serve_app.ingress.shadow import ShadowMirror, effective_shadow
-from serve_app.ingress.split import splits_of
+from serve_app.request.planner import SESSION_HEADER, VARIANT_HEADER, RequestPlanner
+from serve_app.request.body import read_json_body
+from serve_app.control.rollout_client import RolloutClient
+from serve_app.control.shadow_mirror import ShadowMirror, effective_shadow
+from serve_app.request.split import splits_of
 from serve_app.tenancy.keys import authenticate
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 from serve_app.control.rollout_controller import RolloutController
+from serve_app.variants.registry import VariantRegistry
 
 logger = get_logger(__name__)
 
@@ -81,20 +83,14 @@ class MeshRouter:
         self.config: RouterConfig | None = None
         self.planner: RequestPlanner | None = None
         self._tenants = {}  # API key digest -> tenant
-        self._handles: dict[str, Any] = {}
-        self._admission: dict[str, VariantAdmission] = {}  # variant -> its slots and queue
         self.metrics = MeshMetrics()
+        self.variants = VariantRegistry(self.metrics)
+        self.availability = self.variants.availability
         self.limiter = TenantLimiter(routers=lambda: self.availability.routers)
         self.rollouts = RolloutClient(controller)
         self.controller = controller
-        self.availability = VariantAvailability(self._handle, on_refresh=self._update_slots)
-        self.budget = ResidentBudget(self._handle, self.availability, self._busy, self.metrics)
-        self.cold_starts = ColdStarts(self._handle, self.availability, self.metrics,
-                                      self.budget, self._admission_of, self._cold_start_limit_s)
-        self.dispatcher = Dispatcher(self._handle, self._admission_of, self.availability,
-                                     self.cold_starts)
-        self.shadows = ShadowMirror(self._handle, self.availability.serves, self.metrics,
-                                    self.rollouts.observe_shadow, self.availability.is_asleep)
+        self.dispatcher = Dispatcher(self.variants)
+        self.shadows = ShadowMirror(self.variants, self.metrics, self.rollouts.observe_shadow)
         await self.availability.start()
         self.rollouts.start()
 
@@ -120,10 +116,7 @@ class MeshRouter:
         self.config = new
         self._tenants = new.tenant_by_key_digest()
         self.planner = RequestPlanner(new, splits, self.rollouts.weighted, self.availability)
-        budget = new.resident_budget
-        self.budget.configure(budget.max_variants if budget else None,
-                              budget.evict_timeout_s if budget else 60.0)
-        self._update_slots()
+        self.variants.configure(new)
         if ledger_changed:  # counted there from the next request; ready before it comes
             self.limiter.use(lambda: ledger_for(new.ledger))
             await self.limiter.start()
@@ -137,48 +130,6 @@ class MeshRouter:
             logger.warning("rollout controller not reached (%s: %s); retrying in the "
                            "background", type(e).__name__, e)
         logger.info("router config applied: %s", self.rollouts.weights())
-
-    def _update_slots(self) -> None:
-        """Apply each route's admission settings and each variant's slots (from the
-        availability view) to the variants' admission queues."""
-        for rc in (self.config.routes.values() if self.config else ()):
-            for v in rc.variants:
-                queue = self._admission_of(v.application)
-                queue.configure(**rc.admission.model_dump())
-                queue.set_capacity(self.availability.slots(v.application),
-                                   self.availability.full_batch_service_s(v.application))
-        self.metrics.refresh_gauges(self.availability.states())
-
-    def _context_len(self, plan) -> int:
-        """The largest ``max_model_len`` the plan's candidates reported, tokens (0: none
-        known): a request with no ``max_tokens`` may generate up to it there."""
-        return max((self.availability.info[c].max_model_len for c in plan.candidates
-                    if c in self.availability.info), default=0)
-
-    def _cold_start_limit_s(self, application: str) -> float:
-        """How long a cold start of ``application`` may take before it counts as failed, s:
-        the largest ``cold_start_timeout_s`` of the routes it serves."""
-        routes = self.config.routes.values() if self.config else ()
-        return max((rc.cold_start_timeout_s for rc in routes
-                    if any(v.application == application for v in rc.variants)), default=180.0)
-
-    def _busy(self, application: str) -> bool:
-        """This router has requests (or shadow mirrors) in flight or queued for
-        ``application``."""
-        queue = self._admission.get(application)
-        return bool(queue is not None and (queue.in_flight or queue.queued)
-                    or self.shadows.in_flight.get(application, 0))
-
-    def _admission_of(self, application: str) -> VariantAdmission:
-        if application not in self._admission:
-            self._admission[application] = VariantAdmission(application)
-        return self._admission[application]
-
-    def _handle(self, application: str):
-        if application not in self._handles:
-            self._handles[application] = serve.get_deployment_handle(REPLICA_DEPLOYMENT,
-                                                                     app_name=application)
-        return self._handles[application]
 
     def _require_config(self) -> RouterConfig:
         if self.config is None:
@@ -247,7 +198,7 @@ class MeshRouter:
                                       pinned=request.headers.get(VARIANT_HEADER))
             account.tags, account.arms = plan.tags, plan.arms
             quota_headers = await account.hold_tenant_slot(
-                self.limiter, tenant, Reservation.of(endpoint, body, self._context_len(plan)))
+                self.limiter, tenant, Reservation.of(endpoint, body, self.variants.context_len(plan.candidates)))
             # From here on only the plan is read: a deploy during the await above may have
             # changed (or removed) the route in self.config.
             account.capture = self.shadows.maybe_mirror(plan, effective_shadow(
@@ -305,7 +256,7 @@ class MeshRouter:
                 "available": {a: self.availability.is_available(a)
                               for a in sorted(config.applications())},
                 "scale_to_zero": self.availability.states(),
-                "resident_budget": self.budget.status()}
+                "resident_budget": self.variants.budget.status()}
 
     @app.get("/admin/adapters")
     async def adapter_status(self, request: Request) -> dict[str, Any]:
@@ -313,7 +264,7 @@ class MeshRouter:
         variant at zero replicas is not woken for it: ``{"asleep": true}``."""
         apps = sorted(a for a in self._require_admin(request).applications()
                       if not self.availability.is_asleep(a))
-        stats = await asyncio.gather(*(self._handle(a).stats.remote() for a in apps),
+        stats = await asyncio.gather(*(self.variants.handle(a).stats.remote() for a in apps),
                                      return_exceptions=True)
         return {**{a: {"asleep": True} for a in sorted(self.config.applications())
                    if self.availability.is_asleep(a)},

@@ -5,9 +5,9 @@ What runs is the mesh's own code wherever it decides something: each replica's e
 the simulated engine's :class:`~serve_app.sim.scheduler.SimScheduler` priced by a
 :class:`~serve_app.sim.profile.SimProfile` (continuous batching, ``max_num_seqs``,
 ``max_loras``, the prefix cache); the replica router is the mesh's
-:class:`~serve_app.ingress.replica_affinity.ReplicaAffinity` fed what
-:class:`~serve_app.ingress.replica_router.AffinityRouter` feeds it; admission is the mesh's
-:class:`~serve_app.ingress.admission.VariantAdmission`. Around them, this module stands in
+:class:`~serve_app.replica_routing.affinity.ReplicaAffinity` fed what
+:class:`~serve_app.replica_routing.router.AffinityRouter` feeds it; admission is the mesh's
+:class:`~serve_app.admission.variant_queue.VariantAdmission`. Around them, this module stands in
 for what Serve and vLLM do (:mod:`bench.fleet.routers` for Serve's routers):
 
 * a replica takes at most ``max_ongoing_requests``; when every replica is full a request
@@ -34,11 +34,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.fair_share import service_cost
-from serve_app.ingress.service_time import request_size
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.slots import Counted
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.admission.fair_share import service_cost
+from serve_app.admission.service_time import request_size
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.slots import Counted
 from serve_app.sim.profile import SimProfile
 from serve_app.sim.scheduler import SimRequest, SimScheduler, evict_idle_lru
 

@@ -7,9 +7,9 @@
   hold the adapter, else among those holding the fewest models (Serve falls back at once
   here, not after its 1 s ``multiplexed_model_id`` timeout). Holdings are each replica's
   resident adapters now (Serve pushes a replica's model ids when they change).
-* ``affinity``: the mesh's :class:`~serve_app.ingress.replica_affinity.ReplicaAffinity`, as
-  :class:`~serve_app.ingress.replica_router.AffinityRouter` runs it: prefix keys of the
-  prompt (:func:`~serve_app.ingress.replica_affinity.prefix_keys`), the session, the adapter,
+* ``affinity``: the mesh's :class:`~serve_app.replica_routing.affinity.ReplicaAffinity`, as
+  :class:`~serve_app.replica_routing.router.AffinityRouter` runs it: prefix keys of the
+  prompt (:func:`~serve_app.replica_routing.affinity.prefix_keys`), the session, the adapter,
   the replicas' last routing-stats reports (resident adapters, ``max_loras``) and the
   requests in flight; then the least-loaded replica with room in the first rank that has
   one (Serve's rule for a custom router's ranks). ``affinity-no-prefix`` turns prefix and
@@ -26,7 +26,7 @@ import asyncio
 import random
 from collections.abc import Callable
 
-from serve_app.ingress.replica_affinity import BLOCK_CHARS, ReplicaAffinity, prefix_keys
+from serve_app.replica_routing.affinity import BLOCK_CHARS, ReplicaAffinity, prefix_keys
 from bench.fleet.fleet import Fleet, FleetReplica, FleetRequest, Router
 
 ROUTERS = ("default", "multiplex", "affinity", "affinity-no-prefix", "affinity-no-adapter")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from bench.fleet.fleet import EngineLimits, Fleet, FleetRequest
 from bench.fleet.routers import make_router
 from bench.fleet.virtual_time import run_virtual
-from serve_app.ingress.admission import VariantAdmission
+from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.observability.stats import percentile
 from serve_app.sim.profile import SimProfile
 

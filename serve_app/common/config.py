@@ -428,7 +428,7 @@ class Tenant(Strict):
 
 class ResidentBudget(Strict):
     """A mesh-wide budget of resident variants (``MeshRouter`` ``user_config``
-    ``resident_budget``; :mod:`serve_app.ingress.resident_budget`).
+    ``resident_budget``; :mod:`serve_app.variants.resident_budget`).
 
     Attributes:
         max_variants: most variant applications with a replica (starting, running or

@@ -50,7 +50,7 @@ REPLICA_OPTIONS: dict[str, Any] = dict(
     graceful_shutdown_wait_loop_s=1,
     health_check_period_s=2,  # three failures in a row (a dead engine) replace it in ~6 s
     health_check_timeout_s=60,
-    # The router admits at most max_num_seqs requests per replica (serve_app.ingress.admission);
+    # The router admits at most max_num_seqs requests per replica (serve_app.admission.variant_queue);
     # these are Serve's own bounds behind it: requests past them fail over at once
     # (BackPressureError) instead of queueing without end.
     max_ongoing_requests=64,

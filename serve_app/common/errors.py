@@ -137,10 +137,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "vLLM's own verdict on the request (a missing or invalid field, a prompt longer "
         "than max_model_len, max_tokens < 1 or too large, a template that cannot render), or "
         "a request without a `model`; `param` names the field when known",
-        "fix the field the message names", NO_RETRY, "vLLM; ingress/planner.py"),
+        "fix the field the message names", NO_RETRY, "vLLM; request/planner.py"),
     "invalid_json": ErrorCode(
         400, "the body is not JSON, not a JSON object, or nested too deeply (a few hundred "
-        "levels)", "send one JSON object", NO_RETRY, "ingress/request_body.py, "
+        "levels)", "send one JSON object", NO_RETRY, "request/body.py, "
         "common/failures.py"),
     "invalid_schema": ErrorCode(
         400, "the structured-output backend cannot apply the request's JSON schema or grammar "
@@ -149,10 +149,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "common/failures.py"),
     "priority_not_allowed": ErrorCode(
         400, "the request sets `priority`: the mesh sets it from the tenant's config",
-        "remove `priority` from the request", NO_RETRY, "ingress/planner.py"),
+        "remove `priority` from the request", NO_RETRY, "request/planner.py"),
     "unknown_variant": ErrorCode(
         400, "an admin's `x-mesh-variant` header names a variant the route does not have",
-        "pin one of the variants the message lists", NO_RETRY, "ingress/planner.py"),
+        "pin one of the variants the message lists", NO_RETRY, "request/planner.py"),
     "reservation_exceeds_budget": ErrorCode(
         400, "the request reserves more tokens (prompt bound + max_tokens, 512 when unset) "
         "than the tenant's whole token budget", "set a smaller `max_tokens`; the operator "
@@ -168,10 +168,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "model_not_allowed": ErrorCode(
         403, "the tenant may not call this route (its `routes`)", "call a route the tenant "
         "may call; the operator may add the route to the tenant", NO_RETRY,
-        "ingress/planner.py"),
+        "request/planner.py"),
     "pinning_not_allowed": ErrorCode(
         403, "a non-admin caller sent the `x-mesh-variant` header", "remove the header "
-        "(pinning a variant is for admin tenants)", NO_RETRY, "ingress/planner.py"),
+        "(pinning a variant is for admin tenants)", NO_RETRY, "request/planner.py"),
     "admin_only": ErrorCode(
         403, "a non-admin caller asked for an `/admin/*` endpoint, or any caller did in open "
         "mode (no tenants: no admin)", "use an admin tenant's key; in open mode, add "
@@ -181,7 +181,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
         404, "the `model` names no route, an adapter the tenant does not own (the same "
         "answer whether another tenant owns it or no one does), or an adapter no variant of "
         "the route serves",
-        "call a model `GET /v1/models` lists", NO_RETRY, "ingress/planner.py"),
+        "call a model `GET /v1/models` lists", NO_RETRY, "request/planner.py"),
     "adapter_not_found": ErrorCode(
         404, "the replica the router chose does not declare the adapter (the router's view "
         "was older than a deploy that removed it)", "call a model `GET /v1/models` lists",
@@ -192,10 +192,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "fix the request as the message says", NO_RETRY, "vLLM"),
     "request_too_large": ErrorCode(
         413, "the body is over 4 MiB", "send a smaller body", NO_RETRY,
-        "ingress/request_body.py"),
+        "request/body.py"),
     "unsupported_media_type": ErrorCode(
         415, "`Content-Type` is not `application/json`", "send `Content-Type: "
-        "application/json`", NO_RETRY, "ingress/request_body.py"),
+        "application/json`", NO_RETRY, "request/body.py"),
     # -- 429: the tenant's own limits ---------------------------------------------------------
     "concurrency_limit_exceeded": ErrorCode(
         429, "the tenant has `max_concurrent_requests` in flight, across every router",
@@ -211,7 +211,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "internal_error": ErrorCode(
         500, "an unexpected error inside a live replica, for this request only (it is not "
         "retried on another variant)", "report it with the `x-request-id`; the same request "
-        "is likely to fail the same way", NO_RETRY, "common/failures.py, ingress/dispatch.py"),
+        "is likely to fail the same way", NO_RETRY, "common/failures.py, dispatch/dispatcher.py"),
     "internal_server_error": ErrorCode(
         500, "an unexpected error in the router, or vLLM ended a stream with an internal "
         "error (an in-band SSE event)", "report it with the `x-request-id`", NO_RETRY,
@@ -224,13 +224,13 @@ ERROR_CODES: dict[str, ErrorCode] = {
         503, "no variant of the route could take the request: each candidate had a variant "
         "failure (replica dead or unavailable, engine dead, backpressure, a timeout before "
         "the first byte) or was not running; an admin's pinned variant failed",
-        "retry after `Retry-After`", RETRY_AFTER, "ingress/dispatch.py"),
+        "retry after `Retry-After`", RETRY_AFTER, "dispatch/dispatcher.py"),
     "overloaded": ErrorCode(
         503, "the variant is at capacity and its admission queue cannot start the request "
         "within the route's `queue_timeout_s` (decided at arrival); or the variant is "
         "starting from zero replicas and holds as many requests as its first replica can "
         "start within `queue_timeout_s` already", "retry after `Retry-After`, or send less "
-        "at once", RETRY_AFTER, "ingress/admission.py"),
+        "at once", RETRY_AFTER, "admission/variant_queue.py"),
     "adapter_capacity": ErrorCode(
         503, "the replica's adapter slots (`max_adapters_per_replica`) stayed in use by other "
         "adapters' requests for the route's `queue_timeout_s`, hand-over included (stream or "
@@ -239,26 +239,26 @@ ERROR_CODES: dict[str, ErrorCode] = {
         RETRY_AFTER, "server/lora.py"),
     "queue_timeout": ErrorCode(
         503, "the request waited in the admission queue past its deadline", "retry after "
-        "`Retry-After`", RETRY_AFTER, "ingress/admission.py"),
+        "`Retry-After`", RETRY_AFTER, "admission/variant_queue.py"),
     "shed": ErrorCode(
         503, "the request was queued, and requests of better priority (or a lighter "
         "tenant) took its place before it could start in time", "retry after `Retry-After`",
-        RETRY_AFTER, "ingress/admission.py"),
+        RETRY_AFTER, "admission/variant_queue.py"),
     "cold_start_timeout": ErrorCode(
         503, "the variant was at zero replicas and did not start within the route's "
         "`cold_start_timeout_s` (it goes on starting)", "retry after `Retry-After`",
-        RETRY_AFTER, "ingress/cold_start.py"),
+        RETRY_AFTER, "variants/cold_start.py"),
     "cold_start_failed": ErrorCode(
         503, "the variant was at zero replicas and could not be started: its replica failed "
         "to start (the message gives the reason) or did not start within the largest "
         "`cold_start_timeout_s` of its routes; the variant is not started again until "
         "`Retry-After` (a back-off)", "retry after `Retry-After`; the operator reads the "
         "variant's replica log", RETRY_AFTER,
-        "ingress/cold_start.py"),
+        "variants/cold_start.py"),
     "resident_budget_full": ErrorCode(
         503, "the variant is at zero replicas, the mesh's resident budget (`max_variants`) "
         "is full, and no resident variant is idle enough to evict", "retry after "
-        "`Retry-After`", RETRY_AFTER, "ingress/resident_budget.py"),
+        "`Retry-After`", RETRY_AFTER, "variants/resident_budget.py"),
     "limits_unavailable": ErrorCode(
         503, "the tenant has limits and the cluster-wide counts did not answer: its "
         "`limits_fail_mode` is `closed`, or it is `open` and the request reserves more than "
@@ -271,7 +271,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
         503, "the router has no config yet (no routes deployed), or a variant failed in "
         "the middle of a stream (an in-band SSE event: the status was 200)",
         "retry after `Retry-After` (a stream: send the request again)", RETRY_AFTER,
-        "router.py, ingress/relay.py"),
+        "router.py, dispatch/relay.py"),
     # -- variant failures the router acts on; a client gets no_healthy_variant ---------------
     "engine_dead": ErrorCode(
         503, "the variant's vLLM engine is dead; Serve replaces the replica",

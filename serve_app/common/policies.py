@@ -16,7 +16,7 @@ class Strict(BaseModel):
 
 
 class Admission(Strict):
-    """How a route's variants admit requests under load (see :mod:`serve_app.ingress.admission`).
+    """How a route's variants admit requests under load (see :mod:`serve_app.admission.variant_queue`).
 
     Attributes:
         queue_timeout_s: longest a request waits for a slot, s; a request that cannot start
@@ -77,7 +77,7 @@ class RolloutGates(Strict):
 
 class ShadowConfig(Strict):
     """Mirror a share of a route's requests to another variant, compare the answers, and
-    never let the mirror touch the client (see :mod:`serve_app.ingress.shadow`).
+    never let the mirror touch the client (see :mod:`serve_app.control.shadow_mirror`).
 
     Attributes:
         application: the shadow variant (a variant application that serves the route).

@@ -53,12 +53,12 @@ class GenerateRequest:
             (``chatcmpl-<id>``).
         session: the caller's conversation, a fixed-size digest of its tenant and its
             ``x-session-id`` or ``user``; None when the caller gave neither. The replica
-            router keeps a session on one replica (:mod:`serve_app.ingress.replica_affinity`).
+            router keeps a session on one replica (:mod:`serve_app.replica_routing.affinity`).
         queue_timeout_s: the route's ``queue_timeout_s``, s: the longest the replica lets it
             wait for an adapter slot (then 503 ``adapter_capacity``).
         newcomer: admission started it in a newcomer slot (``Slot.newcomer``); the replica
             router then looks for an engine seat free of recent prefills for a base-model
-            request (rule 6 of :mod:`serve_app.ingress.replica_affinity`).
+            request (rule 6 of :mod:`serve_app.replica_routing.affinity`).
     """
 
     endpoint: Literal["chat", "completion"]

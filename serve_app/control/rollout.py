@@ -133,7 +133,7 @@ def failed_gates(gates: RolloutGates, canary: dict[str, Any], stable: dict[str, 
 
 
 def shadow_figures(comparisons) -> dict[str, Any]:
-    """Figures of a shadow phase's comparisons (:class:`serve_app.ingress.shadow.Comparison`):
+    """Figures of a shadow phase's comparisons (:class:`serve_app.control.shadow_mirror.Comparison`):
     ``compared``, ``errors``, ``error_rate``, ``agreement`` (exact matches over the pairs the
     shadow answered), ``similarity`` (mean), ``latency_ratio_p50``."""
     cs = list(comparisons)

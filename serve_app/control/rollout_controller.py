@@ -89,7 +89,7 @@ class RolloutController:
     async def report(self, observations: list[Observation], comparisons: list = ()
                      ) -> RolloutWeights:
         """Take a router's observations and shadow comparisons
-        (:class:`serve_app.ingress.shadow.Comparison`); returns :meth:`weights`."""
+        (:class:`serve_app.control.shadow_mirror.Comparison`); returns :meth:`weights`."""
         for o in observations:
             rollout = self.rollouts.get(o.split)
             if rollout is not None:

@@ -32,7 +32,7 @@ class ShadowBook:
         self._totals: dict[tuple[str, str], _Totals] = {}
 
     def add(self, c) -> None:
-        """One :class:`serve_app.ingress.shadow.Comparison`."""
+        """One :class:`serve_app.control.shadow_mirror.Comparison`."""
         t = self._totals.setdefault((c.route, c.shadow), _Totals())
         if c.shadow_error is not None:
             t.shadow_errors += 1

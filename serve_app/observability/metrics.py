@@ -9,7 +9,7 @@ Labels: ``route``, ``variant`` (the application that served; empty when the rout
 the request itself), ``tenant`` (empty in open mode), ``adapter`` (empty for the base model),
 ``status`` (HTTP status) on requests. Every label value comes from the config (routes,
 variants, tenants, adapters a tenant owns or a variant serves); a name a client made up is
-counted as ``unknown`` (:meth:`serve_app.ingress.planner.RequestPlanner.labels`), so clients
+counted as ``unknown`` (:meth:`serve_app.request.planner.RequestPlanner.labels`), so clients
 cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``variant``,
 ``adapter`` as ``name@vN``, ``event``: loaded, evicted, unloaded, refused, hit, waited),
 ``mesh_adapter_load_seconds``, ``mesh_adapters_resident`` (``variant``, ``replica``;
@@ -161,7 +161,7 @@ class MeshMetrics:
             self.tokens_used.inc(used, {"tenant": tenant})
 
     def record_shadow(self, comparison) -> None:
-        """Account for one compared mirror (:class:`serve_app.ingress.shadow.Comparison`)."""
+        """Account for one compared mirror (:class:`serve_app.control.shadow_mirror.Comparison`)."""
         tags = {"route": comparison.route, "shadow": comparison.shadow}
         if comparison.shadow_error is not None:
             self.shadow_requests.inc(1, {**tags, "outcome": "shadow_error"})

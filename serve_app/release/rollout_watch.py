@@ -46,7 +46,7 @@ import httpx
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.serve_configs import load_yaml, mesh_parts
-from serve_app.ingress.split import splits_of
+from serve_app.request.split import splits_of
 from serve_app.release.rollout_report import fetch_rollouts, figures_text, write_report
 
 PROMOTED, USAGE, ROLLED_BACK, ABORTED, TIMEOUT, UNREACHABLE, IN_PROGRESS = range(7)

@@ -91,7 +91,7 @@ def config_warnings(config: dict[str, Any]) -> list[str]:
 
 def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
     """The mesh's AffinityRouter keywords (Serve itself checks only that they are JSON)."""
-    from serve_app.ingress.replica_router import AFFINITY_ROUTER, affinity_settings
+    from serve_app.replica_routing.router import AFFINITY_ROUTER, affinity_settings
 
     rr = (dep or {}).get("request_router_config") or {}
     if rr.get("request_router_class") != AFFINITY_ROUTER:

@@ -72,7 +72,7 @@ class EngineHandle:
         """Seconds one request of ``tokens`` generated tokens holds the engine while
         ``max_num_seqs`` run at once: one warm-up request, then one timed full batch of
         short prompts (``ignore_eos``). The router's admission assumes it for a full
-        variant until it has learned the real figure (:mod:`serve_app.ingress.admission`).
+        variant until it has learned the real figure (:mod:`serve_app.admission.variant_queue`).
         ~4 s on a 2-core CPU host, well under a second on a GPU."""
         import uuid
 

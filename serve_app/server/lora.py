@@ -47,7 +47,7 @@ one version are never reused for another).
 vLLM limits: ``max_loras`` adapters can be in one batch; ``max_cpu_loras`` stay loaded in
 memory, so ``max_adapters_per_replica`` may not exceed it (vLLM would otherwise evict behind
 our back and reload from disk). Which replica a request for an adapter goes to is the replica
-router's choice (:mod:`serve_app.ingress.replica_affinity`): it prefers replicas that report the
+router's choice (:mod:`serve_app.replica_routing.affinity`): it prefers replicas that report the
 adapter resident (:meth:`AdapterSet.resident_names`, through Serve's ``record_routing_stats``).
 """
 

@@ -1,9 +1,6 @@
-"""Tenancy: who calls (API keys), what a request reserves and is charged (token budgets),
-the limits that hold across every router (a ledger of counts), and the per-request
-accounting that settles them however a request ends.
-
-A request passes through :class:`~serve_app.tenancy.accounting.RequestAccount`: it
-holds the tenant slot (:class:`~serve_app.tenancy.limits.TenantLimiter`, counted in the
-cluster's ledger) before admission and settles it with the tokens the request cost
-when it ends.
+"""Tenancy: who calls (API keys, ``keys``), what a request reserves and is charged (token
+budgets, ``token_budget``), and the limits that hold across every router (``limits``,
+counted in a ``ledger``: a Ray actor or Redis). Stages 1 and 3 of a request: authenticate,
+then take the tenant's slot and reserve its tokens; the request's
+:class:`~serve_app.dispatch.account.RequestAccount` settles them when it ends.
 """

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from bench.loadgen import LoadSpec, background_load, wait_for_results
-from serve_app.ingress.split import pick_variant
+from serve_app.request.split import pick_variant
 
 pytestmark = pytest.mark.integration
 

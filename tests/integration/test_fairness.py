@@ -7,7 +7,7 @@ priority as a light tenant (acme) with short requests. With ``fairness: tokens``
   log's ``queue_ms``) p95 is under one engine step of a full batch;
 - the light tenant keeping 4 requests going (a backlog: then the order decides its share)
   gets at least a quarter of the service (VTC's weighted tokens,
-  :func:`~serve_app.ingress.fair_share.service_cost`) rendered while both are busy.
+  :func:`~serve_app.admission.fair_share.service_cost`) rendered while both are busy.
 
 With ``fairness: fifo``, measured in the same run, it gets neither: its TTFT p95 passes 2x
 its idle TTFT and its share stays under a quarter.
@@ -27,7 +27,7 @@ import uuid
 
 import pytest
 
-from serve_app.ingress.fair_share import service_cost
+from serve_app.admission.fair_share import service_cost
 from serve_app.observability.stats import percentile
 from serve_app.sim.profile import load_profile
 from bench.loadgen import LoadSpec, background_load, wait_for_results

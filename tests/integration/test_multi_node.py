@@ -29,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from serve_app.ingress.split import pick_variant
+from serve_app.request.split import pick_variant
 from serve_app.release.deploy import running_replicas, serve_status
 from bench.loadgen import LoadSpec, background_load, wait_for_results
 from tests.support.metrics import metric_total

@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from serve_app.ingress.split import pick_variant
+from serve_app.request.split import pick_variant
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability import prometheus
 from bench.drills import herd_table

@@ -19,7 +19,7 @@ from tests.support.tenants import ACME_V1, ACME_V2, GLOBEX, KEYS, sig
 from serve_app.common.adapters import load_manifest
 from bench.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.common.paths import REPO_ROOT
-from serve_app.ingress.split import pick_variant
+from serve_app.request.split import pick_variant
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.loadgen import LoadSpec, background_load
-from serve_app.ingress.split import pick_variant
+from serve_app.request.split import pick_variant
 from tests.support.metrics import metric_total
 from tests.support.replicas import stream_and_kill
 from tests.support.request_catalog import CASES

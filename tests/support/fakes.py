@@ -10,9 +10,10 @@ from types import SimpleNamespace
 from ray.exceptions import RayActorError
 
 from serve_app.common.wire import GenerateRequest, ReplicaInfo
-from serve_app.ingress.planner import RequestPlan
-from serve_app.tenancy.accounting import RequestAccount
+from serve_app.request.planner import RequestPlan
+from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.counts import TenantCounts
+from serve_app.variants.registry import VariantRegistry
 
 
 class FakeStream:
@@ -76,6 +77,21 @@ class FakeAvailability:
 
     def used(self, application):
         pass
+
+    def serves(self, application, adapter):
+        return True
+
+
+def registry_of(handle_for, availability=None, admissions: dict | None = None
+                ) -> VariantRegistry:
+    """A real :class:`VariantRegistry` over fake handles and availability
+    (:class:`FakeAvailability` by default), with the given admission queues (variant ->
+    ``VariantAdmission``, as a test configured them) in place of fresh ones."""
+    registry = VariantRegistry(handle_for=handle_for,
+                               availability=availability or FakeAvailability())
+    for application, queue in (admissions or {}).items():
+        registry._admission[application] = queue
+    return registry
 
 
 class FakeRouterMetrics:

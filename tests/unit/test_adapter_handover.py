@@ -17,12 +17,12 @@ from types import SimpleNamespace
 from serve_app.common.failures import Failure
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT
 from serve_app.common.wire import Accepted, GenerateRequest, Head
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.dispatch import Dispatcher
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.dispatch.dispatcher import Dispatcher
 from serve_app.server.lora import ADAPTER_CAPACITY, HANDOVER_SHARE, AdapterSet
 from serve_app.server.serving import ReplicaServer
 from tests.support.fake_engine import FakeEngine, FakeLoRAModels, noop
-from tests.support.fakes import FakeAvailability, FakeRouterMetrics, plan_of
+from tests.support.fakes import FakeRouterMetrics, plan_of, registry_of
 
 ACME, GLOBEX = "acme-support", "globex-report"
 MANIFEST = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -191,7 +191,8 @@ def test_a_stream_that_waits_for_a_slot_is_503_adapter_capacity_without_failover
         held = await adapters.acquire(ACME)  # a long acme stream holds the only slot
         admission = VariantAdmission("smollm-v1")
         admission.set_capacity(4)
-        dispatcher = Dispatcher(ServerHandle(server), lambda _: admission, FakeAvailability())
+        dispatcher = Dispatcher(registry_of(ServerHandle(server),
+                                            admissions={"smollm-v1": admission}))
         metrics, observed = FakeRouterMetrics(), []
         results = []
         for stream in (True, False):

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import serve_app.ingress.availability as availability
+import serve_app.variants.availability as availability
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
-from serve_app.ingress.availability import VariantAvailability
-from serve_app.ingress.planner import UNKNOWN, RequestPlanner
-from serve_app.ingress.split import splits_of
+from serve_app.variants.availability import VariantAvailability
+from serve_app.request.planner import UNKNOWN, RequestPlanner
+from serve_app.request.split import splits_of
 from tests.support.fakes import status_of
 
 CONFIG = RouterConfig.model_validate({

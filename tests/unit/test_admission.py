@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.admission import ADMIT_MARGIN, VariantAdmission
-from serve_app.ingress.fair_share import service_cost
-from serve_app.ingress.service_time import PRIOR_SERVICE_S
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.slots import Counted
+from serve_app.admission.variant_queue import ADMIT_MARGIN, VariantAdmission
+from serve_app.admission.fair_share import service_cost
+from serve_app.admission.service_time import PRIOR_SERVICE_S
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.slots import Counted
 
 
 class Clock:
@@ -581,7 +581,7 @@ def test_a_light_tenants_freed_slot_is_kept_for_it_beside_the_newcomer_slots():
 
 
 def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
-    from serve_app.ingress.service_time import request_size
+    from serve_app.admission.service_time import request_size
 
     assert request_size(16) == 1.0 and request_size(64) == 3.0  # (64 + 8) / (16 + 8)
 

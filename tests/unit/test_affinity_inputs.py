@@ -16,10 +16,10 @@ import pytest
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress import replica_router
-from serve_app.ingress.planner import RequestPlanner
-from serve_app.ingress.replica_router import AffinityRouter, affinity_inputs
-from serve_app.ingress.split import splits_of
+from serve_app.replica_routing import router as replica_router
+from serve_app.request.planner import RequestPlanner
+from serve_app.replica_routing.router import AffinityRouter, affinity_inputs
+from serve_app.request.split import splits_of
 
 HOSTILE_CHATS = [
     [{"role": "user", "content": [{"type": "text", "text": 123}]}],  # the reported body
@@ -118,7 +118,7 @@ def test_sessions_are_kept_by_a_fixed_size_key_whatever_the_id_s_size():
     keys = list(r.affinity._sessions)
     assert len(keys) == 50 and {len(k) for k in keys} == {32}
     # The same id through the header, of two tenants: two conversations, not one.
-    from serve_app.ingress.planner import conversation
+    from serve_app.request.planner import conversation
     t1, t2 = SimpleNamespace(id="acme"), SimpleNamespace(id="globex")
     assert conversation("s", {}, t1) != conversation("s", {}, t2)
     assert conversation("s", {}, t1) == conversation(None, {"user": "s"}, t1)

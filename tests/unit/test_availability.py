@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import serve_app.ingress.availability as availability
-from serve_app.ingress.availability import VariantAvailability
+import serve_app.variants.availability as availability
+from serve_app.variants.availability import VariantAvailability
 from serve_app.common.wire import ReplicaInfo
 
 

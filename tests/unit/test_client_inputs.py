@@ -14,10 +14,10 @@ from starlette.requests import Request
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
-from serve_app.ingress.planner import RequestPlanner
-from serve_app.ingress.request_body import MAX_REQUEST_BYTES, read_json_body
-from serve_app.ingress.split import splits_of
-from serve_app.tenancy.accounting import RequestAccount
+from serve_app.request.planner import RequestPlanner
+from serve_app.request.body import MAX_REQUEST_BYTES, read_json_body
+from serve_app.request.split import splits_of
+from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation

@@ -12,19 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 
-import serve_app.ingress.availability as availability
-import serve_app.ingress.cold_start as cold_start
+import serve_app.variants.availability as availability
+import serve_app.variants.cold_start as cold_start
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import Accepted, GenerateRequest, Head, Tail, Usage
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.service_time import request_size
-from serve_app.ingress.availability import VariantAvailability
-from serve_app.ingress.cold_start import ColdStarts
-from serve_app.ingress.dispatch import Dispatcher
-from serve_app.ingress.planner import RequestPlan
-from serve_app.ingress.relay import RelayResponse
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.admission.service_time import request_size
+from serve_app.variants.availability import VariantAvailability
+from serve_app.dispatch.dispatcher import Dispatcher
+from serve_app.request.planner import RequestPlan
+from serve_app.dispatch.relay import RelayResponse
 
-from tests.support.fakes import INFO, FakeRouterMetrics, FakeStream, status_of
+from tests.support.fakes import INFO, FakeRouterMetrics, FakeStream, registry_of, status_of
 
 
 def details_of(zero: set[str]) -> dict:
@@ -76,8 +75,7 @@ def mesh(monkeypatch):
     admissions = {v: VariantAdmission(v) for v in apps}
     view = VariantAvailability(replicas, on_refresh=lambda: [
         q.set_capacity(view.slots(v)) for v, q in admissions.items()])
-    dispatcher = Dispatcher(replicas, admissions.__getitem__, view,
-                            ColdStarts(replicas, view, admission_for=admissions.__getitem__))
+    dispatcher = Dispatcher(registry_of(replicas, view, admissions))
     return SimpleNamespace(view=view, replicas=replicas, dispatcher=dispatcher, apps=apps,
                            admissions=admissions, messages=messages)
 

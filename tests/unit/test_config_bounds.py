@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.common.config import RouterConfig
-from serve_app.ingress.split import pick_variant, splits_of
+from serve_app.request.split import pick_variant, splits_of
 
 DIGEST = "0" * 64
 

@@ -19,11 +19,12 @@ from ray.serve.exceptions import BackPressureError
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import RETRY_AFTER_S, Failure
 from serve_app.common.wire import Accepted, Head, Tail, Usage
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.dispatch import Dispatcher
-from serve_app.ingress.planner import VARIANT_HEADER
-from serve_app.ingress.relay import RelayResponse
-from tests.support.fakes import FakeAvailability, FakeHandles, FakeRouterMetrics, FakeStream, plan_of
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.dispatch.dispatcher import Dispatcher
+from serve_app.request.planner import VARIANT_HEADER
+from serve_app.dispatch.relay import RelayResponse
+from tests.support.fakes import (FakeAvailability, FakeHandles, FakeRouterMetrics, FakeStream,
+                                 plan_of, registry_of)
 
 
 def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
@@ -35,7 +36,7 @@ def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
         admissions = {v: VariantAdmission(v) for v in candidates}
         for v, q in admissions.items():
             q.set_capacity((capacity or {}).get(v, 4))
-    dispatcher = Dispatcher(handles, admissions.__getitem__, availability)
+    dispatcher = Dispatcher(registry_of(handles, availability, admissions))
     plan = plan_of(candidates, queue_timeout_s, top_priority)
     account = metrics.account(lambda arms, **kw: observed.append((arms, kw)), tenant)
     account.arms = plan.arms  # as the router does

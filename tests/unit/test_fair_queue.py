@@ -1,4 +1,4 @@
-"""Unit tests of admission's queue (:mod:`serve_app.ingress.fair_queue`): requests kept in
+"""Unit tests of admission's queue (:mod:`serve_app.admission.fair_queue`): requests kept in
 first-come groups, one per tenant and priority, so a decision looks at groups, not requests;
 and the admission decisions that take its short cuts (pure asyncio, no Ray)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.fair_queue import FairQueue
-from serve_app.ingress.slots import Waiter
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.admission.fair_queue import FairQueue
+from serve_app.admission.slots import Waiter
 
 
 class Clock:

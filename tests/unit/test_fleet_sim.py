@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from serve_app.ingress.admission import VariantAdmission
+from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.observability.stats import percentile
 from bench.fleet.fleet import EngineLimits, Fleet, FleetRequest
 from bench.fleet.routers import MeshAffinity, make_router

@@ -10,8 +10,8 @@ import pytest
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.planner import UNKNOWN, RequestPlanner, session_key
-from serve_app.ingress.split import pick_variant, splits_of
+from serve_app.request.planner import UNKNOWN, RequestPlanner, session_key
+from serve_app.request.split import pick_variant, splits_of
 
 
 
@@ -164,7 +164,7 @@ def test_a_plan_under_the_last_config_reads_its_own_splits_while_the_next_is_app
     """CI's 500 KeyError (issue 28's promotion test): a ``serve deploy`` that drops an adapter
     split hands the rollout client the new splits while requests planned under the last
     config still run; their adapter split must still have weights."""
-    from serve_app.ingress.rollouts import RolloutClient
+    from serve_app.control.rollout_client import RolloutClient
     client = RolloutClient(controller=None)
     client.splits = splits_of(RouterConfig.model_validate({"routes": {"smollm": {
         "variants": [{"application": "v1", "weight": 90}, {"application": "v2",

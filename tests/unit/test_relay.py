@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.tenancy.accounting import RequestAccount
-from serve_app.ingress.relay import RelayResponse
+from serve_app.dispatch.account import RequestAccount
+from serve_app.dispatch.relay import RelayResponse
 from serve_app.common.failures import Failure
 from serve_app.common.wire import Tail, Usage
 

@@ -271,7 +271,7 @@ def test_autoscaling_config_in_place_but_its_policy_or_adding_one_restarts():
 def test_request_router_config_restarts_the_application():
     """Issue 26: `meshctl diff live affinity.yaml` said IN PLACE; Serve replaced the replica."""
     change = one_change(lambda c: replica_dep(c).update(request_router_config={
-        "request_router_class": "serve_app.ingress.replica_router:AffinityRouter"}))
+        "request_router_class": "serve_app.replica_routing.router:AffinityRouter"}))
     assert (change.field, change.kind) == ("deployments[LLMReplica].request_router_config",
                                            RESTART)
 

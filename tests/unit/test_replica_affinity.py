@@ -1,4 +1,4 @@
-"""The replica router's decision (serve_app/ingress/replica_affinity.py): prefix and session
+"""The replica router's decision (serve_app/replica_routing/affinity.py): prefix and session
 affinity under a load bound, pure logic. The real router on real replicas:
 tests/integration/test_replica_routing.py."""
 
@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.replica_affinity import ReplicaAffinity, prefix_keys, prompt_text
-from serve_app.ingress.replica_router import affinity_inputs
+from serve_app.replica_routing.affinity import ReplicaAffinity, prefix_keys, prompt_text
+from serve_app.replica_routing.router import affinity_inputs
 
 SYSTEM = "You are the support assistant of ACME. " * 20  # ~800 characters
 
@@ -333,7 +333,7 @@ def test_a_burst_for_a_cold_adapter_follows_the_first_request_before_it_is_route
 
 def test_the_router_reads_adapters_max_loras_and_max_num_seqs_from_the_routing_stats():
     from types import SimpleNamespace
-    from serve_app.ingress.replica_router import reported_stats
+    from serve_app.replica_routing.router import reported_stats
     replicas = [SimpleNamespace(replica_id="a", routing_stats={
                     "max_loras": 4, "adapters": ["x@v1"], "max_num_seqs": 64, "at": 5.0}),
                 SimpleNamespace(replica_id="b", routing_stats={"max_loras": 0}),
@@ -408,7 +408,7 @@ def test_the_serve_router_passes_a_newcomer_slots_mark_to_the_rule():
     Serve routes there; without the mark, by rule 5."""
     import asyncio
     from types import SimpleNamespace
-    from serve_app.ingress.replica_router import AffinityRouter
+    from serve_app.replica_routing.router import AffinityRouter
 
     router = AffinityRouter.__new__(AffinityRouter)  # Serve's own __init__ needs a cluster
     router._deployment_id = None

@@ -14,14 +14,14 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-import serve_app.ingress.availability as availability
-import serve_app.ingress.resident_budget as resident_budget
+import serve_app.variants.availability as availability
+import serve_app.variants.resident_budget as resident_budget
 from serve_app.common.errors import MeshError
 from serve_app.control.resident_policy import (EVICTED, IDLE_S, IN_FLIGHT, POLICY_FUNCTION,
                                                resident_budget_policy)
-from serve_app.ingress.availability import VariantAvailability
-from serve_app.ingress.cold_start import ColdStarts
-from serve_app.ingress.resident_budget import ResidentBudget
+from serve_app.variants.availability import VariantAvailability
+from serve_app.variants.cold_start import ColdStarts
+from serve_app.variants.resident_budget import ResidentBudget
 
 from tests.support.fake_engine import FakeEngine, replica_server
 from tests.support.fakes import INFO, status_of

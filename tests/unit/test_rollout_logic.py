@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from serve_app.common.config import RouterConfig
 from serve_app.common.policies import RolloutGates, RolloutPolicy
-from serve_app.ingress.split import splits_of
+from serve_app.request.split import splits_of
 from serve_app.control.rollout import Observation, Rollout, failed_gates, figures
 
 POLICY = RolloutPolicy(steps=[10, 50, 100], min_requests=5, min_step_s=30,

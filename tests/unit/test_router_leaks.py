@@ -44,7 +44,7 @@ def router(tenants: list[dict]) -> MeshRouter:
     r.rollouts = SimpleNamespace(weights=lambda: {
         "smollm": {"smollm-v1": 90, "smollm-v2": 10}, "other": {"other-v1": 1},
         "smollm:acme-secret": {"acme-secret@v1": 1, "acme-secret@v2": 1}})
-    r.budget = SimpleNamespace(status=lambda: None)
+    r.variants = SimpleNamespace(budget=SimpleNamespace(status=lambda: None))
     r.controller = SimpleNamespace(
         snapshot=SimpleNamespace(remote=lambda: _answer({"smollm": {"state": "idle"}})),
         shadow_snapshot=SimpleNamespace(remote=lambda: _answer({})))

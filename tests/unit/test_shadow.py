@@ -10,9 +10,10 @@ from types import SimpleNamespace
 from serve_app.common.config import RouterConfig
 from serve_app.common.policies import RolloutPolicy, ShadowConfig
 from serve_app.common.wire import GenerateRequest, Head, Tail, Usage
-from serve_app.ingress.planner import RequestPlan
-from serve_app.ingress.shadow import Answer, ShadowMirror, answer_of, compare
+from serve_app.request.planner import RequestPlan
+from serve_app.control.shadow_mirror import Answer, ShadowMirror, answer_of, compare
 from serve_app.control.rollout import Rollout
+from tests.support.fakes import registry_of
 
 TENANTS = {t.id: t for t in RouterConfig.model_validate({
     "routes": {"r": {"variants": [{"application": "v1", "weight": 1}]}},
@@ -95,8 +96,7 @@ def plan(tenant="a", **kw) -> RequestPlan:
 def test_mirror_sampling_cap_opt_out_and_comparison():
     async def main():
         handle, metrics, sent = FakeStreamingHandle(["Par", "is."], delay_s=0.05), Metrics(), []
-        mirror = ShadowMirror(lambda app: handle, lambda app, adapter: True, metrics,
-                              sent.append)
+        mirror = ShadowMirror(registry_of(lambda app: handle), metrics, sent.append)
         everyone = ShadowConfig(application="v2", percent=100, max_in_flight=2)
         nobody = ShadowConfig(application="v2", percent=0)
         assert mirror.maybe_mirror(plan(identity="u"), nobody, "u", "id") is None

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from serve_app.ingress.split import caller_point, failover_order, pick_by_point, pick_variant
+from serve_app.request.split import caller_point, failover_order, pick_by_point, pick_variant
 
 
 def shares(weighted, n=10_000, salt="smollm"):

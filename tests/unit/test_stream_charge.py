@@ -18,8 +18,8 @@ import pytest
 
 from serve_app.common.config import Tenant
 from serve_app.common.wire import GenerateRequest, Head, Tail, Usage
-from serve_app.ingress.relay import RelayResponse
-from serve_app.tenancy.accounting import RequestAccount
+from serve_app.dispatch.relay import RelayResponse
+from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from tests.support.fake_engine import FakeEngine, replica_server

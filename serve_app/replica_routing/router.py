@@ -1,11 +1,11 @@
 """``AffinityRouter``: the Serve request router that picks a variant's replica by prefix,
-session and adapter affinity (:mod:`serve_app.ingress.replica_affinity`), for ``LLMReplica``
+session and adapter affinity (:mod:`serve_app.replica_routing.affinity`), for ``LLMReplica``
 deployments.
 
 Configured per variant in the Serve config, on the ``LLMReplica`` deployment::
 
     request_router_config:
-      request_router_class: serve_app.ingress.replica_router:AffinityRouter
+      request_router_class: serve_app.replica_routing.router:AffinityRouter
       request_router_kwargs: {imbalance_bound: 4, block_chars: 128}
 
 It runs inside every process that holds a handle to the variant (the mesh router's replicas),
@@ -26,7 +26,7 @@ polled every ``request_routing_stats_period_s``, read here as ``replica.routing_
 which adapters each replica holds and its engine's ``max_loras``; which adapters this router's
 requests in flight use on each replica comes from Serve's ``on_request_routed`` and
 ``on_request_completed`` hooks (the LoRA batch-slot rule of
-:mod:`~serve_app.ingress.replica_affinity`). Why not Serve's model multiplexing
+:mod:`~serve_app.replica_routing.affinity`). Why not Serve's model multiplexing
 (``@serve.multiplexed`` + ``multiplexed_model_id``): its LRU evicts a model without asking
 whether a request is using it, a request then goes only to replicas that report the model
 (prefix and session affinity could not be combined with it), and the router's load bound
@@ -52,7 +52,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter  # Serve's public 
 from ray.util.metrics import Counter
 
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.replica_affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
+from serve_app.replica_routing.affinity import (BLOCK_CHARS, IMBALANCE_BOUND, MAX_BLOCKS,
                                                 MIN_MATCH_RATE, MAX_SESSIONS, ReplicaAffinity,
                                                 prefix_keys, prompt_text)
 
@@ -63,7 +63,7 @@ logger = get_logger(__name__)
 FALLBACK_LOG_EVERY_S = 60.0
 
 #: ``request_router_class`` of a variant that routes with :class:`AffinityRouter`.
-AFFINITY_ROUTER = "serve_app.ingress.replica_router:AffinityRouter"
+AFFINITY_ROUTER = "serve_app.replica_routing.router:AffinityRouter"
 
 _decisions = None  # the process's one Counter (Ray metrics: one object per name)
 

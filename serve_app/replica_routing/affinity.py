@@ -4,7 +4,7 @@ vLLM's automatic prefix caching keeps the KV blocks of the prompts an engine has
 request that starts like an earlier one reuses them, but only on the replica that served the
 earlier one. Serve's default router (power of two choices on queue length) ignores content,
 so with N replicas a tenant's system prompt or a conversation's history is computed and
-cached N times. This module is the pure decision; :mod:`serve_app.ingress.replica_router`
+cached N times. This module is the pure decision; :mod:`serve_app.replica_routing.router`
 plugs it into Serve's request-router API.
 
 Keys (:func:`prefix_keys`): the prompt's text (chat: each message's role and text; completion:
@@ -59,7 +59,7 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
    the moment it chooses (:meth:`ReplicaAffinity.placed`), not only once Serve has routed
    the request.
 6. *newcomer*: a base-model request that admission started in a newcomer slot (the busy
-   tenants' share of the engines is full: :mod:`serve_app.ingress.fair_share`) and that no
+   tenants' share of the engines is full: :mod:`serve_app.admission.fair_share`) and that no
    replica holds a session or prefix for goes to a replica with an engine seat free
    (requests in flight below its ``max_num_seqs``, as reported; a replica whose load is not
    known has none), the one this router sent a request to least recently (it counts one as
@@ -72,7 +72,7 @@ Rules, for the replicas Serve offers (``loads``: requests in flight on each):
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most
 ``max_blocks`` block keys and ``max_sessions`` sessions per router; a session is a
-fixed-size digest (:func:`serve_app.ingress.planner.conversation`), so the table's memory is
+fixed-size digest (:func:`serve_app.request.planner.conversation`), so the table's memory is
 bounded by those counts whatever the clients' session ids.
 """
 

@@ -1,5 +1,5 @@
 """How long a request holds a variant's slot: what admission's wait estimate is made of
-(:mod:`serve_app.ingress.admission`).
+(:mod:`serve_app.admission.variant_queue`).
 
 A request's *size* (:func:`request_size`) is its ``max_tokens`` (its token reservation)
 plus :data:`PREFILL_TOKENS`, relative to a request of

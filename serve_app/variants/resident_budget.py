@@ -4,7 +4,7 @@ used idle variant.
 With ``resident_budget: {max_variants: N}`` in the router's ``user_config``, at most N
 variant applications have a replica (starting, running or stopping) at once (LRU model
 swapping: keep the models in use resident, swap the rest out). A cold start
-(:mod:`serve_app.ingress.cold_start`) first asks :meth:`ResidentBudget.make_room`:
+(:mod:`serve_app.variants.cold_start`) first asks :meth:`ResidentBudget.make_room`:
 
 1. With fewer than N other variants resident, it goes ahead.
 2. Else, if a resident variant's replica is stopping already, it waits for that one.

@@ -1,7 +1,7 @@
 """Send a planned request to its variants, in order, until one answers.
 
-For each candidate of the :class:`~serve_app.ingress.planner.RequestPlan`: take a slot of
-the variant's admission queue (:mod:`serve_app.ingress.admission`), call its ``LLMReplica``
+For each candidate of the :class:`~serve_app.request.planner.RequestPlan`: take a slot of
+the variant's admission queue (:mod:`serve_app.admission.variant_queue`), call its ``LLMReplica``
 through a ``DeploymentHandle``, and read the first item, the :class:`Head`, before any
 byte goes to the client. Only a variant failure (:mod:`serve_app.common.failures`) moves on
 to the next candidate; a request error or an internal error is this request's answer; a
@@ -10,7 +10,7 @@ full variant is a 503 now. When every candidate failed: 503 ``no_healthy_variant
 A candidate that scaled to zero (asleep) is reached only when every candidate before it is
 unavailable or failed: the request is then held for its cold start in the variant's
 admission queue, or refused at once when the cold start holds all it can serve
-(:mod:`serve_app.ingress.cold_start`). A held stream waits with its headers sent and SSE
+(:mod:`serve_app.variants.cold_start`). A held stream waits with its headers sent and SSE
 comment lines, so an error after that (the cold start timed out or failed) is an in-band
 SSE error event instead of a status.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from fastapi.responses import Response
@@ -29,14 +28,14 @@ from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError
 from serve_app.common.failures import (RETRY_AFTER_S, Failure, handle_failure,
                                        nested_too_deeply, replica_gone)
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.slots import Slot
 from serve_app.common.wire import REPLICA_HEADER, Head, Usage, read_head
-from serve_app.tenancy.accounting import RequestAccount
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.slots import Slot
-from serve_app.ingress.cold_start import ColdStarts, Held
-from serve_app.ingress.planner import VARIANT_HEADER, RequestPlan
-from serve_app.ingress.relay import RelayResponse
+from serve_app.dispatch.account import RequestAccount
+from serve_app.dispatch.relay import RelayResponse
+from serve_app.request.planner import VARIANT_HEADER, RequestPlan
+from serve_app.variants.cold_start import Held
+from serve_app.variants.registry import VariantRegistry
 
 logger = get_logger(__name__)
 
@@ -65,19 +64,14 @@ class Dispatcher:
     """Calls variants for planned requests.
 
     Args:
-        handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
-        admission_for: application name -> its admission queue.
-        availability: the availability view (refreshed when no candidate has a slot).
-        cold_starts: wakes variants that scaled to zero (:class:`ColdStarts`).
+        variants: the router's :class:`~serve_app.variants.registry.VariantRegistry` (each
+            variant's handle, admission queue, availability and cold starts).
     """
 
-    def __init__(self, handle_for: Callable, admission_for: Callable[[str], VariantAdmission],
-                 availability, cold_starts: ColdStarts | None = None) -> None:
-        self.handle_for = handle_for
-        self.admission_for = admission_for
-        self.availability = availability
-        self.cold_starts = cold_starts or ColdStarts(handle_for, availability,
-                                                     admission_for=admission_for)
+    def __init__(self, variants: VariantRegistry) -> None:
+        self.variants = variants
+        self.availability = variants.availability
+        self.cold_starts = variants.cold_starts
 
     async def dispatch(self, plan: RequestPlan, account: RequestAccount) -> Response:
         """Serve ``plan``: a streaming response (the relay finishes ``account``) or a whole
@@ -136,7 +130,7 @@ class Dispatcher:
             MeshError: 503 with ``Retry-After``: the cold start holds all it can serve, or
                 the variant's start failed a moment ago.
         """
-        admission = self.admission_for(variant)
+        admission = self.variants.admission(variant)
         try:
             return self.cold_starts.hold(variant, admission, plan.route, lambda: admission.enter(
                 plan.priority, plan.top_priority, account.tags["tenant"], account.size,
@@ -175,7 +169,7 @@ class Dispatcher:
                    ) -> tuple[Head, object] | None:
         """The head and stream of ``variant``'s answer; None when it is unavailable or had a
         variant failure (the caller moves on)."""
-        admission = self.admission_for(variant)
+        admission = self.variants.admission(variant)
         asked_at = time.monotonic()
         try:
             slot = await admission.acquire(plan.priority, plan.top_priority,
@@ -193,11 +187,11 @@ class Dispatcher:
                     slot: Slot, asked_at: float) -> tuple[Head, object] | None:
         """:meth:`_try` once the request has its admission ``slot`` (asked for at
         ``asked_at``, monotonic s)."""
-        admission = self.admission_for(variant)
+        admission = self.variants.admission(variant)
         account.hold_variant_slot(admission, slot, variant, time.monotonic() - asked_at)
         self.availability.used(variant)
         request = replace(plan.request, newcomer=True) if slot.newcomer else plan.request
-        stream = self.handle_for(variant).options(stream=True).generate.remote(request)
+        stream = self.variants.handle(variant).options(stream=True).generate.remote(request)
         try:
             # A stream's head comes as soon as vLLM has checked the request, a non-stream's
             # Accepted as soon as the replica has it (a stream that waits for an adapter slot

@@ -2,7 +2,7 @@
 
 A variant application whose ``LLMReplica`` has ``autoscaling_config.min_replicas: 0`` goes
 to zero replicas when Serve's autoscaler sees no requests for its ``downscale_delay_s``
-(:mod:`serve_app.ingress.availability` stops polling it when idle, so the poll does not keep
+(:mod:`serve_app.variants.availability` stops polling it when idle, so the poll does not keep
 it awake). A ``DeploymentHandle`` call to a deployment with no replica is queued at the
 handle, and the handle tells the Serve controller at once (Ray's scaled-to-zero push), so the
 autoscaler starts one replica. The router makes one such call per cold start,
@@ -30,7 +30,7 @@ and does not count against the resident budget, for a back-off (:data:`BACKOFF_S
 per failure in a row up to :data:`MAX_BACKOFF_S`); requests meanwhile get the same 503 at
 once.
 
-With a resident budget (:mod:`serve_app.ingress.resident_budget`), the wake first makes room:
+With a resident budget (:mod:`serve_app.variants.resident_budget`), the wake first makes room:
 it may evict the least recently used idle variant, or refuse with 503
 ``resident_budget_full``.
 """
@@ -45,10 +45,10 @@ from collections.abc import AsyncIterator, Callable
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.common.shared_task import start_shared_task
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.slots import Slot
-from serve_app.ingress.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.slots import Slot
+from serve_app.variants.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
 
 logger = get_logger(__name__)
 

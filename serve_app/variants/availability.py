@@ -8,19 +8,19 @@ have a *serving* ``LLMReplica`` (RUNNING, or reconfigured or replaced in place b
 also asks each running variant (``LLMReplica.serving_info``, every ``period_s``) which
 adapter versions it serves, so ``route:adapter`` requests go only to variants that have the
 adapter, and how many requests its engine runs at once, which sets the variant's admission
-slots (:mod:`serve_app.ingress.admission`).
+slots (:mod:`serve_app.admission.variant_queue`).
 
 Variants that scale to zero (``LLMReplica`` ``autoscaling_config.min_replicas: 0``, read
 from the controller's deployment details after each deploy) have a state: ``warm`` (a
 RUNNING replica), ``starting`` (a replica on its way up) or ``zero``. Such a variant at zero
-is *asleep*: not available, but a request can wake it (:mod:`serve_app.ingress.cold_start`).
+is *asleep*: not available, but a request can wake it (:mod:`serve_app.variants.cold_start`).
 Its running replica is asked ``serving_info`` only while the router sends it requests
 (:meth:`VariantAvailability.used` within :func:`idle_poll_s`): Serve's autoscaler counts
 the calls it finds in flight when it samples, and a poll once a second could keep it from
 reaching zero. What it served when last warm (adapters, ``max_num_seqs``) is kept while it
 sleeps; one asleep since the router started answers for the adapters its deployed
 ``user_config`` declares (read from the controller's deployment details), none other. A
-variant the resident budget is evicting (:mod:`serve_app.ingress.resident_budget`) takes no
+variant the resident budget is evicting (:mod:`serve_app.variants.resident_budget`) takes no
 new requests: it is asleep from the moment its eviction starts.
 """
 

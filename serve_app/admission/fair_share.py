@@ -1,4 +1,4 @@
-"""Tenants' shares of one variant's slots: what :mod:`serve_app.ingress.admission` asks
+"""Tenants' shares of one variant's slots: what :mod:`serve_app.admission.variant_queue` asks
 about tenants. Three rules, per variant, with ``fairness: tokens`` (the default) and named
 tenants (``routes.<route>.admission`` in the router config):
 
@@ -12,7 +12,7 @@ tenants (``routes.<route>.admission`` in the router config):
   stream's completion tokens count as the router relays them, so a tenant's long streams
   count while they run; a non-stream's answer comes whole at its end, so while it runs its
   completion counts as the time it has run at the variant's measured rate
-  (:meth:`~serve_app.ingress.service_time.ServiceTime.tokens_per_s`, at most its
+  (:meth:`~serve_app.admission.service_time.ServiceTime.tokens_per_s`, at most its
   ``max_tokens``). When a request ends, vLLM's usage replaces all of that. What a request
   *reserves* for its completion never moves a counter: a ``max_tokens`` of a whole context
   that ends after one token (or that vLLM refuses) costs its tenant what it was served,
@@ -55,7 +55,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from serve_app.ingress.slots import Slot
+from serve_app.admission.slots import Slot
 
 #: Weights of prompt and completion tokens in a tenant's service (VTC's, OSDI 2024 §4:
 #: a generated token costs the engine about twice a prompt token).

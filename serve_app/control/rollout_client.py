@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from serve_app.common.logs import get_logger
-from serve_app.ingress.split import Split
+from serve_app.request.split import Split
 from serve_app.control.rollout import Observation, RolloutSpec, RolloutWeights
 from serve_app.control.rollout_controller import REPORT_PERIOD_S
 
@@ -87,7 +87,7 @@ class RolloutClient:
         return self._weights.shadowing.get(route)
 
     def observe_shadow(self, comparison) -> None:
-        """Queue a shadow :class:`~serve_app.ingress.shadow.Comparison` for the controller."""
+        """Queue a shadow :class:`~serve_app.control.shadow_mirror.Comparison` for the controller."""
         if len(self._comparisons) < MAX_PENDING_OBSERVATIONS:
             self._comparisons.append(comparison)
 

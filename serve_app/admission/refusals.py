@@ -1,4 +1,4 @@
-"""Admission's refusals (:mod:`serve_app.ingress.admission`): each a 503 with a
+"""Admission's refusals (:mod:`serve_app.admission.variant_queue`): each a 503 with a
 ``Retry-After`` and a message that says what was full and when to retry
 (docs/errors.md lists the codes)."""
 

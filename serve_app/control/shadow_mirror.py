@@ -38,8 +38,8 @@ from rapidfuzz import fuzz
 from serve_app.common.logs import get_logger
 from serve_app.common.policies import ShadowConfig
 from serve_app.common.wire import Tail, read_head
-from serve_app.ingress.planner import RequestPlan
-from serve_app.ingress.split import caller_point
+from serve_app.request.planner import RequestPlan
+from serve_app.request.split import caller_point
 
 logger = get_logger(__name__)
 
@@ -163,24 +163,22 @@ class ShadowMirror:
     """The mirrors of one router replica.
 
     Args:
-        handle_for: application name -> ``DeploymentHandle`` of its ``LLMReplica``.
-        serves: ``(application, adapter)`` -> whether it serves the adapter (availability).
-        asleep: application -> whether it is at zero replicas or being evicted
-            (availability's ``is_asleep``): a mirror would wake it, past the cold start's
-            one wake and the resident budget, so it is not mirrored to.
+        variants: the router's :class:`~serve_app.variants.registry.VariantRegistry`: each
+            variant's handle, whether it serves an adapter, and whether it is at zero
+            replicas or being evicted (a mirror would wake it, past the cold start's one
+            wake and the resident budget, so it is not mirrored to). The mirrors in flight
+            are counted in its ``mirrors``.
         metrics: the router's metrics (``ray_mesh_shadow_*``).
         to_controller: sends a :class:`Comparison` (without its sample) to the controller.
     """
 
-    def __init__(self, handle_for: Callable, serves: Callable[[str, str], bool], metrics,
-                 to_controller: Callable[[Comparison], None],
-                 asleep: Callable[[str], bool] = lambda application: False) -> None:
-        self.handle_for = handle_for
-        self.serves = serves
-        self.asleep = asleep
+    def __init__(self, variants, metrics, to_controller: Callable[[Comparison], None]) -> None:
+        self.variants = variants
+        self.serves = variants.availability.serves
+        self.asleep = variants.availability.is_asleep
         self.metrics = metrics
         self.to_controller = to_controller
-        self.in_flight: dict[str, int] = {}
+        self.in_flight = variants.mirrors
         self.samples: dict[tuple[str, str], deque] = {}  # disagreeing pairs kept
         self._tasks: set[asyncio.Task] = set()
 
@@ -268,7 +266,7 @@ class ShadowMirror:
                           request_id=request_id)
         ttft, chunks = None, []
         try:
-            stream = self.handle_for(application).options(stream=True).generate.remote(request)
+            stream = self.variants.handle(application).options(stream=True).generate.remote(request)
             head, _ = await read_head(stream, HEAD_TIMEOUT_S)
             if head.status != 200:
                 return Answer(error=f"HTTP {head.status}: {(head.body or '')[:200]}",

@@ -16,10 +16,10 @@ Rules, in order:
 3. An adapter with a version split (``routes.<route>.adapters``) gets the caller's sticky
    version; the variants are those of the route that serve it.
 4. ``x-mesh-variant`` pins a variant (admin only, 403 otherwise); else the caller's sticky
-   variant comes first, then :func:`~serve_app.ingress.split.failover_order`, the variants
+   variant comes first, then :func:`~serve_app.request.split.failover_order`, the variants
    with a running replica before the others. A chosen variant that scaled to zero is
    woken (``RequestPlan.wake``) while a running one serves; with none running, the request
-   waits for the cold start (:mod:`serve_app.ingress.cold_start`).
+   waits for the cold start (:mod:`serve_app.variants.cold_start`).
    An adapter with a merged variant (``routes.<route>.merged``) goes to it first, while it
    runs and its model holds the very version the request would get on the LoRA path (the
    version split's choice, else the first LoRA variant's default); the LoRA variants follow.
@@ -38,7 +38,7 @@ from serve_app.common.config import RouterConfig, Tenant
 from serve_app.common.errors import MeshError
 from serve_app.common.policies import ShadowConfig
 from serve_app.common.wire import GenerateRequest
-from serve_app.ingress.split import Split, failover_order, pick_variant
+from serve_app.request.split import Split, failover_order, pick_variant
 
 VARIANT_HEADER = "x-mesh-variant"
 SESSION_HEADER = "x-session-id"
@@ -47,7 +47,7 @@ UNKNOWN = "unknown"
 
 
 class Availability(Protocol):
-    """What the planner asks of the availability view (:mod:`serve_app.ingress.availability`)."""
+    """What the planner asks of the availability view (:mod:`serve_app.variants.availability`)."""
 
     adapters: dict[str, set[str]]
 
@@ -173,7 +173,7 @@ class RequestPlanner:
 
     Args:
         config: the router's ``user_config``.
-        splits: its splits (:func:`serve_app.ingress.split.splits_of`).
+        splits: its splits (:func:`serve_app.request.split.splits_of`).
         weights_in_force: ``(split key, split) -> [(arm, weight)]`` in force (a rollout may
             own the weights); called with this config's own split, so a request planned
             under this config never looks a key up in another one's splits.

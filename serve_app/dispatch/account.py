@@ -1,11 +1,11 @@
 """``RequestAccount``: the one owner of a request's accounting.
 
 A request holds up to two slots while it runs (its tenant's, :mod:`serve_app.tenancy.limits`,
-and its variant's, :mod:`serve_app.ingress.admission`) and ends in one metrics record, one
+and its variant's, :mod:`serve_app.admission.variant_queue`) and ends in one metrics record, one
 access log line and, when it went through a rollout, one observation. The account holds all
 of them and :meth:`RequestAccount.finish` releases and records everything exactly once,
 whoever calls it first: the router for an error or a non-streaming answer, the relay
-(:class:`~serve_app.ingress.relay.RelayResponse`) when a stream ends, fails or its client
+(:class:`~serve_app.dispatch.relay.RelayResponse`) when a stream ends, fails or its client
 leaves.
 
 The access log line (``access {...}`` in the router replica's Serve log) is one JSON object
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
 from serve_app.common.wire import Usage
-from serve_app.ingress.admission import VariantAdmission
-from serve_app.ingress.fair_share import service_cost
-from serve_app.ingress.service_time import request_size
-from serve_app.ingress.slots import Counted, Slot
+from serve_app.admission.variant_queue import VariantAdmission
+from serve_app.admission.fair_share import service_cost
+from serve_app.admission.service_time import request_size
+from serve_app.admission.slots import Counted, Slot
 from serve_app.tenancy.limits import Lease, TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
@@ -50,7 +50,7 @@ def request_id_for(header: str | None) -> str:
 NOT_THE_ARMS_FAULT = ("client_disconnected", "internal_error", "request_error")
 
 #: ``observe(arms, error=, truncated=, ttft_s=, latency_s=)``, see
-#: :meth:`serve_app.ingress.rollouts.RolloutClient.observe`.
+#: :meth:`serve_app.control.rollout_client.RolloutClient.observe`.
 Observe = Callable[..., None]
 
 
@@ -73,7 +73,7 @@ class RequestAccount:
         self.observe = observe
         self.tags = dict(tags)
         self.arms: tuple[tuple[str, str], ...] = ()
-        self.capture = None  # a PrimaryCapture when the request is mirrored (ingress.shadow)
+        self.capture = None  # a PrimaryCapture when the request is mirrored (control.shadow_mirror)
         self._tenant: tuple[TenantLimiter, Lease | None] | None = None
         self.reservation = Reservation()
         self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
@@ -97,7 +97,7 @@ class RequestAccount:
 
     def counts(self, stream: bool) -> Counted:
         """How this request's service counts for its tenant while it runs (the token-fair
-        order, :mod:`serve_app.ingress.fair_share`): its prompt at its bound from the start,
+        order, :mod:`serve_app.admission.fair_share`): its prompt at its bound from the start,
         a non-stream's completion by time up to its ``max_tokens``; never its whole
         reservation."""
         return Counted(service_cost(self.reservation.prompt, 0),
@@ -113,7 +113,7 @@ class RequestAccount:
         """``chunks`` more SSE events of a stream went to the client, ``so_far`` the stream's
         token counts up to them (None: not known; then an event counts one token): its
         progress, what it is charged if it ends without its usage chunk, and its tenant's
-        service in the token-fair order as it is served (:mod:`serve_app.ingress.fair_share`)."""
+        service in the token-fair order as it is served (:mod:`serve_app.admission.fair_share`)."""
         self.streamed_chunks += chunks
         served = chunks
         if so_far is not None:
@@ -164,7 +164,7 @@ class RequestAccount:
             status: the HTTP status sent (200 for a stream, however it ended).
             ttft_s: time to the first streamed chunk, s; None if none was sent.
             usage: token counts.
-            error_kind: None for success; see :data:`serve_app.ingress.relay.Finish`.
+            error_kind: None for success; see :data:`serve_app.dispatch.relay.Finish`.
         """
         if self.finished:
             return

@@ -1,4 +1,4 @@
-"""The queue of one variant's admission (:mod:`serve_app.ingress.admission`), kept so that a
+"""The queue of one variant's admission (:mod:`serve_app.admission.variant_queue`), kept so that a
 decision costs about the number of tenants queued, not the number of requests.
 
 Admission orders queued requests by ``(priority, the tenant's service counter, arrival)``
@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from serve_app.ingress.slots import Waiter
+from serve_app.admission.slots import Waiter
 
 
 @dataclass

@@ -6,7 +6,7 @@ one body chunk, with no parsing: a piece's token counts so far come with it
 (:class:`~serve_app.common.wire.StreamText`) and go to the account, so a stream that ends
 without its usage chunk (its client left, or it failed) is charged the tokens generated,
 not one per SSE event. When the stream ends, for any reason, the request's
-:class:`~serve_app.tenancy.accounting.RequestAccount` is finished once. That includes a
+:class:`~serve_app.dispatch.account.RequestAccount` is finished once. That includes a
 client that disconnects before the body starts: Starlette then never enters the body's
 generator, so a ``finally`` inside it would not run; the response's own ``__call__`` catches
 that case.

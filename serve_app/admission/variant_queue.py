@@ -8,7 +8,7 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
 
 - **Decide at arrival.** A request that can start now takes a slot. Otherwise it may wait
   if its estimated wait, ``(sizes of the requests ahead of it + its size) * service_s /
-  slots`` (:mod:`serve_app.ingress.service_time`; the slots the tenant may use), is within
+  slots`` (:mod:`serve_app.admission.service_time`; the slots the tenant may use), is within
   :data:`ADMIT_MARGIN` x ``queue_timeout_s``; else it is refused at once (``overloaded``)
   with a ``Retry-After``. ``max_queued_per_slot`` sets a fixed bound on the count instead.
 - **A deadline.** A queued request not started after ``queue_timeout_s`` is refused
@@ -18,10 +18,10 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
   pushes past their deadline are shed. ``reserved_slots`` are kept for the best priority.
 - **Tenants' shares** (``fairness``, ``newcomer_slots``, ``anticipation_s``): token-fair
   order within a priority, slots kept for newcomers, a freed slot kept for its
-  tenant a moment (:mod:`serve_app.ingress.fair_share`).
+  tenant a moment (:mod:`serve_app.admission.fair_share`).
 - A variant with no running replica has no slots: ``unavailable`` (the router fails over).
 - **A cold start holds what it can serve** (:meth:`VariantAdmission.expect_start`;
-  :mod:`serve_app.ingress.cold_start`): a request waiting for a start from zero is held if,
+  :mod:`serve_app.variants.cold_start`): a request waiting for a start from zero is held if,
   once the first replica is warm, it would start within ``queue_timeout_s`` by the rule
   above (on its ``max_num_seqs`` less the slots kept back); the rest get 503 ``overloaded``
   at once. Once warm, a held request may wait ``queue_timeout_s`` or until its
@@ -29,7 +29,7 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
 
 Admission holds per router replica. Refusals are 503 (the tenant's own limits, in
 :mod:`serve_app.tenancy.limits`, cluster-wide, are 429). A decision costs about the number of
-tenants queued, not of requests (:mod:`serve_app.ingress.fair_queue`).
+tenants queued, not of requests (:mod:`serve_app.admission.fair_queue`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ import math
 import time
 from collections.abc import Callable
 
-from serve_app.ingress import refusals
-from serve_app.ingress.fair_queue import FairQueue, Group
-from serve_app.ingress.fair_share import FairShare
-from serve_app.ingress.refusals import Rejected
-from serve_app.ingress.service_time import ServiceTime
-from serve_app.ingress.slots import Counted, Slot, Waiter
+from serve_app.admission import refusals
+from serve_app.admission.fair_queue import FairQueue, Group
+from serve_app.admission.fair_share import FairShare
+from serve_app.admission.refusals import Rejected
+from serve_app.admission.service_time import ServiceTime
+from serve_app.admission.slots import Counted, Slot, Waiter
 
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
@@ -71,7 +71,7 @@ class VariantAdmission:
         max_queued_per_slot: most requests waiting at once, per slot; None: what can start
             within ``queue_timeout_s`` (see :attr:`max_queued`).
         fairness, newcomer_slots, anticipation_s: the tenants' shares
-            (:mod:`serve_app.ingress.fair_share`).
+            (:mod:`serve_app.admission.fair_share`).
         headroom: see :data:`HEADROOM`.
         clock: ``time.monotonic`` (tests pass a fake).
     """
@@ -219,7 +219,7 @@ class VariantAdmission:
             priority: the request's priority (lower is served first).
             top: the request has the best priority configured (may use reserved slots).
             tenant: the tenant id ("" in open mode).
-            size: ``request_size`` of its reservation (:mod:`~serve_app.ingress.service_time`;
+            size: ``request_size`` of its reservation (:mod:`~serve_app.admission.service_time`;
                 1.0: a short request).
             hold_s: the request may be held for a cold start under way
                 (:meth:`expect_start`) this long, s (the route's ``cold_start_timeout_s``).
@@ -372,7 +372,7 @@ class VariantAdmission:
     def _grant(self) -> None:
         """Hand free slots to the best waiters that may use them. The queue's order is
         priority, then the tenant's counter (:meth:`_counters`), then arrival; each
-        :class:`~serve_app.ingress.fair_queue.Group` is one tenant's requests of one priority,
+        :class:`~serve_app.admission.fair_queue.Group` is one tenant's requests of one priority,
         first-come, so the candidates are the groups' heads."""
         while True:
             counter = self._counters()  # read again: a start moves its tenant's counter

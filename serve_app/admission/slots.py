@@ -1,6 +1,6 @@
-"""What admission (:mod:`serve_app.ingress.admission`) gives a request: a :class:`Slot`
+"""What admission (:mod:`serve_app.admission.variant_queue`) gives a request: a :class:`Slot`
 now, or a place in the queue (:class:`Waiter`); else a refusal
-(:mod:`serve_app.ingress.refusals`)."""
+(:mod:`serve_app.admission.refusals`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Counted:
     """How a request's service counts for its tenant while it runs
-    (:mod:`serve_app.ingress.fair_share`), weighted tokens: ``prompt`` when it starts (its
+    (:mod:`serve_app.admission.fair_share`), weighted tokens: ``prompt`` when it starts (its
     prefill is its first engine step; at the prompt's bound until vLLM's usage gives the
     count) and, for a non-stream, its completion by the time it has run, up to
     ``non_stream_up_to`` (its ``max_tokens``; 0: a stream, counted as its tokens are
