@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from serve_app.common.failures import Failure
@@ -160,6 +161,19 @@ class Tail:
     usage: Usage = field(default_factory=Usage)
     failure: Failure | None = None
     message: str = ""
+    #: The stream's last text, when it was ready with the end: sent in the same message
+    #: (one Ray message fewer per stream); :func:`unbundled` gives it back as text.
+    text: str = ""
+
+
+async def unbundled(stream) -> AsyncIterator[Any]:
+    """The items of a replica's stream after its head, with a :class:`Tail` that carries the
+    stream's last text given as that text, then the tail without it."""
+    async for item in stream:
+        if isinstance(item, Tail) and item.text:
+            yield item.text
+            item = replace(item, text="")
+        yield item
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from rapidfuzz import fuzz
 
 from serve_app.common.logs import get_logger
 from serve_app.common.policies import ShadowConfig
-from serve_app.common.wire import Tail, read_head
+from serve_app.common.wire import Tail, read_head, unbundled
 from serve_app.request.planner import RequestPlan
 from serve_app.request.split import caller_point
 
@@ -271,7 +271,7 @@ class ShadowMirror:
             if head.status != 200:
                 return Answer(error=f"HTTP {head.status}: {(head.body or '')[:200]}",
                               latency_s=time.monotonic() - t0)
-            async for item in stream:
+            async for item in unbundled(stream):
                 if isinstance(item, Tail):
                     if item.failure is not None:
                         return Answer(error=item.message[:300], latency_s=time.monotonic() - t0)

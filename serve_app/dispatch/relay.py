@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError, error_body
 from serve_app.common.failures import Failure, replica_gone
-from serve_app.common.wire import Tail, sse_error
+from serve_app.common.wire import Tail, sse_error, unbundled
 
 logger = get_logger(__name__)
 
@@ -71,7 +71,7 @@ class RelayResponse(StreamingResponse):
         error_kind = None
         status = 200  # what the account records: a held stream's refusal records its own
         try:
-            async for item in stream:
+            async for item in unbundled(stream):
                 if isinstance(item, Tail):
                     tail = item
                     error_kind = STREAM_ERROR_KIND.get(tail.failure)

@@ -13,7 +13,7 @@ carries the usage of its last piece that has one. Time is the event loop's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -26,11 +26,14 @@ _END = object()
 UNBATCHED = 2
 
 
-async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIterator[str | T]:
+async def coalesce(items: AsyncIterator[str | T], interval_s: float,
+                   attach: Callable[[str, T], T] | None = None) -> AsyncIterator[str | T]:
     """``items`` with consecutive strings joined, at most one batch per ``interval_s``.
 
     Non-string items (the stream's :class:`~serve_app.common.wire.Tail`) are passed on as
-    they are, after the text before them. ``interval_s`` <= 0 passes every item on at once.
+    they are, after the text before them; with ``attach``, a non-string item that ends a
+    batch takes that batch's text (``attach(text, item)``): one message instead of two.
+    ``interval_s`` <= 0 passes every item on at once.
     An exception of ``items`` is raised here, after the text before it. Closing this
     generator (the client left) closes ``items`` and returns once it is closed (so what
     ``items`` holds, an engine request, is let go before the caller goes on).
@@ -63,11 +66,18 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float) -> AsyncIte
             while not queue.empty():
                 batch.append(queue.get_nowait())
             text = [x for x in batch if isinstance(x, str)]
+            rest = [x for x in batch if not isinstance(x, str) and x is not _END
+                    and not isinstance(x, Exception)]
             if text:
                 joined = "".join(text)
                 usage = next((x.usage for x in reversed(text) if isinstance(x, StreamText)),
                              None)
-                yield joined if usage is None else StreamText(joined, usage)
+                joined = joined if usage is None else StreamText(joined, usage)
+                if attach is not None and len(rest) == 1 and batch.index(rest[0]) > max(
+                        i for i, x in enumerate(batch) if isinstance(x, str)):
+                    batch[batch.index(rest[0])] = attach(joined, rest[0])  # one message
+                else:
+                    yield joined
                 sent_at, sent = loop.time(), sent + 1
             for x in batch:
                 if x is _END:

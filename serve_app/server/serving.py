@@ -317,7 +317,7 @@ class ReplicaServer:
             yield Head(200, stream=True)
             interval_s = (self.config.stream_batching_interval_ms if self.config else 0) / 1000
             async with aclosing(coalesce(self._stream(result, body, client_wants_usage),
-                                         interval_s)) as items:
+                                         interval_s, attach=_with_text)) as items:
                 async for item in items:
                     yield item
 
@@ -352,6 +352,11 @@ class ReplicaServer:
             logger.warning("variant %s: stream ended with an in-band error (%s): %s",
                            self.variant, tail.failure.value, tail.message[:500])
         yield tail
+
+
+def _with_text(text: str, tail: Tail) -> Tail:
+    """The stream's last text sent with its :class:`Tail`, in one message."""
+    return replace(tail, text=text)
 
 
 async def _closing(lines: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -106,3 +106,31 @@ def test_closing_early_stops_reading():
         return n, len(read)
     before, after = run(main())
     assert after == before  # the reader was cancelled with the stream
+
+
+def test_the_last_text_goes_with_the_stream_end_in_one_message():
+    """With ``attach``, the batch that ends the stream is one message: the tail carries the
+    text (before, the text and the tail were two Ray messages); unbundled gives it back as
+    the router reads it."""
+    from dataclasses import replace
+
+    from serve_app.common.wire import Tail, unbundled
+
+    async def items():
+        for piece in ("a", "b", "c"):
+            yield piece
+        yield Tail()
+
+    async def main():
+        sent = [x async for x in coalesce(items(), 0.05,
+                                          attach=lambda text, tail: replace(tail, text=text))]
+
+        async def again():
+            for x in sent:
+                yield x
+        return sent, [x async for x in unbundled(again())]
+
+    sent, read = asyncio.run(main())
+    assert sent == [Tail(text="abc")]  # ready together: one message, not two
+    assert "".join(x for x in read if isinstance(x, str)) == "abc"
+    assert read[-1] == Tail()

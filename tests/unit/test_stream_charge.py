@@ -58,6 +58,9 @@ LINES = [chunk(0, "", 0), *(chunk(0, "word " * 50, 50 * k) for k in (1, 2, 3)),
 
 
 def replica_items(batching_ms: int = 0, **body) -> list:
+    """The replica's answer as the router reads it (:func:`unbundled`: a tail's text first)."""
+    from serve_app.common.wire import unbundled
+
     async def stream():
         for line in LINES:
             yield line
@@ -68,7 +71,7 @@ def replica_items(batching_ms: int = 0, **body) -> list:
     async def main():
         request = GenerateRequest("chat", {"model": "smollm", "messages": [
             {"role": "user", "content": "hi"}], "stream": True, **body})
-        return [item async for item in server.generate(request)]
+        return [item async for item in unbundled(server.generate(request))]
     items = asyncio.run(main())
     assert engine.bodies[0][1]["stream_options"].get("continuous_usage_stats") is True
     return items
