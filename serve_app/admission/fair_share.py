@@ -1,6 +1,7 @@
 """Tenants' shares of one variant's slots: what :mod:`serve_app.admission.variant_queue` asks
 about tenants. Three rules, per variant, with ``fairness: tokens`` (the default) and named
-tenants (``routes.<route>.admission`` in the router config):
+tenants (``routes.<route>.admission`` in the router config); docs/tenants-and-adapters.md,
+"Token-fair admission", shows what each buys:
 
 - **Token-fair within a priority.** Among queued requests of one priority, the tenant with
   the least service so far goes first (FIFO within a tenant). A tenant's service is its
@@ -16,7 +17,7 @@ tenants (``routes.<route>.admission`` in the router config):
   ``max_tokens``). When a request ends, vLLM's usage replaces all of that. What a request
   *reserves* for its completion never moves a counter: a ``max_tokens`` of a whole context
   that ends after one token (or that vLLM refuses) costs its tenant what it was served,
-  and no one else anything (issue 27).
+  and no one else anything.
   A tenant that arrives with nothing queued or running has its counter lifted to the least
   counter among the tenants that have requests queued or running, so time spent idle earns
   no burst of credit; on an idle variant, to the greatest counter, so the contention of an
@@ -27,27 +28,21 @@ tenants (``routes.<route>.admission`` in the router config):
   an equal share of the variant's slots or more (among the tenants with requests in flight
   and one more, the next to arrive), takes no further slot once it holds ``capacity -
   newcomer_slots`` (counting those it took in newcomer slots before it was busy), and none
-  of the best priority's headroom, so a *newcomer*'s request (a
-  tenant with less: nothing in flight, or a light tenant with a few requests running)
-  finds an engine slot free and starts at once. A request running in a newcomer slot does
-  not count against the busy tenants' share (counted, it left one more engine slot idle
-  while it ran: the burst of 400 on the virtual clock ran 6 + 1 requests on 8 slots). The
-  fair order alone cannot do that: it decides which queued request goes next, but each
-  waits for a running one to end (a long stream: many seconds), and vLLM does not preempt
-  a running request to make room. The cost is ``newcomer_slots`` engine slots while only
-  busy tenants run. (Newcomers were once only tenants with nothing in flight: then light
-  tenants with a few requests each running, on a fleet, were held to the heavy tenant's
-  share and waited for its slots: docs/scale.md, "Tenants".)
+  of the best priority's headroom, so a *newcomer*'s request (a tenant with less: nothing
+  in flight, or a light tenant with a few requests running) finds an engine slot free and
+  starts at once. A request running in a newcomer slot does not count against the busy
+  tenants' share: counted, it would leave one more engine slot idle while it ran. The fair
+  order alone cannot do that: it decides which queued request goes next, but each waits
+  for a running one to end (a long stream: many seconds), and vLLM does not preempt a
+  running request to make room. The cost is ``newcomer_slots`` engine slots while only
+  busy tenants run.
 - **A freed slot is kept for its tenant a moment** (``anticipation_s``, default 0.05 s):
   when a request ends and its tenant would be served next (less service than every tenant
   waiting at the best priority waiting, none better than its own), its slot stays that
   tenant's for ``anticipation_s``. A client that sends its next request when the last one
   ends (most do) would otherwise lose the slot to the queue in the moment between the two
-  and wait for another request to end: measured on the simulated engine, a light tenant
-  keeping 4 requests going waited 0.4-1.7 s per request in the router and got 28-32 % of
-  the service against a heavy tenant's 16 (43-46 % with this rule). Anticipatory
-  scheduling, as disks do it (Iyer and Druschel, "Anticipatory scheduling", SOSP 2001): a
-  slot idles at most ``anticipation_s``.
+  and wait for another request to end. Anticipatory scheduling, as disks do it (Iyer and
+  Druschel, "Anticipatory scheduling", SOSP 2001): a slot idles at most ``anticipation_s``.
 """
 
 from __future__ import annotations

@@ -54,8 +54,7 @@ from serve_app.admission.slots import Counted, Slot, Waiter
 HEADROOM = 0.25
 #: A request waits only if its estimated wait is within this share of ``queue_timeout_s``;
 #: it is shed only past its deadline. The gap absorbs the estimate's noise, so a refusal
-#: comes at arrival, when the client can still go elsewhere. (0.8 answered 0.76-0.79 of what
-#: the engines could finish in a 400-burst on the virtual clock, against a goal of 0.8.)
+#: comes at arrival, when the client can still go elsewhere (docs/traffic-safety.md, "Overload").
 ADMIT_MARGIN = 0.9
 #: Slots assumed while a variant's capacity is not known.
 UNKNOWN_CAPACITY = 1_000_000

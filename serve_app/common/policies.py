@@ -34,10 +34,9 @@ class Admission(Strict):
         newcomer_slots: engine slots of each variant that a busy tenant (one holding an
             equal share of the slots or more) may not take, so a request of another tenant
             (nothing in flight, or fewer than its share) starts at once (with ``fairness:
-            tokens``; 0: none). A count over the variant's replicas: on a simulated fleet of
-            8 (SIMULATED, profile h100-llama3-8b), an eighth of the slots brought light
-            tenants' TTFT p95 to 1.44x idle for 2 % of a heavy tenant's tokens; keep about
-            twice the newcomers' requests in flight (docs/scale.md, "Tenants").
+            tokens``; 0: none). A count over the variant's replicas, not a
+            share: keep about twice the newcomers' requests in flight (docs/scale.md,
+            "Tenants", shows what each size costs and buys).
         anticipation_s: how long the slot a tenant's request frees stays its own, s, when
             that tenant would be served next (less service than the tenants waiting; with
             ``fairness: tokens``): a client that sends its next request when the last one ends keeps

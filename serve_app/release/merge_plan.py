@@ -1,8 +1,9 @@
 """Which adapters carry the most tokens, and the config change that serves them from merged
 weights (``meshctl top-adapters``).
 
-One LoRA adapter costs a large share of the base model's throughput (about 40 % on the CPU
-engine here: LoRA kernels in every layer of every batch that holds it). A *merged variant*
+One LoRA adapter costs a large share of the base model's throughput (LoRA kernels in every
+layer of every batch that holds it; docs/tenants-and-adapters.md, "Hot adapters from merged
+weights", gives the figure). A *merged variant*
 runs a model with the adapter merged into its weights, at the base model's speed, and the
 route sends that adapter's requests there first (``routes.<route>.merged``; the LoRA
 variants are the failover). This module reads the router's own token counters

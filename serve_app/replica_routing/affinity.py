@@ -5,69 +5,32 @@ request that starts like an earlier one reuses them, but only on the replica tha
 earlier one. Serve's default router (power of two choices on queue length) ignores content,
 so with N replicas a tenant's system prompt or a conversation's history is computed and
 cached N times. This module is the pure decision; :mod:`serve_app.replica_routing.router`
-plugs it into Serve's request-router API.
+plugs it into Serve's request-router API. docs/replica-routing.md states the rules in full
+and what each one buys.
 
-Keys (:func:`prefix_keys`): the prompt's text (chat: each message's role and text; completion:
-the prompt) cut into blocks of ``block_chars`` characters; a block's key hashes all the text up
-to its end, seeded with the adapter, as vLLM's block hashes chain and carry the LoRA (a block
-cached under one adapter is no hit for another). Only whole blocks count.
+Keys (:func:`prefix_keys`): the prompt's text cut into blocks of ``block_chars`` characters;
+a block's key hashes all the text up to its end, seeded with the adapter, as vLLM's block
+hashes chain and carry the LoRA (a block cached under one adapter is no hit for another).
 
-Rules, for the replicas Serve offers (``loads``: requests in flight on each):
+Rules, in order, for the replicas Serve offers (``loads``: requests in flight on each), each
+a :data:`Decision`:
 
-1. *session*: a session (``x-session-id``, else the OpenAI ``user``) seen before goes back to
-   the replica that served it last;
-2. *prefix*: else the replicas that hold the longest run of the prompt's leading blocks, if
-   that run is at least ``min_match_rate`` of the prompt's blocks (SGLang's cache-aware
-   router calls it ``cache_threshold``, Ray's ``match_rate_threshold``): a new conversation
-   that shares only its tenant's system prompt with others is placed as new (rule 5), so a
-   tenant's conversations spread instead of all following the one replica that cached the
-   system prompt first;
-3. *adapter*: else, for a LoRA request, the replicas that hold its adapter resident (each
-   replica reports its resident set through Serve's ``record_routing_stats``; a replica this
-   router sent the adapter to since its last report counts too, as it loads on first use), so
-   a batch mixes few adapters and a request seldom waits for a load
-   (:mod:`serve_app.server.lora`). *LoRA batch slots*: a vLLM batch mixes at most
-   ``max_loras`` adapters (each replica reports its own), and a request for another one
-   waits inside the engine until one of those has no request left, which under steady
-   traffic takes seconds. So among the holders, those whose requests in flight (from this
-   router: routed and not completed) are on this adapter or on fewer than ``max_loras``
-   adapters go first; when no holder has a slot, the request *spills* to the least-loaded
-   replica within the adapter bound that has one (a load costs less than the wait; placed
-   as rule 5 places a cold adapter);
-4. *load bound*: those are kept only while their load is at most ``imbalance_bound`` above the
-   least-loaded replica's (``adapter_imbalance_bound`` for rule 3); past it the request
-   *spills* to the least-loaded replica, which then holds the prefix (or the adapter) too, so
-   one hot prefix or adapter spreads over more replicas as its load grows instead of queueing
-   behind one engine (Ray's own ``PrefixCacheAffinityRouter`` defaults to no bound). Adapters
-   get a wider bound because a spill costs more: a load, and one more adapter in the other
-   replica's batches, which mix at most ``max_loras``. Unless configured it is the holder's
-   ``max_num_seqs`` (each replica reports its own): a hot adapter's holder may run up to a
-   whole batch more than the least-loaded replica before the adapter spreads, as Punica
-   consolidates a LoRA's requests on as few GPUs as possible (Chen et al., "Punica:
-   Multi-Tenant LoRA Serving", MLSys 2024, §5), so the fleet's LoRA batch slots are left
-   for the other adapters (docs/scale.md, "Many adapters");
-5. *new*: nothing held: the least-loaded replica holding the fewest blocks and sessions (a
-   new prefix or conversation goes where the cache is emptiest), ties broken by rendezvous
-   hashing of the first key, so routers agree and a new replica takes only new prefixes. A
-   cold adapter goes to the least-loaded replica with a LoRA batch slot for it (within the
-   adapter bound; without a slot anywhere, the least-loaded one), ties broken by rendezvous
-   hashing of its name: the hot adapters' holders run full batches, and a cold adapter's
-   requests, each holding a LoRA batch slot until it ends, end soonest in the short steps
-   of a lightly loaded replica (docs/scale.md, "Many adapters"). Its next requests, a burst
-   that arrives at once included, find it held (rule 3); routers that see the same loads
-   agree, others may each load it once. The router counts the adapter as held there from
-   the moment it chooses (:meth:`ReplicaAffinity.placed`), not only once Serve has routed
-   the request.
-6. *newcomer*: a base-model request that admission started in a newcomer slot (the busy
-   tenants' share of the engines is full: :mod:`serve_app.admission.fair_share`) and that no
-   replica holds a session or prefix for goes to a replica with an engine seat free
-   (requests in flight below its ``max_num_seqs``, as reported; a replica whose load is not
-   known has none), the one this router sent a request to least recently (it counts one as
-   sent when it chooses, so the newcomers of a burst go to different replicas).
-   Each request a busy tenant starts brings its prompt's prefill into the engine's next
-   step, and a step with prefills in it takes longer: the newcomer's first token waits for
-   the step in progress and then its own, so it goes where the last prefill is likeliest
-   over (docs/scale.md, "Tenants").
+1. ``session``: a session seen before goes back to the replica that served it last;
+2. ``hit``: the replicas holding the longest run of the prompt's leading blocks, if it covers
+   at least ``min_match_rate`` of them (so a tenant's conversations that share only its
+   system prompt spread instead of following one replica);
+3. ``adapter``: for a LoRA request, the replicas holding its adapter resident, those with a
+   LoRA batch slot for it (fewer than ``max_loras`` adapters in flight) first, so batches mix
+   few adapters and a request seldom waits for a load;
+4. ``spill``: a preferred replica is kept only while its load is at most ``imbalance_bound``
+   (``adapter_imbalance_bound`` for rule 3: a spilled adapter costs a load) above the least
+   loaded replica's; past it the request goes there, so a hot prefix or adapter spreads;
+5. ``new``: nothing held: the least-loaded replica holding the fewest blocks and sessions
+   (a cold adapter: the least-loaded with a LoRA batch slot for it), ties broken by
+   rendezvous hashing so routers agree;
+6. ``newcomer``: a base-model request admission started in a newcomer slot
+   (:mod:`serve_app.admission.fair_share`) goes to a replica with an engine seat free, the
+   one sent a request least recently, where the last prefill is likeliest over.
 
 Each router process learns from what it routes (no shared state, no call on the request
 path); a replica that leaves loses only its own entries. Entries are kept LRU, at most

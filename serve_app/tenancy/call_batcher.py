@@ -1,9 +1,9 @@
 """Group commit for calls to one Ray actor: one call in flight, the next batch collects meanwhile.
 
-An actor runs its calls one at a time, and each call costs it about 1 ms of overhead here
-whatever it does, so one actor answering a call per request caps the requests per second
-of every router together (the cluster's :class:`~serve_app.tenancy.ledger.SharedTenantCounts`:
-about 800/s). :class:`CallBatcher` sends a call as soon as none is in flight, so at low load
+An actor runs its calls one at a time, and each call costs it a fixed overhead whatever it
+does, so one actor answering a call per request caps the requests per second of every router
+together (the cluster's :class:`~serve_app.tenancy.ledger.SharedTenantCounts`; the figures
+are in docs/tenants-and-adapters.md, "The asks are batched"). :class:`CallBatcher` sends a call as soon as none is in flight, so at low load
 a request waits for nothing extra; while one is in flight, the requests that arrive join the
 next call, which goes out as soon as the first returns. Under load a call carries many
 requests and the overhead is paid once per batch (the group commit of database logs).

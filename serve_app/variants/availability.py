@@ -153,13 +153,13 @@ class VariantAvailability:
 
         Args:
             status: also ask the Serve controller for the replica counts; without it only
-                the running variants are asked what they serve (cheap: ``serve.status()``
-                costs the router ~50 ms of CPU, so the poll asks for it every
-                :data:`STATUS_EVERY` periods).
+                the running variants are asked what they serve (cheap; ``serve.status()`` is
+                costly for the router's CPU, docs/benchmarks.md, "Polling", so the poll asks
+                for it every :data:`STATUS_EVERY` periods).
         """
         # One under way: its view is new enough, unless it skips the status we need; then
-        # wait for the next one. A loop, not a recursion (a herd of callers overflowed the
-        # stack, issue 28), and only while it runs: a refresh that has ended but whose caller
+        # wait for the next one. A loop, not a recursion (a herd of callers would overflow
+        # the stack), and only while it runs: a refresh that has ended but whose caller
         # has not resumed yet is awaited without yielding, so looping on it would spin.
         while (current := self._refreshing) is not None and not current.done():
             with_status = self._refreshing_status
