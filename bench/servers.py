@@ -16,11 +16,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def side_cluster_ports() -> dict[str, str]:
+    """Free ports for the fixed ports of the mesh's Serve settings
+    (:data:`~serve_app.common.serve_env.FIXED_PORT_VARS`), as environment variables: a
+    cluster started with them runs beside another on this host."""
+    from serve_app.common.serve_env import FIXED_PORT_VARS
+
+    return {var: str(free_port()) for var in FIXED_PORT_VARS}
+
+
 def start_local_ray(env: dict[str, str] | None = None) -> tuple[str, int, str]:
     """Start a new local Ray cluster for a benchmark (loopback only, the mesh's Serve
-    settings overridden by ``env``, token auth off as in the tests): returns (dashboard URL,
-    a free port for Serve's HTTP proxy, the metrics export URL). Stop it with
-    ``ray.shutdown()``."""
+    settings overridden by ``env``, free ports for their fixed ones, token auth off as in the
+    tests): returns (dashboard URL, a free port for Serve's HTTP proxy, the metrics export
+    URL). Stop it with ``ray.shutdown()``."""
     import os
 
     import ray
@@ -28,7 +37,7 @@ def start_local_ray(env: dict[str, str] | None = None) -> tuple[str, int, str]:
     from serve_app.common.serve_env import SERVE_ENV
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update({**SERVE_ENV, **(env or {})})
+    os.environ.update({**SERVE_ENV, **side_cluster_ports(), **(env or {})})
     dash, http_port, metrics_port = free_port(), free_port(), free_port()
     # address="local": a new cluster even when `ray start` left /tmp/ray/ray_current_cluster.
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",

@@ -18,7 +18,8 @@ from tests.support.mesh import RESTARTS, TEST_ENGINE
 #: that replaced replicas is listed at the end of the run. No module restores a config when
 #: it ends: the next one deploys its own.
 MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made with its config
-                "test_tenants", "test_tenant_token_budgets", "test_fairness", "test_overload",
+                "test_ingress", "test_tenants", "test_tenant_token_budgets", "test_fairness",
+                "test_overload",
                 "test_in_place", "test_canary", "test_rollouts", "test_traffic_safety",
                 "test_shadow_traffic",
                 "test_observability",  # some panels read the counts of the modules before

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.servers import free_port
+from bench.servers import free_port, side_cluster_ports
 from serve_app.common.serve_env import SERVE_ENV
 from tests.support.mesh import TEST_ENGINE, Mesh
 
@@ -38,6 +38,7 @@ def mesh(tmp_path_factory) -> Mesh:
     # need no token (production clusters keep Ray's token auth; see README).
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.update(SERVE_ENV)  # the cluster runs with the mesh's Serve settings
+    os.environ.update(side_cluster_ports())  # beside a demo mesh's HAProxy, if any
     # The mesh's processes at the test clients' niceness: Ray's default (15) would let a
     # flood's own client, in this process, take the cores from the proxy and router it
     # measures (in production nothing at nice 0 competes with the mesh on its nodes).
