@@ -72,10 +72,23 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
     parser.add_argument("--max-resident", type=int, default=4,
                         help="--adapters: max_adapters_per_replica")
     parser.add_argument("--router-throughput", action="store_true",
-                        help="CPU per request of the router replica, the proxy and the "
-                        "replicas on a real mesh of simulated engines (scripts/bench_router.py;"
-                        " starts its own Ray and mesh; --config default tenants.yaml)")
+                        help="the mesh against vLLM's own server on the same simulated engine: "
+                        "requests/s, TTFT overhead, CPU per request of every process the mesh "
+                        "adds (bench/router_throughput.py; starts its own Ray and mesh; "
+                        "--config default tenants.yaml)")
     parser.add_argument("--model", default="smollm", help="--router-throughput: the route")
+    parser.add_argument("--ingress", choices=["proxy", "haproxy", "both"],
+                        help="--router-throughput: how clients reach the router: Serve's "
+                        "HTTP proxy, Ray's HAProxy, or both, one cluster each in the same run "
+                        "(default: $MESH_INGRESS, else the mesh's default; "
+                        "serve_app/common/serve_env.py)")
+    parser.add_argument("--ttft-requests", type=int, default=100,
+                        help="--router-throughput: requests sent one at a time for TTFT")
+    parser.add_argument("--profile", action="store_true",
+                        help="--router-throughput: then record the router replica with py-spy "
+                        "under the same load and print where its CPU goes")
+    parser.add_argument("--profile-s", type=float, default=20.0,
+                        help="--router-throughput --profile: seconds py-spy records")
     from bench import scale  # --sim's options
 
     scale.add_arguments(parser)

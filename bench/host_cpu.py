@@ -27,13 +27,20 @@ IDLE_ENGINE_CORES = 0.1
 def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU seconds the live processes ``pids`` have used; a process that has
     exited counts 0."""
-    total = 0.0
+    return sum(cpu_by_pid(pids).values())
+
+
+def cpu_by_pid(pids: Iterable[int]) -> dict[int, float]:
+    """pid -> user + system CPU seconds, for those of the processes ``pids`` that live."""
+    out = {}
     for pid in pids:
         try:
-            total += _cpu(psutil.Process(pid)) or 0.0
+            cpu = _cpu(psutil.Process(pid))
         except psutil.NoSuchProcess:
             continue
-    return total
+        if cpu is not None:
+            out[pid] = cpu
+    return out
 
 
 def _title(p: psutil.Process) -> str:

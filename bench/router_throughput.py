@@ -1,36 +1,61 @@
-"""What one router replica costs per request, on a real mesh (``bench.py --router-throughput``):
-the ceiling of requests/s one router replica sustains, for sizing (docs/scale.md).
+"""What the mesh costs per request against vLLM's own server on the same simulated engine
+(``bench.py --router-throughput``): requests/s at saturation, TTFT at one in flight, and the
+CPU per request of every process the mesh adds, side by side, in one run.
 
-Starts its own Ray cluster (free ports, 127.0.0.1) and deploys ``--config`` (default
-serve_configs/tenants.yaml: tenants, limits and adapters, as in production; the load is a
-limited tenant's, its limits lifted above it) with every variant
-on the simulated engine at ``time_scale`` 0.01 (an engine that costs ~nothing, so the router,
-the proxy and the client have the cores). Sends ``--requests`` streamed chats at
-``--concurrency`` (``--max-tokens`` each) and reads the CPU time (user + system, psutil) each
-Serve process spent meanwhile: the router replica (``MeshRouter``), the HTTP proxy and the
-variant replicas, less what each spends idle (its polls, measured for 10 s first, per
-second of the load). CPU seconds per request are what the host's sharing changes least (the
-wall-clock is shared with the client on these 2 cores), so the ceiling of one router replica
-on one core is 1 / (its CPU s per request).
+Starts vLLM's own OpenAI server on the simulated engine (:mod:`bench.direct_sim`: the
+variant's model directory and args, profile cpu-smollm2 at ``time_scale`` 0.01, at
+``--direct-nice``, default 15, as Ray runs the mesh's processes), then for each ingress
+(``--ingress proxy|haproxy|both``; default ``$MESH_INGRESS`` or the mesh's default,
+:mod:`serve_app.common.serve_env`) its own Ray cluster (free ports, 127.0.0.1) with
+``--config`` deployed (default serve_configs/tenants.yaml, every variant on the same simulated
+engine; the load is a limited tenant's, its limits lifted far above it, so every request goes
+through the ledger as a limited tenant's does). Then, against the mesh and against vLLM's
+server alike:
 
-    python scripts/bench.py --router-throughput [--config serve_configs/tenants.yaml]
-        [--requests 600] [--concurrency 32] [--max-tokens 16]
+- ``--rounds`` alternations (vLLM's server, then the mesh) of ``--requests`` / rounds
+  streamed chats at ``--concurrency`` (32, saturation), ``--max-tokens`` each: requests/s;
+- ``--ttft-requests`` streamed chats one at a time: TTFT p50, and the mesh's overhead;
+- the CPU (user + system, psutil) each process spent during its side's loads, per answered
+  request, less what it spends idle (measured for 10 s first): by role
+  (:mod:`bench.mesh_processes`), the mesh's own roles summed, against the variant replica's
+  and vLLM's own server's.
+
+With ``--profile``, py-spy then records the router replica under the same load for
+``--profile-s`` seconds and the summary says where its CPU goes (:mod:`bench.pyspy`).
+
+CPU seconds per request are what the host's sharing changes least (the wall clock is shared
+with the client on 2 cores), so one core's ceiling for a process is 1 / its CPU s per request.
+The engine is simulated: every figure is of the simulated engine, profile cpu-smollm2 x 0.01.
+
+    python scripts/bench.py --router-throughput [--ingress proxy|haproxy|both]
+        [--config serve_configs/tenants.yaml] [--requests 600] [--rounds 3]
+        [--concurrency 32] [--max-tokens 16] [--ttft-requests 100] [--profile] [--json FILE]
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
+import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import psutil
+import httpx
 import yaml
 
-from bench.host_cpu import cpu_seconds
-from bench.loadgen import LoadSpec, run_load, summarize
+from bench import pyspy
+from bench.direct_sim import PROFILE, TIME_SCALE
+from bench.direct_vllm import start_direct
+from bench.loadgen import LoadSpec, background_load, run_load, summarize
+from bench.mesh_processes import (MESH_ROLES, ROLES, CpuMeter, CpuSpent, mesh_processes,
+                                  per_request_ms)
 from bench.servers import start_local_ray
 from serve_app.common.serve_configs import load_yaml, on_sim_engine
+from serve_app.common.serve_env import DEFAULT_INGRESS, INGRESSES, chosen_ingress, serve_env
 from serve_app.release.deploy import deploy
 
 #: Seconds the processes' idle CPU is measured for (subtracted from the load's).
@@ -38,6 +63,14 @@ IDLE_S = 10.0
 #: The demo tenant with limits on tenants.yaml: every request asks the ledger, as a limited
 #: tenant's does; the limits are lifted far above the load (:func:`lifted`).
 API_KEY, TENANT = "sk-initech-demo", "initech"
+#: The goals the figures are held to (printed met or not; a benchmark, not a test).
+GOALS = {
+    "mesh_cpu_ms": 4.0,  # the mesh's own CPU per streamed request, ms, at most
+    "mesh_over_replica": 0.2,  # ... and at most this share of the variant replica's
+    "requests_per_s": 60.0,  # at saturation, at least (3x the 20 of the first measurement)
+    "mesh_over_direct": 0.8,  # requests/s at saturation, mesh / vLLM's own server, at least
+    "ttft_overhead_ms": 5.0,  # TTFT p50 at concurrency 1, mesh - vLLM's own server, at most
+}
 
 
 def lifted(cfg: dict) -> dict:
@@ -52,62 +85,259 @@ def lifted(cfg: dict) -> dict:
     return cfg
 
 
-def serve_processes() -> dict[str, list[int]]:
-    """Role -> pids of the live Serve actors (router, proxy, replicas, controller)."""
-    from ray.util.state import list_actors
+def ingresses(choice: str | None) -> list[str]:
+    """The ingresses to measure for ``--ingress`` (None: ``$MESH_INGRESS``, else the
+    mesh's default; ``both``: every one, today's default first).
 
-    roles: dict[str, list[int]] = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        name = actor.class_name or ""
-        role = ("router" if "MeshRouter" in name else "proxy" if "ProxyActor" in name
-                else "controller" if "ServeController" in name
-                else "replica" if name.startswith("ServeReplica") else None)
-        if role and actor.pid:
-            roles.setdefault(role, []).append(actor.pid)
-    return roles
+    Raises:
+        ValueError: an unknown ingress.
+    """
+    if choice == "both":
+        return [DEFAULT_INGRESS, *(i for i in INGRESSES if i != DEFAULT_INGRESS)]
+    return [chosen_ingress(choice)]
+
+
+def wait_for_ingress(base: str, timeout_s: float = 120) -> None:
+    """Wait until the mesh answers on ``base`` (``http://host:port``): Serve's ``/-/routes``
+    lists the router's route and the router's ``/health`` is 200 (HAProxy takes the routes
+    a moment after the deploy is RUNNING).
+
+    Raises:
+        TimeoutError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            routes = httpx.get(f"{base}/-/routes", timeout=5)
+            if (routes.status_code == 200 and "/" in routes.json()
+                    and httpx.get(f"{base}/health", timeout=5).status_code == 200):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the mesh did not answer {base}/-/routes and /health in {timeout_s} s")
+
+
+class _Side:
+    """One side of the comparison: a load target, its processes' CPU, its results."""
+
+    def __init__(self, url: str, find, api_key: str, a) -> None:
+        self.spec = LoadSpec(base_url=url, model=a.model, requests=a.requests,
+                             concurrency=a.concurrency, max_tokens=a.max_tokens,
+                             api_key=api_key)
+        self.meter = CpuMeter(find)
+        self.loads = CpuSpent({}, 0.0)
+        self.results: list = []
+
+    def load(self, requests: int) -> None:
+        self.meter.start()
+        self.results += asyncio.run(run_load(LoadSpec(**{**self.spec.__dict__,
+                                                           "requests": requests})))
+        self.loads = self.loads + self.meter.stop()
+
+    def ttft(self, requests: int) -> dict[str, Any]:
+        results = asyncio.run(run_load(LoadSpec(**{**self.spec.__dict__, "requests": requests,
+                                                   "concurrency": 1})))
+        return summarize(results, 1.0)
+
+    def figures(self, idle: CpuSpent) -> dict[str, Any]:
+        n = sum(1 for r in self.results if r.ok)
+        s = summarize(self.results, self.loads.wall_s)
+        return {"answered": n, "errors": s["errors"], "wall_s": self.loads.wall_s,
+                "requests_per_s": n / self.loads.wall_s if self.loads.wall_s else 0.0,
+                "ttft_p50_ms_at_saturation": s["ttft_p50_ms"],
+                "latency_p50_ms_at_saturation": s["latency_p50_ms"],
+                "cpu_ms": per_request_ms(self.loads, idle, n)}
+
+
+def measure(a, ingress: str, direct_url: str, direct_pids) -> dict[str, Any]:
+    """One ingress: its own cluster and mesh, against the running direct server (module
+    docstring). Returns the run's figures (:func:`run_figures`)."""
+    import ray
+
+    dashboard, http_port, _ = start_local_ray(serve_env(ingress))
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        cfg = lifted(on_sim_engine(load_yaml(a.config), profile=PROFILE,
+                                   time_scale=TIME_SCALE, start_s=0))
+        cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+        path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        print(f"[bench] {ingress}: serve deploy {a.config} on the simulated engine", flush=True)
+        deploy(path, dashboard, log=lambda m: None)
+        wait_for_ingress(base)
+        mesh = _Side(f"{base}/v1", mesh_processes, API_KEY, a)
+        direct = _Side(direct_url, lambda: {"direct": direct_pids()}, "none", a)
+        for side in (direct, mesh):  # warm up
+            asyncio.run(run_load(LoadSpec(**{**side.spec.__dict__, "requests": 32})))
+        # what each process spends with no request (polls, metrics), to subtract
+        idle_mesh, idle_direct = CpuMeter(mesh_processes), CpuMeter(
+            lambda: {"direct": direct_pids()})
+        idle_mesh.start()
+        idle_direct.start()
+        time.sleep(IDLE_S)
+        both = idle_mesh.stop(), idle_direct.stop()
+        idle = CpuSpent({**both[0].seconds, **both[1].seconds}, both[0].wall_s)
+        rounds = max(1, a.rounds)
+        for i in range(rounds):
+            n = a.requests // rounds + (1 if i < a.requests % rounds else 0)
+            print(f"[bench] {ingress}: round {i + 1}/{rounds}: {n} requests at "
+                  f"{a.concurrency} in flight to vLLM's server, then to the mesh", flush=True)
+            direct.load(n)
+            mesh.load(n)
+        print(f"[bench] {ingress}: TTFT at 1 in flight, {a.ttft_requests} requests each",
+              flush=True)
+        ttft_direct = direct.ttft(a.ttft_requests)
+        ttft_mesh = mesh.ttft(a.ttft_requests)
+        roles = mesh_processes()
+        profile = None
+        if a.profile:
+            profile = profile_router(mesh.spec, roles.get("router", []), a.profile_s)
+        return run_figures(ingress, mesh.figures(idle), direct.figures(idle), ttft_mesh,
+                           ttft_direct, {r: len(p) for r, p in roles.items()}, profile)
+    finally:
+        ray.shutdown()
+
+
+def profile_router(spec: LoadSpec, pids: list[int], seconds: float) -> dict | None:
+    """py-spy's record of the (first) router replica for ``seconds`` under ``spec``'s load,
+    summarized (:func:`bench.pyspy.summarize`); None when py-spy failed (printed)."""
+    if not pids:
+        print("[bench] --profile: no router replica found", flush=True)
+        return None
+    print(f"[bench] --profile: py-spy records the router replica (pid {pids[0]}) for "
+          f"{seconds:.0f} s under the same load", flush=True)
+    with background_load(LoadSpec(**{**spec.__dict__, "duration_s": seconds + 5})):
+        time.sleep(2)  # the load in full flow
+        try:
+            stacks = pyspy.record(pids[0], seconds)
+        except RuntimeError as e:
+            print(f"[bench] --profile: {e}", flush=True)
+            return None
+    return pyspy.summarize(stacks).as_json()
+
+
+def run_figures(ingress: str, mesh: dict, direct: dict, ttft_mesh: dict, ttft_direct: dict,
+                processes: dict[str, int], profile: dict | None) -> dict[str, Any]:
+    """One ingress's figures, with the sums and ratios the goals are about."""
+    cpu = mesh["cpu_ms"]
+    own = sum(cpu.get(r, 0.0) for r in MESH_ROLES)
+    replica = cpu.get("replica", 0.0)
+    return {
+        "ingress": ingress, "processes": processes, "mesh": mesh, "direct": direct,
+        "ttft_p50_ms": {"mesh": ttft_mesh["ttft_p50_ms"], "direct": ttft_direct["ttft_p50_ms"]},
+        "ttft_errors": {"mesh": ttft_mesh["errors"], "direct": ttft_direct["errors"]},
+        "ttft_overhead_ms": ttft_mesh["ttft_p50_ms"] - ttft_direct["ttft_p50_ms"],
+        "mesh_over_direct": (mesh["requests_per_s"] / direct["requests_per_s"]
+                             if direct["requests_per_s"] else 0.0),
+        "mesh_cpu_ms": own, "replica_cpu_ms": replica,
+        "direct_cpu_ms": direct["cpu_ms"].get("direct", 0.0),
+        "mesh_over_replica": own / replica if replica else float("inf"),
+        "profile": profile,
+    }
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def table(runs: list[dict[str, Any]]) -> list[str]:
+    """The runs side by side, one column per ingress, as a Markdown table: requests/s at
+    saturation and mesh/direct, TTFT p50 at 1 in flight and the overhead, CPU ms per request
+    of each role, the mesh's own sum, the variant replica's and vLLM's own server's, and the
+    mesh's own / the variant replica's."""
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(r) for r in runs) + " |"
+
+    def cpu(role: str):
+        return lambda r: (_ms(r["mesh"]["cpu_ms"][role]) if role in r["mesh"]["cpu_ms"]
+                          else "–")
+
+    out = ["| figure | " + " | ".join(f"ingress: {r['ingress']}" for r in runs) + " |",
+           "|---|" + "---|" * len(runs),
+           row("requests/s at saturation: mesh / vLLM's server (ratio)", lambda r: (
+               f"{r['mesh']['requests_per_s']:.1f} / {r['direct']['requests_per_s']:.1f} "
+               f"(**{r['mesh_over_direct']:.2f}**)")),
+           row("errors: mesh / vLLM's server", lambda r: (
+               f"{r['mesh']['errors'] + r['ttft_errors']['mesh']} / "
+               f"{r['direct']['errors'] + r['ttft_errors']['direct']}")),
+           row("TTFT p50 at 1 in flight: mesh / vLLM's server, ms (overhead)", lambda r: (
+               f"{_ms(r['ttft_p50_ms']['mesh'])} / {_ms(r['ttft_p50_ms']['direct'])} "
+               f"(**{r['ttft_overhead_ms']:+.1f}**)"))]
+    for role in MESH_ROLES:
+        if any(role in r["mesh"]["cpu_ms"] for r in runs):
+            out.append(row(f"CPU ms/request: {ROLES[role]}", cpu(role)))
+    out += [row("**CPU ms/request: the mesh's own (sum of the above)**",
+                lambda r: f"**{_ms(r['mesh_cpu_ms'])}**"),
+            row(f"CPU ms/request: {ROLES['replica']}", cpu("replica")),
+            row("CPU ms/request: vLLM's own server (direct)", lambda r: _ms(r["direct_cpu_ms"])),
+            row("the mesh's own / variant replica's CPU",
+                lambda r: f"**{r['mesh_over_replica']:.2f}**")]
+    if any("ray" in r["mesh"]["cpu_ms"] for r in runs):
+        out.append(row(f"CPU ms/request: {ROLES['ray']}, not in the sum", cpu("ray")))
+    return out
+
+
+def goal_lines(run: dict[str, Any]) -> list[str]:
+    """Each goal of :data:`GOALS`, the run's figure, and whether it is met."""
+    g = GOALS
+    checks = [
+        (f"the mesh's own CPU <= {g['mesh_cpu_ms']} ms/request", run["mesh_cpu_ms"] <=
+         g["mesh_cpu_ms"], f"{run['mesh_cpu_ms']:.1f} ms"),
+        (f"the mesh's own CPU <= {g['mesh_over_replica']} x the variant replica's",
+         run["mesh_over_replica"] <= g["mesh_over_replica"], f"{run['mesh_over_replica']:.2f}"),
+        (f"requests/s at saturation >= {g['requests_per_s']:.0f}",
+         run["mesh"]["requests_per_s"] >= g["requests_per_s"],
+         f"{run['mesh']['requests_per_s']:.1f}"),
+        (f"mesh / vLLM's server >= {g['mesh_over_direct']}",
+         run["mesh_over_direct"] >= g["mesh_over_direct"], f"{run['mesh_over_direct']:.2f}"),
+        (f"TTFT overhead <= {g['ttft_overhead_ms']} ms",
+         run["ttft_overhead_ms"] <= g["ttft_overhead_ms"], f"{run['ttft_overhead_ms']:+.1f} ms"),
+    ]
+    return [f"  {'met    ' if ok else 'NOT met'}  {what}: {figure}" for what, ok, figure in checks]
 
 
 def run(a) -> None:
     """The benchmark (see the module docstring); ``a``: bench.py's arguments."""
-    import ray
+    import psutil
 
-    dashboard, http_port, _ = start_local_ray()
-    url = f"http://127.0.0.1:{http_port}/v1"
+    chosen = ingresses(a.ingress)
+    proc, direct_url, _, _ = start_direct(a.config, a.variant, a.direct_nice,
+                                          sim=(PROFILE, TIME_SCALE))
+
+    def direct_pids() -> list[int]:
+        try:
+            return [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(True))]
+        except psutil.NoSuchProcess:
+            return []
+
+    runs = []
     try:
-        cfg = lifted(on_sim_engine(load_yaml(a.config), profile="cpu-smollm2",
-                                   time_scale=0.01, start_s=0))
-        cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
-        path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        print(f"[bench] serve deploy {a.config} on the simulated engine", flush=True)
-        deploy(path, dashboard, log=lambda m: None)
-        spec = LoadSpec(base_url=url, model=a.model, requests=a.requests,
-                        concurrency=a.concurrency, max_tokens=a.max_tokens, api_key=API_KEY)
-        asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "requests": 32})))  # warm up
-        roles = serve_processes()
-        # what each process spends with no request (polls, metrics), per second, to subtract
-        idle0 = {role: cpu_seconds(pids) for role, pids in roles.items()}
-        time.sleep(IDLE_S)
-        idle = {role: (cpu_seconds(pids) - idle0[role]) / IDLE_S for role, pids in roles.items()}
-        before = {role: cpu_seconds(pids) for role, pids in roles.items()}
-        t0 = time.monotonic()
-        results = asyncio.run(run_load(spec))
-        wall = time.monotonic() - t0
-        spent = {role: max(0.0, cpu_seconds(pids) - before[role] - idle[role] * wall)
-                 for role, pids in roles.items()}
-        rss = {role: max(psutil.Process(p).memory_info().rss for p in pids) / 2**20
-               for role, pids in roles.items()}
+        for ingress in chosen:
+            runs.append(measure(a, ingress, direct_url, direct_pids))
     finally:
-        ray.shutdown()
-    s = summarize(results, wall)
-    n = sum(1 for r in results if r.ok)
-    print(f"\n{a.requests} streamed chats at {a.concurrency} in flight, {a.max_tokens} tokens "
-          f"each, {a.config} on the simulated engine (time_scale 0.01): {n} answered, "
-          f"{s['errors']} errors, {n / wall:.0f} requests/s over {wall:.1f} s on this host "
-          f"(client included)")
-    for role, seconds in sorted(spent.items()):
-        per = seconds / max(1, n) * 1000
-        print(f"  {role:>10} ({len(roles[role])} processes): {per:6.2f} ms CPU per request"
-              f" -> {1000 / per if per else float('inf'):6.0f} requests/s per core; resident "
-              f"memory {rss[role]:.0f} MiB (largest process)")
-
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(f"\n{a.requests} streamed chats at {a.concurrency} in flight in {a.rounds} rounds, "
+          f"{a.max_tokens} tokens each, TTFT over {a.ttft_requests} at 1 in flight; {a.config} "
+          f"and vLLM's own server on the simulated engine ({PROFILE} x {TIME_SCALE}); "
+          f"vLLM's server at nice {a.direct_nice}, the mesh at Ray's (15); host: "
+          f"{psutil.cpu_count()} cores, {platform.machine()}\n")
+    print("\n".join(table(runs)))
+    for r in runs:
+        print(f"\ngoals, ingress {r['ingress']}:")
+        print("\n".join(goal_lines(r)))
+        if r["profile"]:
+            print(f"\nwhere the router replica's CPU goes (py-spy, ingress {r['ingress']}):")
+            print("\n".join(pyspy.Profile.from_json(r["profile"]).lines()))
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "benchmark": "router-throughput", "command": " ".join(sys.argv),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "host": {"cores": psutil.cpu_count(), "machine": platform.machine(),
+                     "node": platform.node()},
+            "config": a.config, "engine": {"profile": PROFILE, "time_scale": TIME_SCALE},
+            "requests": a.requests, "rounds": a.rounds, "concurrency": a.concurrency,
+            "max_tokens": a.max_tokens, "ttft_requests": a.ttft_requests,
+            "direct_nice": a.direct_nice, "goals": GOALS, "runs": runs}, indent=2))
+        print(f"\n[bench] figures written to {a.json}")

@@ -26,7 +26,8 @@ Usage:
   python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
   python scripts/bench.py --adapters 16 [--max-resident 4]
   python scripts/bench.py --sim h100-llama3-8b [--workloads ...] [--router-cost]
-  python scripts/bench.py --router-throughput [--requests 600] [--concurrency 32]
+  python scripts/bench.py --router-throughput [--ingress proxy|haproxy|both] [--requests 600]
+                          [--concurrency 32] [--ttft-requests 100] [--profile] [--json FILE]
 
 --sim PROFILE simulates the mesh at scale (32 replicas, 1,000 adapters; no Ray, no engine):
 the mesh's own replica routing and admission on engines priced by PROFILE, on a virtual
@@ -39,6 +40,11 @@ two replicas, in one run, starting its own Ray cluster (scripts/bench_sessions.p
 Serve's default router vs vLLM's own server vs base-only, and a hot adapter from merged
 weights, in one run, starting its own Ray cluster (scripts/bench_adapters.py; 48 requests at 8
 in flight unless --requests / --concurrency say otherwise).
+
+--router-throughput measures what the mesh adds per request against vLLM's own OpenAI server
+on the same simulated engine, in one run: requests/s at saturation, TTFT overhead at one in
+flight, and the CPU of every process the mesh adds (bench/router_throughput.py; starts its own
+Ray and mesh, one per ingress).
 
 --limits measures what cluster-wide tenant limits add to a request instead (mesh only, run
 against serve_configs/tenants.yaml): (a) the router's asks to each ledger backend

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What one router replica costs per request, on a real mesh: ``bench.py --router-throughput``
-(:mod:`bench.router_throughput`)."""
+"""What the mesh costs per request against vLLM's own server on the same simulated engine:
+``bench.py --router-throughput`` (:mod:`bench.router_throughput`)."""
 
 import sys
 from pathlib import Path

@@ -52,9 +52,8 @@ FIXED_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PO
                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 
 
-def serve_env(ingress: str | None = None) -> dict[str, str]:
-    """The environment of ``ray start`` for ``ingress`` (None: ``$MESH_INGRESS``, else
-    :data:`DEFAULT_INGRESS`): variable -> value.
+def chosen_ingress(ingress: str | None = None) -> str:
+    """``ingress``, else ``$MESH_INGRESS``, else :data:`DEFAULT_INGRESS`.
 
     Raises:
         ValueError: an ingress that is not one of :data:`INGRESSES` (the message lists them).
@@ -63,7 +62,17 @@ def serve_env(ingress: str | None = None) -> dict[str, str]:
     if ingress not in INGRESSES:
         raise ValueError(f"{INGRESS_VAR}={ingress!r}: the ingress is one of "
                          f"{', '.join(INGRESSES)}")
-    return {**BASE_ENV, **INGRESSES[ingress]}
+    return ingress
+
+
+def serve_env(ingress: str | None = None) -> dict[str, str]:
+    """The environment of ``ray start`` for ``ingress`` (:func:`chosen_ingress`): variable ->
+    value.
+
+    Raises:
+        ValueError: an unknown ingress.
+    """
+    return {**BASE_ENV, **INGRESSES[chosen_ingress(ingress)]}
 
 
 #: The settings for the ingress ``$MESH_INGRESS`` picks when this module is imported.
