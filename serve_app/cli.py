@@ -26,6 +26,7 @@
                                       config that serves the top N from merged weights
     meshctl kuberay CONFIG [-o FILE] [--name NAME] [--image IMAGE] [--head-cpus N]
                     [--head-memory Q] [--worker-memory Q] [--spare-workers N]
+                    [--ingress proxy|haproxy]
                                       KubeRay RayService manifest of CONFIG
 
 Exit status (all but ``rollout status``): 0 done; 1 refused (an invalid config, a refused
@@ -50,6 +51,7 @@ from serve_app.release.config_diff import diff_configs, restarts
 from serve_app.release.deploy import (DEFAULT_DASHBOARD, DeployError, deploy, live_config,
                                       serve_status, wait_until_running)
 from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
+from serve_app.common.serve_env import DEFAULT_INGRESS, INGRESSES
 from serve_app.release import kuberay, merge_plan, rollout_watch
 from serve_app.release.change_lines import report_lines
 from serve_app.release.rollout_report import fetch_rollouts, write_report
@@ -320,7 +322,8 @@ def _kuberay(args: argparse.Namespace) -> int:
         manifest = kuberay.rayservice_manifest(
             config, name=args.name, image=args.image, namespace=args.namespace,
             head_cpus=args.head_cpus, head_memory=args.head_memory,
-            worker_memory=args.worker_memory, spare_workers=args.spare_workers)
+            worker_memory=args.worker_memory, spare_workers=args.spare_workers,
+            ingress=args.ingress)
     except kuberay.ManifestError as e:
         print(f"{args.config}: INVALID (no manifest written)", file=sys.stderr)
         for p in e.problems:
@@ -510,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spare-workers", type=int, metavar="N", default=0,
                    help="pods a worker group may add past its engines (surge replacements, "
                         "blue/green variants); > 0 turns on the Ray autoscaler (default 0)")
+    p.add_argument("--ingress", choices=sorted(INGRESSES),
+                   help="how clients reach the router on each pod: Serve's HTTP proxy or "
+                        "Ray's HAProxy (default: $MESH_INGRESS, else "
+                        f"{DEFAULT_INGRESS}); its Serve settings go in every pod's env")
     p = sub.add_parser("top-adapters", help="adapters by tokens, and the config change that "
                        "serves the top ones from merged weights")
     p.add_argument("config", help="the Serve config deployed now")

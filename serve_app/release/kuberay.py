@@ -15,6 +15,12 @@ neither KubeRay's serve Service nor its health checks reach it. The port is kept
 8000), and so are ``proxy_location`` (``EveryNode`` suits Kubernetes: a proxy on every pod
 that runs a replica) and every deployment's ``autoscaling_config``.
 
+Every pod's container gets the mesh's Serve settings as its environment, which ``ray start``
+reads (:func:`serve_app.common.serve_env.serve_env` for the chosen ingress). With the
+``haproxy`` ingress, HAProxy takes the serve port on each pod with a proxy (KubeRay's Service
+and its ``/-/healthz`` checks reach it there, as they reach Serve's proxy), and forwards to the
+router replicas' own ports, which ``0.0.0.0`` opens to the other pods.
+
 The cluster is derived from the variant applications (``import_path:
 serve_app.replica:build_app``): each ``LLMReplica`` replica gets a Ray worker pod sized from
 its ``ray_actor_options``; the router (``MeshRouter``) and the ``RolloutController`` run on
@@ -31,6 +37,7 @@ from typing import Any
 import yaml
 
 from serve_app.common.serve_configs import applications, mesh_parts
+from serve_app.common.serve_env import serve_env
 from serve_app.release.kuberay_workers import (WorkerGroup, autoscales, format_quantity,
                                               parse_quantity, whole, worker_groups)
 
@@ -66,7 +73,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                         head_cpus: int = DEFAULT_HEAD_CPUS,
                         head_memory: str = DEFAULT_HEAD_MEMORY,
                         worker_memory: str = DEFAULT_WORKER_MEMORY,
-                        spare_workers: int = 0) -> dict[str, Any]:
+                        spare_workers: int = 0, ingress: str | None = None) -> dict[str, Any]:
     """The KubeRay ``RayService`` for a Serve config of the mesh, as a dict (dump it with
     :func:`manifest_yaml`).
 
@@ -84,6 +91,8 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
             as the node's ``memory``, so a replica that asks for memory fits its pod.
         spare_workers: pods each worker group may add past its engines' maximum (for Serve's
             surge replacements and blue/green variants); > 0 turns on the Ray autoscaler.
+        ingress: ``proxy`` or ``haproxy``; None: ``$MESH_INGRESS``, else the mesh's default
+            (:mod:`serve_app.common.serve_env`). Its settings are every container's ``env``.
 
     Worker groups: the ``LLMReplica`` of each variant application, with the config's
     ``ray_actor_options`` when it has some (they replace the code's whole, as in Serve; a
@@ -109,6 +118,10 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
 
     problems = _option_problems(name=name, image=image, head_cpus=head_cpus,
                                 spare_workers=spare_workers)
+    try:
+        env = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
+    except ValueError as e:
+        problems.append(f"ingress: {e}")
     quantities = {}
     for option, value in (("head_memory", head_memory), ("worker_memory", worker_memory)):
         try:
@@ -146,6 +159,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                     "template": {"spec": {"containers": [{
                         "name": "ray-head",
                         "image": image,
+                        "env": env,
                         "resources": {"requests": dict(head_resources),
                                       "limits": dict(head_resources)},
                         "ports": [
@@ -157,7 +171,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                         ],
                     }]}},
                 },
-                "workerGroupSpecs": [_group_spec(g, image) for g in groups],
+                "workerGroupSpecs": [_group_spec(g, image, env) for g in groups],
             },
         },
     }
@@ -216,6 +230,8 @@ def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str
     head = (f"# KubeRay RayService written by `{command}`: edit the Serve config, regenerate.\n"
             "# serveConfigV2: the Serve config with http_options.host 0.0.0.0 (the proxy "
             "listens on the pod).\n"
+            "# env: the mesh's Serve settings, read by ray start on every pod "
+            "(python -m serve_app.common.serve_env).\n"
             "# KubeRay applies serveConfigV2 edits in place; a rayClusterConfig edit builds a "
             "new cluster,\n"
             "# then switches traffic to it (docs/past-one-machine.md, \"Kubernetes with KubeRay\").\n")
@@ -240,7 +256,7 @@ def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: in
     return problems
 
 
-def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
+def _group_spec(g: WorkerGroup, image: str, env: list[dict[str, str]]) -> dict[str, Any]:
     params: dict[str, str] = {}
     limits = {"cpu": str(g.cpus), "memory": format_quantity(g.memory)}
     if g.gpus:
@@ -259,6 +275,7 @@ def _group_spec(g: WorkerGroup, image: str) -> dict[str, Any]:
         "template": {"spec": {"containers": [{
             "name": "ray-worker",
             "image": image,
+            "env": [dict(e) for e in env],
             "resources": {"requests": dict(limits), "limits": dict(limits)},
             "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
         }]}},

@@ -307,3 +307,31 @@ def test_cli_refuses_a_config_the_mesh_refuses(tmp_path):
          "remove it from the route"),
     ]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
+def test_every_pod_gets_the_meshs_serve_settings_for_the_ingress(ingress, monkeypatch):
+    from serve_app.common.serve_env import INGRESS_VAR, serve_env
+
+    monkeypatch.delenv(INGRESS_VAR, raising=False)
+    manifest, _ = generate(load_yaml(REPO_ROOT / "serve_configs/canary.yaml"), ingress=ingress)
+    expected = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
+    pods = [cluster(manifest)["headGroupSpec"], *cluster(manifest)["workerGroupSpecs"]]
+    assert [container(p)["env"] for p in pods] == [expected] * len(pods)
+    env = {e["name"]: e["value"] for e in expected}
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0")
+    # HAProxy takes the same serve port KubeRay's Service and health checks use
+    ports = {p["name"]: p["containerPort"] for p in container(pods[0])["ports"]}
+    assert ports["serve"] == 8000
+    # ... and the replicas' ports, on the pod's address, reach HAProxy on other pods
+    assert yaml.safe_load(manifest["spec"]["serveConfigV2"])["http_options"]["host"] == "0.0.0.0"
+    monkeypatch.setenv(INGRESS_VAR, ingress)  # the default follows $MESH_INGRESS
+    assert generate(load_yaml(REPO_ROOT / "serve_configs/canary.yaml"))[0] == manifest
+
+
+def test_an_unknown_ingress_is_refused_with_the_others():
+    with pytest.raises(kuberay.ManifestError) as e:
+        kuberay.rayservice_manifest(load_yaml(REPO_ROOT / "serve_configs/canary.yaml"),
+                                    ingress="nginx", head_cpus=0)
+    assert len(e.value.problems) == 2
+    assert any(p.startswith("ingress: MESH_INGRESS='nginx'") for p in e.value.problems)
