@@ -155,3 +155,30 @@ def test_every_relative_link_resolves(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {rel(dest)}")
     assert not broken, broken
+
+
+# -- a manual, not a lab notebook -----------------------------------------------------------------
+
+#: "issue 26", "issues 29 and 31", "issue #4", "the issue's goal": a reader of the docs has no
+#: tracker to look them up in; say what the mesh does, and put dated runs in docs/history.md.
+ISSUE = re.compile(r"\bissues?\s+#?\d+|\bissue\s*#\d+|\bthe\s+issue\b|\bissue's\b", re.I)
+
+
+def issue_mentions(text: str) -> list[str]:
+    """Line number and line of each mention of an issue, a mention wrapped over two lines
+    included."""
+    return [f"{text.count(chr(10), 0, m.start()) + 1}: {' '.join(m.group().split())}"
+            for m in ISSUE.finditer(text)]
+
+
+def test_issue_mentions_are_found():
+    assert issue_mentions("as issue 26 asks\nand issue\n31's count; issue #4; the issue's goal") == [
+        "1: issue 26", "2: issue 31", "3: issue #4", "3: the issue"]
+    assert issue_mentions("an issue with the adapter; no issues; issued 3 keys") == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_no_page_names_an_issue(page):
+    assert not (found := issue_mentions(page.read_text())), (
+        f"{rel(page)} names issues {found}: say what the mesh does now; dated runs and "
+        "experiments go to docs/history.md")
