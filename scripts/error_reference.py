@@ -1,6 +1,8 @@
 """The error-code reference, ``docs/errors.md``, generated from the code.
 
-The table comes from :data:`serve_app.common.errors.ERROR_CODES`. :func:`codes_in_code`
+The table comes from :data:`serve_app.common.errors.ERROR_CODES`; the section "What a request
+reserves" from :mod:`serve_app.tenancy.token_budget` (:func:`reservation_section`), the one
+place the docs state what a request without ``max_tokens`` reserves. :func:`codes_in_code`
 reads every ``error.code`` the package can send out of its source (Python's ``ast``, no
 import): ``code="..."`` arguments (a string, or a module constant), the status phrase of a
 ``MeshError`` / ``Verdict`` / ``error_body`` with a constant status and no code, the code of
@@ -122,8 +124,84 @@ def render() -> str:
         "A stream answers `200` before it knows how it ends: a failure after that comes as an "
         "SSE event `data: {\"error\": {...}}` with the same fields, then `data: [DONE]`.",
         "",
+        *reservation_section(),
     ]
     return "\n".join(lines)
+
+
+#: Requests the reservation table shows: (what it is, endpoint, body).
+_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+RESERVATION_EXAMPLES = [
+    ("a chat of one empty message, no `max_tokens` (the smallest without it)", "chat",
+     {"messages": [{"role": "user", "content": ""}]}),
+    ("a chat asking \"What is the capital of France?\", no `max_tokens`", "chat",
+     {"messages": _QUESTION}),
+    ("the same chat, `max_tokens: 100`", "chat", {"messages": _QUESTION, "max_tokens": 100}),
+    ("the same chat, `n: 2`, no `max_tokens`", "chat", {"messages": _QUESTION, "n": 2}),
+    ("a completion of `\"Hello\"`, no `max_tokens`", "completion", {"prompt": "Hello"}),
+    ("a completion of `\"Hello\"`, `max_tokens: null`", "completion",
+     {"prompt": "Hello", "max_tokens": None}),
+]
+#: The shipped config whose context length the table is computed at.
+RESERVATION_CONFIG = "serve_configs/tenants.yaml"
+
+
+def reservation_section() -> list[str]:
+    """The "What a request reserves" section: the rule, with the constants of
+    :mod:`serve_app.tenancy.token_budget`, and what example requests reserve at the shipped
+    config's ``max_model_len`` (:class:`~serve_app.tenancy.token_budget.Reservation`)."""
+    from serve_app.common.config import VariantArgs
+    from serve_app.common.serve_configs import load_yaml, mesh_parts
+    from serve_app.release.validate import context_length, smallest_request
+    from serve_app.tenancy import token_budget as tb
+
+    variants = mesh_parts(load_yaml(REPO_ROOT / RESERVATION_CONFIG)).variant_apps
+    length = max(context_length(VariantArgs.model_validate(a["args"]))
+                 for a in variants.values())
+    least = smallest_request(0, max_tokens=1)
+    lines = [
+        "## What a request reserves",
+        "",
+        "A tenant with a token budget (`tokens_per_minute`, `tokens_per_day`) reserves tokens "
+        "before each request runs, and settles them with vLLM's usage when it ends: the unused "
+        "part comes back at once ([token budgets](tenants-and-adapters.md#token-budgets)). "
+        "The router does not tokenize, so it reserves an upper bound "
+        "(`serve_app/tenancy/token_budget.py`):",
+        "",
+        "- **prompt**: its UTF-8 bytes (a byte-level BPE token has at least one byte); a chat "
+        f"adds each message's role, {tb.MESSAGE_OVERHEAD_TOKENS} tokens per message and "
+        f"{tb.CHAT_TEMPLATE_TOKENS} for what its template adds once; a completion prompt "
+        f"{tb.PROMPT_SPECIAL_TOKENS} more; at most `max_model_len` per prompt.",
+        "- **completion**, per sequence, read as vLLM reads the body: a chat's "
+        "`max_completion_tokens`, else its `max_tokens`, else the rest of the context, as "
+        "vLLM's own default; since the prompt's real length is not known yet, that reserves "
+        "the whole `max_model_len`. A completion's `max_tokens`, "
+        f"{tb.COMPLETION_DEFAULT_MAX_TOKENS} when absent (vLLM's default), the whole "
+        "`max_model_len` when `null`. Every form vLLM accepts (`100`, `\"100\"`, `100.0`), "
+        "capped at `max_model_len`; times `n` (or `best_of` where larger), times each prompt "
+        "of a completion's list. `max_model_len` is the largest the route's running replicas "
+        f"report; while none has, {tb.DEFAULT_MAX_TOKENS} stands for it.",
+        "",
+        f"At `max_model_len` {length} (the variants of `{RESERVATION_CONFIG}`):",
+        "",
+        "| request | prompt bound | completion | reserved |",
+        "|---|---|---|---|",
+    ]
+    for what, endpoint, body in RESERVATION_EXAMPLES:
+        r = tb.Reservation.of(endpoint, body, length)
+        lines.append(f"| {what} | {r.prompt:,} | {r.completion:,} | {r.total:,} |")
+    lines += [
+        "",
+        "A request that reserves more than the tenant's whole budget gets 400 "
+        "`reservation_exceeds_budget`; one that does not fit what is left now, 429 "
+        "`tokens_exhausted` with `Retry-After`. So a budget below the first row refuses every "
+        "chat that sets no `max_tokens`: `meshctl validate` warns about such a budget, sized "
+        "from the `max_model_len` of each route the tenant may call, and refuses one below "
+        f"the smallest request of all ({least.total:,} tokens: one empty message, "
+        "`max_tokens: 1`).",
+        "",
+    ]
+    return lines
 
 
 def main() -> None:

@@ -429,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"a refused restart, a failed deploy), {USAGE_EXIT} could not run "
                             "(bad arguments, a file that cannot be read or is not YAML, an "
                             "address that does not answer); `rollout status` has its own "
-                            "table (see its --help)")
+                            "table (see its --help); every command's: docs/ci.md, \"Exit "
+                            "codes\"")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check Serve configs of the mesh")
     p.add_argument("configs", nargs="+")

@@ -154,9 +154,11 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "an admin's `x-mesh-variant` header names a variant the route does not have",
         "pin one of the variants the message lists", NO_RETRY, "request/planner.py"),
     "reservation_exceeds_budget": ErrorCode(
-        400, "the request reserves more tokens (prompt bound + max_tokens, 512 when unset) "
-        "than the tenant's whole token budget", "set a smaller `max_tokens`; the operator "
-        "may raise the tenant's tokens_per_minute / tokens_per_day", NO_RETRY,
+        400, "the request reserves more tokens than the tenant's whole token budget: its "
+        "prompt bound plus `max_tokens`, or without `max_tokens` the whole context "
+        "([what a request reserves](#what-a-request-reserves))", "set a smaller "
+        "`max_tokens`; the operator may raise the tenant's tokens_per_minute / "
+        "tokens_per_day", NO_RETRY,
         "tenancy/limits.py"),
     "unprocessable_entity": ErrorCode(
         422, "vLLM's verdict: the request is well formed but cannot be processed",
@@ -205,7 +207,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "send more slowly", RETRY_AFTER, "tenancy/limits.py"),
     "tokens_exhausted": ErrorCode(
         429, "the tenant's token budget (tokens_per_minute / tokens_per_day) has less left "
-        "than the request reserves; the `x-ratelimit-*-tokens` headers say how much",
+        "than the request reserves ([what a request reserves](#what-a-request-reserves)); "
+        "the `x-ratelimit-*-tokens` headers say how much",
         "wait, or set a smaller `max_tokens`", RETRY_AFTER, "tenancy/limits.py"),
     # -- 500: a bug -------------------------------------------------------------------------
     "internal_error": ErrorCode(

@@ -11,7 +11,7 @@ the request itself), ``tenant`` (empty in open mode), ``adapter`` (empty for the
 variants, tenants, adapters a tenant owns or a variant serves); a name a client made up is
 counted as ``unknown`` (:meth:`serve_app.request.planner.RequestPlanner.labels`), so clients
 cannot grow the number of series. The replicas add ``mesh_adapter_events`` (``variant``,
-``adapter`` as ``name@vN``, ``event``: loaded, evicted, unloaded, refused, hit, waited),
+``adapter`` as ``name@vN``, ``event``: one of :data:`serve_app.server.lora.EVENTS`),
 ``mesh_adapter_load_seconds``, ``mesh_adapters_resident`` (``variant``, ``replica``;
 :class:`serve_app.replica.AdapterMetrics`) and vLLM's own engine series
 (:mod:`serve_app.observability.engine_metrics`).

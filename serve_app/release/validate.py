@@ -22,9 +22,11 @@ Checks, each reported as ``<path.of.field>: <problem>``:
    ``config.json``), and a local adapter's files pass the checks a replica runs
    (:func:`~serve_app.common.adapters.verify_adapter`: no pickled weights, the SHA-256 of its
    weights as registered). Remote sources are fetched when a replica starts, not here.
-6. Token budgets: a tenant's ``tokens_per_minute`` and ``tokens_per_day`` hold at least one
-   request of the default size (:data:`DEFAULT_RESERVATION`), else every request that sets
-   no small ``max_tokens`` is refused.
+6. Token budgets: a tenant's ``tokens_per_minute`` and ``tokens_per_day`` hold at least the
+   smallest request (:func:`smallest_request` with ``max_tokens`` 1), else every request is
+   refused. :func:`config_warnings` also warns about a budget below one chat without
+   ``max_tokens`` on a route the tenant may call, sized from the route's ``max_model_len``
+   (:func:`context_length`): every such chat would be refused.
 7. GPUs: a replica whose engine spans GPUs (``tensor_parallel_size`` x
    ``pipeline_parallel_size`` > 1) is granted at least that many
    (:func:`~serve_app.common.deployment_options.granted_gpus` of the options Serve will run
@@ -37,11 +39,11 @@ The router's and replica's ``reconfigure()`` run the same pydantic models at run
 
 from __future__ import annotations
 
+import difflib
+import json
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-
-import difflib
 
 from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, fit_problem,
                                        load_manifest, merged_adapter, verify_adapter)
@@ -61,17 +63,72 @@ from serve_app.common.paths import models_dir, resolve_model_path, resolve_repo_
 from serve_app.common.sources import parse_source
 from serve_app.tenancy.token_budget import Reservation
 
-#: Tokens the smallest request of default size reserves: a chat of one empty message with no
-#: ``max_tokens`` (:class:`~serve_app.tenancy.token_budget.Reservation`). A token budget
-#: below it refuses every such request with 400 ``reservation_exceeds_budget``.
-DEFAULT_RESERVATION = Reservation.of("chat", {"messages": [{"role": "user", "content": ""}]})
+#: The keys of a model's ``config.json`` (or its ``text_config``) that vLLM derives
+#: ``max_model_len`` from, the smallest one set winning (vLLM 0.32,
+#: ``ModelArchConfigConvertor.derive_max_model_len_and_key``).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def smallest_request(max_model_len: int, max_tokens: int | None = None) -> Reservation:
+    """What the smallest chat reserves on a route of ``max_model_len`` tokens (0: not known):
+    one empty user message, with ``max_tokens`` or, when None, without it (then vLLM may
+    generate the rest of the context, and the router reserves ``max_model_len``).
+    A token budget below it refuses every such request with 400
+    ``reservation_exceeds_budget``."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": ""}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return Reservation.of("chat", body, max_model_len)
+
+
+def context_length(args: VariantArgs) -> int:
+    """The ``max_model_len`` a variant's engine will report, tokens: its
+    ``engine_args.max_model_len``, else what vLLM derives from the local model's
+    ``config.json`` (:data:`CONTEXT_KEYS`); 0 when it cannot be known here (a model from the
+    hub or a bucket, or no model directory)."""
+    given = args.engine_args.get("max_model_len")
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given
+    if parse_source(args.model, args.revision).remote:
+        return 0
+    try:
+        with open(f"{resolve_model_path(args.model)}/config.json") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = [v for k in CONTEXT_KEYS if isinstance(v := text.get(k), int) and v > 0]
+    if isinstance(text.get("model_max_length"), int) and text["model_max_length"] > 0:
+        return text["model_max_length"]  # vLLM: it overrides the others (Command-R)
+    return min(found, default=0)
+
+
+def route_context_lengths(router: RouterConfig,
+                          variant_args: dict[str, VariantArgs]) -> dict[str, tuple[int, str]]:
+    """Route -> (its ``max_model_len``, the variant it comes from): the largest of its
+    variants', as the router reserves by the largest its variants report
+    (:meth:`~serve_app.variants.registry.VariantRegistry.context_len`); routes with none
+    known are left out."""
+    out = {}
+    for route, rc in router.routes.items():
+        lengths = [(context_length(variant_args[v.application]), v.application)
+                   for v in rc.variants if v.application in variant_args]
+        best = max(lengths, default=(0, ""))
+        if best[0]:
+            out[route] = best
+    return out
 
 
 def config_warnings(config: dict[str, Any]) -> list[str]:
     """What is valid but risky in a Serve config, one line each (``meshctl validate`` prints
-    these and still exits 0)."""
+    these and still exits 0). ``config`` is one :func:`validate_config` found valid."""
     warnings = []
     parts = mesh_parts(config)
+    warnings += _budget_warnings(config)
     for name, app in parts.variant_apps.items():
         if (app.get("args") or {}).get("engine") == "sim":
             warnings.append(
@@ -264,7 +321,7 @@ def _gpu_problems(args: VariantArgs, dep: dict[str, Any] | None, at: str) -> lis
 def _tenant_problems(router: RouterConfig, variant_adapters: dict[str, set[str]] | None,
                      at: str) -> list[str]:
     """Tenants own adapters that a variant of their routes declares, and token budgets
-    that hold one request of the default size."""
+    that hold the smallest request."""
     problems = []
     for i, tenant in enumerate(router.tenants):
         problems += _budget_problems(tenant, f"{at}.tenants[{i}]")
@@ -286,19 +343,58 @@ def _tenant_problems(router: RouterConfig, variant_adapters: dict[str, set[str]]
     return problems
 
 
+#: Where the reservation of a request is stated (generated from the code).
+RESERVATION_DOC = 'docs/errors.md, "What a request reserves"'
+
+
 def _budget_problems(tenant, at: str) -> list[str]:
+    """A budget below the smallest request of all (an empty chat, ``max_tokens`` 1) can
+    serve nothing."""
+    least = smallest_request(0, max_tokens=1)
     problems = []
     for budget in ("tokens_per_minute", "tokens_per_day"):
         limit = getattr(tenant, budget)
-        if limit is not None and limit < DEFAULT_RESERVATION.total:
-            problems.append(f"{at}.{budget}: {limit} is below one request of the "
-                            f"default size ({DEFAULT_RESERVATION.total} tokens: a chat "
-                            f"without max_tokens reserves its prompt bound, at least "
-                            f"{DEFAULT_RESERVATION.prompt}, plus "
-                            f"{DEFAULT_RESERVATION.completion}), so tenant {tenant.id!r} would "
-                            "get 400 reservation_exceeds_budget for every such request; set "
-                            f"at least {DEFAULT_RESERVATION.total}")
+        if limit is not None and limit < least.total:
+            problems.append(f"{at}.{budget}: {limit} is below the smallest request "
+                            f"({least.total} tokens: a chat of one empty message reserves a "
+                            f"prompt bound of {least.prompt}, plus max_tokens 1), so tenant "
+                            f"{tenant.id!r} would get 400 reservation_exceeds_budget for every "
+                            f"request; set at least {least.total} ({RESERVATION_DOC})")
     return problems
+
+
+def _budget_warnings(config: dict[str, Any]) -> list[str]:
+    """Budgets that refuse every chat without ``max_tokens`` on a route the tenant may call:
+    such a chat reserves its prompt bound plus the route's whole ``max_model_len``."""
+    parts = mesh_parts(config)
+    routers = [i for i, a in enumerate(applications(config))
+               if a.get("import_path") == ROUTER_IMPORT_PATH]
+    try:
+        router = RouterConfig.model_validate(parts.router_user_config or {})
+        variant_args = {name: VariantArgs.model_validate(app.get("args") or {})
+                        for name, app in parts.variant_apps.items()}
+    except ValidationError:
+        return []  # validate_config reports it
+    lengths = route_context_lengths(router, variant_args)
+    at = f"applications[{routers[0]}].deployments[{ROUTER_DEPLOYMENT}].user_config.tenants"
+    warnings = []
+    for i, tenant in enumerate(router.tenants):
+        for budget in ("tokens_per_minute", "tokens_per_day"):
+            limit = getattr(tenant, budget)
+            for route, (length, variant) in lengths.items():
+                need = smallest_request(length)
+                if limit is None or limit >= need.total or not tenant.may_call(route):
+                    continue
+                warnings.append(
+                    f"{at}[{i}].{budget}: {limit} cannot hold one chat without max_tokens on "
+                    f"route {route!r} ({need.total} tokens: its prompt bound, at least "
+                    f"{need.prompt}, plus the route's max_model_len {length} ({variant!r}), "
+                    "as vLLM may generate the rest of the context), so tenant "
+                    f"{tenant.id!r} gets 400 reservation_exceeds_budget for every chat to "
+                    f"{route!r} that sets no max_tokens; set {budget} to at least "
+                    f"{need.total}, or have its clients always set max_tokens "
+                    f"({RESERVATION_DOC})")
+    return warnings
 
 
 def _merged_problems(adapter: str, merged: str, route: str,

@@ -81,9 +81,10 @@ def models_here() -> str:
     return ", ".join(sorted(p.parent.name for p in models_dir().glob("*/config.json")))
 
 
-BUDGET = ("is below one request of the default size (568 tokens: a chat without max_tokens "
-          "reserves its prompt bound, at least 56, plus 512), so tenant {tenant!r} would get "
-          "400 reservation_exceeds_budget for every such request; set at least 568")
+BUDGET = ("is below the smallest request (57 tokens: a chat of one empty message reserves a "
+          "prompt bound of 56, plus max_tokens 1), so tenant {tenant!r} would get 400 "
+          "reservation_exceeds_budget for every request; set at least 57 (docs/errors.md, "
+          "\"What a request reserves\")")
 
 CASES: list[Case] = [
     # -- what is on this host --------------------------------------------------------------
@@ -183,12 +184,12 @@ CASES: list[Case] = [
          "routes tenant 'globex' may call (declared: acme-support, globex-report); did you "
          "mean 'globex-report'? fix the name, or declare the adapter in a variant's "
          "LLMReplica user_config.adapters"),
-    Case("a daily token budget below one default request", "tenants.yaml",
-         tenant(1, tokens_per_day=100),
-         f"{ROUTER}.tenants[1].tokens_per_day: 100 " + BUDGET.format(tenant="acme")),
-    Case("a per-minute token budget below one default request", "tenants.yaml",
-         tenant(1, tokens_per_minute=567),
-         f"{ROUTER}.tenants[1].tokens_per_minute: 567 " + BUDGET.format(tenant="acme")),
+    Case("a daily token budget below the smallest request", "tenants.yaml",
+         tenant(1, tokens_per_day=50),
+         f"{ROUTER}.tenants[1].tokens_per_day: 50 " + BUDGET.format(tenant="acme")),
+    Case("a per-minute token budget below the smallest request", "tenants.yaml",
+         tenant(1, tokens_per_minute=56),
+         f"{ROUTER}.tenants[1].tokens_per_minute: 56 " + BUDGET.format(tenant="acme")),
     Case("an API key stored in clear", "tenants.yaml", tenant(1, api_keys_sha256=["sk-acme"]),
          f"{ROUTER}.tenants.1.api_keys_sha256: Value error, 'sk-acme'... is not a SHA-256 hex "
          "digest (64 lowercase hex characters); store hashes, never keys: meshctl hash-key"),

@@ -360,3 +360,62 @@ def test_every_shipped_variant_leaves_its_engine_threads_unpinned():
         for name, app in mesh_parts(load_yaml(path)).variant_apps.items():
             env = (app.get("runtime_env") or {}).get("env_vars") or {}
             assert env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind", f"{path.name}: {name}"
+
+
+# -- token budgets: sized from each route's max_model_len ---------------------------------------
+
+TENANTS = load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml")
+
+
+def with_initech(**budget):
+    cfg = copy.deepcopy(TENANTS)
+    initech = next(t for t in router_cfg(cfg)["tenants"] if t["id"] == "initech")
+    initech.update(budget)
+    return cfg
+
+
+def test_no_shipped_config_has_a_warning():
+    for path in sorted((REPO_ROOT / "serve_configs").glob("*.yaml")):
+        assert config_warnings(load_yaml(path)) == [], path.name
+
+
+def test_a_budget_below_one_chat_without_max_tokens_is_a_warning_with_the_figure():
+    """At max_model_len 2048 a chat of one empty message without max_tokens reserves its
+    prompt bound (56) plus the whole context: 2,104. The shipped initech had 2,000."""
+    cfg = with_initech(tokens_per_minute=2000)
+    assert validate_config(cfg) == []  # clients that set max_tokens are served
+    assert config_warnings(cfg) == [
+        f"{ROUTER}.tenants[3].tokens_per_minute: 2000 cannot hold one chat without max_tokens "
+        "on route 'smollm' (2104 tokens: its prompt bound, at least 56, plus the route's "
+        "max_model_len 2048 ('smollm-v1'), as vLLM may generate the rest of the context), so "
+        "tenant 'initech' gets 400 reservation_exceeds_budget for every chat to 'smollm' that "
+        "sets no max_tokens; set tokens_per_minute to at least 2104, or have its clients "
+        "always set max_tokens (docs/errors.md, \"What a request reserves\")"]
+    assert config_warnings(with_initech(tokens_per_minute=2104)) == []
+
+
+def test_the_smallest_budget_follows_the_routes_max_model_len():
+    """The same budget fits a 1024-token route and not a 4096-token one; without
+    engine_args.max_model_len, the model's own context (SmolLM2: 8192) is the route's."""
+    from serve_app.release.validate import context_length, smallest_request
+    from serve_app.common.config import VariantArgs
+
+    def warns(max_model_len):
+        cfg = with_initech(tokens_per_day=3000)
+        args = cfg["applications"][1]["args"]["engine_args"]
+        if max_model_len is None:
+            del args["max_model_len"]
+        else:
+            args["max_model_len"] = max_model_len
+        return [w for w in config_warnings(cfg) if "tokens_per_day" in w]
+
+    assert warns(1024) == []
+    [warning] = warns(4096)
+    assert "3000 cannot hold" in warning and "at least 4152" in warning
+    [warning] = warns(None)
+    assert "max_model_len 8192" in warning and f"at least {56 + 8192}" in warning
+    assert smallest_request(8192).total == 56 + 8192
+    hub = VariantArgs(model="meta-llama/Llama-3.1-8B-Instruct", revision="0" * 40,
+                      served_model_name="llama")
+    assert context_length(hub) == 0  # fetched at start: not known here, not checked
+

@@ -58,8 +58,8 @@ def test_the_cli_refuses_with_the_message(tmp_path):
     paths, wants = [], []
     for case in (c for c in CASES if c.name in (
             "a model directory that does not exist", "a dtype vLLM does not know",
-            "a tenant owning a misspelled adapter", "a daily token budget below one "
-            "default request")):
+            "a tenant owning a misspelled adapter", "a daily token budget below the "
+            "smallest request")):
         path = tmp_path / f"{len(paths)}.yaml"
         path.write_text(yaml.safe_dump(bad_config(case, tmp_path), sort_keys=False))
         paths.append(str(path))

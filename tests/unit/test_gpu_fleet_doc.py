@@ -1,13 +1,9 @@
-"""Every Serve config in docs/gpu-fleet.md passes `meshctl validate`, its manifest entries
-parse as adapter sources, and what it says the GPU lock pins is what requirements-gpu.txt
-pins."""
+"""docs/gpu-fleet.md: its manifest entries parse as adapter sources, its TP example gets a
+4-GPU pod, and what it says the GPU lock pins is what requirements-gpu.txt pins."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -22,17 +18,9 @@ CONFIGS = [b for b in BLOCKS if "applications" in b]
 MANIFESTS = [b for b in BLOCKS if "adapters" in b]
 
 
-def test_every_config_in_the_guide_passes_meshctl_validate(tmp_path):
+def test_the_guide_has_its_two_configs_and_a_manifest():
+    """``meshctl validate`` runs on every config of the docs in test_doc_configs.py."""
     assert len(CONFIGS) == 2 and len(MANIFESTS) == 1
-    paths = []
-    for i, cfg in enumerate(CONFIGS):
-        paths.append(tmp_path / f"config-{i}.yaml")
-        paths[-1].write_text(yaml.safe_dump(cfg))
-    meshctl = Path(sys.executable).parent / "meshctl"
-    r = subprocess.run([str(meshctl), "validate", *map(str, paths)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(": ok") == len(CONFIGS), r.stdout
 
 
 def test_the_tensor_parallel_example_gets_a_four_gpu_pod():
