@@ -8,7 +8,7 @@
 #                                that keeps the simulated engine honest). Fails when the tests
 #                                take longer than MESH_TEST_BUDGET_S (default 3600 s = 60 min,
 #                                for a slow day on a shared host; the goal, 1,500 s, is reported
-#                                on every run; 962-1,035 s here on 2026-12-04).
+#                                on every run).
 #   ./scripts/test.sh --all      every integration test on real vLLM engines (no time budget);
 #                                run it after changing the engine, the lock or the replica
 #                                (docs/testing.md). Modules marked sim_only still run on the sim.
