@@ -57,6 +57,7 @@ from serve_app.release.change_lines import report_lines
 from serve_app.release.rollout_report import fetch_rollouts, write_report
 from serve_app.release.swap import InvalidPlan, apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.tenancy.keys import hash_api_key
+from serve_app.release.engine_check import VLLM_IMPORT_TIME
 from serve_app.release.validate import config_warnings, validate_config
 
 #: Exit status of a command that cannot do its job: bad arguments, a file that cannot be
@@ -141,8 +142,12 @@ def _problems(config: dict[str, Any], *, engine: bool) -> tuple[list[str], list[
         return problems, []
     warnings = config_warnings(config)
     if engine:
-        from serve_app.release.engine_check import engine_problems
+        from serve_app.release.engine_check import engine_problems, vllm_installed
 
+        if "vllm" not in sys.modules and mesh_parts(config).variant_apps and vllm_installed():
+            print(f"meshctl: asking vLLM about the engine args (importing it takes "
+                  f"{VLLM_IMPORT_TIME}; --skip-engine-check skips this)", file=sys.stderr,
+                  flush=True)
         engine_found, engine_warnings = engine_problems(config)
         problems += engine_found
         warnings += engine_warnings
@@ -239,7 +244,7 @@ def _add_address(p: argparse.ArgumentParser) -> None:
 def _add_engine_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-engine-check", action="store_true",
                    help="skip vLLM's checks of the variants' engine args (they import vLLM: "
-                        "~10 s); the replica still runs them when it starts")
+                        f"{VLLM_IMPORT_TIME}); the replica still runs them when it starts")
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:

@@ -422,6 +422,17 @@ class Tenant(Strict):
             check_name("adapter name", adapter)
         return v
 
+    @model_validator(mode="after")
+    def _day_holds_a_minute(self) -> Tenant:
+        if self.tokens_per_day is not None and self.tokens_per_minute is not None \
+                and self.tokens_per_day < self.tokens_per_minute:
+            raise ValueError(
+                f"tenant {self.id!r}: tokens_per_day ({self.tokens_per_day}) is below "
+                f"tokens_per_minute ({self.tokens_per_minute}), so the per-minute budget "
+                "could never be used (were they swapped?); set tokens_per_day to at least "
+                "tokens_per_minute, or remove tokens_per_minute")
+        return self
+
     def may_call(self, route: str) -> bool:
         return "*" in self.routes or route in self.routes
 
@@ -463,6 +474,10 @@ class LedgerConfig(Strict):
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("ledger.backend redis needs ledger.redis_url, e.g. "
                              "redis://127.0.0.1:6379/0")
+        if self.backend == "actor" and self.redis_url:
+            raise ValueError(f"ledger.redis_url {self.redis_url!r} is set but ledger.backend "
+                             "is actor, which keeps the counts in a Ray actor and would never "
+                             "use the server: set backend: redis, or remove redis_url")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://",
                                                               "unix://")):
             raise ValueError(f"ledger.redis_url {self.redis_url!r} is not a Redis URL "

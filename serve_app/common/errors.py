@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from serve_app.common.logs import get_logger
 
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -77,13 +78,70 @@ def error_body(status: int, message: str, *, param: str | None = None,
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``<path.to.field>: <message>``."""
-    lines = []
+#: How pydantic names the members of a union in an error's ``loc`` (``constrained-int``,
+#: ``function-after[...]``, ``literal['auto']``, ``str``): schema internals, not fields.
+_UNION_TAG = re.compile(r"^(?:[a-z]+(?:-[a-z]+)*\[.*\]|constrained-[a-z]+|lax-or-strict|nullable|"
+                        r"str|int|float|bool|bytes|list|dict|tuple|set|frozenset|none|decimal|"
+                        r"date|datetime|url|uuid|any)$")
+_NO_DATA = object()
+_SHOULD = "Input should be "
+
+
+def _field_path(loc: tuple, data: Any) -> list:
+    """``loc`` without pydantic's union-member tags. A part is a tag when it looks like one
+    and (with ``data``, the validated input) is not a key of the input at that point, so a
+    route named ``int`` stays a field."""
+    path, node = [], data
+    for part in loc:
+        present = node is not _NO_DATA and (
+            isinstance(node, dict) and part in node
+            or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not present and isinstance(part, str) and _UNION_TAG.match(part):
+            continue
+        path.append(part)
+        node = node[part] if present else _NO_DATA
+    return path
+
+
+def _plain(error: dict[str, Any]) -> str:
+    """pydantic's message without its ``Value error, `` prefix: our validators' own words."""
+    msg = error["msg"]
+    for lead in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(lead)
+    return msg
+
+
+def format_validation_error(err: ValidationError, prefix: str = "",
+                            data: Any = _NO_DATA) -> str:
+    """One line per bad field: ``<path.to.field>: <message>``, in plain words.
+
+    pydantic reports a value that no member of a union accepts once per member, under a
+    ``loc`` that names the member (``num_replicas.constrained-int``, ``num_replicas.str``).
+    Here the member names are dropped, so is pydantic's ``Value error,`` before a
+    validator's own message, a member that refused only the value's type is left
+    out when another accepted the type but not the value (``-1`` for ``int > 0 | str``: the
+    bound, not "a valid string"), and what is left is one line (``Input should be a valid
+    integer or a valid string``).
+
+    Args:
+        prefix: the path of the validated value in the file (e.g. ``user_config``).
+        data: the validated input, when known: tells member names from fields.
+    """
+    by_path: dict[str, list[dict[str, Any]]] = {}
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])
+        path = ".".join(str(p) for p in _field_path(tuple(e["loc"]), data))
         where = f"{prefix}.{path}" if prefix and path else (prefix or path or "<root>")
-        lines.append(f"{where}: {e['msg']}")
+        by_path.setdefault(where, []).append(e)
+    lines = []
+    for where, errors in by_path.items():
+        wrong_type = [e for e in errors if e["type"].endswith(("_type", "_parsing"))
+                      or e["type"] in ("literal_error", "enum")]
+        if len(wrong_type) < len(errors):
+            errors = [e for e in errors if e not in wrong_type]
+        msgs = list(dict.fromkeys(_plain(e) for e in errors))
+        if len(msgs) > 1 and all(m.startswith(_SHOULD) for m in msgs):
+            msgs = [_SHOULD + " or ".join(m[len(_SHOULD):] for m in msgs)]
+        lines.append(f"{where}: {'; '.join(msgs)}")
     return "\n".join(lines)
 
 

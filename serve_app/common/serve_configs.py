@@ -52,10 +52,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """Parse a YAML file into a dict (duplicate keys are an error).
 
     Raises:
-        ValueError: not YAML, duplicate keys, or not a mapping at the top level.
+        ValueError: not UTF-8 text, not YAML, duplicate keys, or not a mapping at the top
+            level; the message starts with ``path``.
     """
     try:
-        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file: byte {e.start} is not UTF-8 (a Serve "
+                         "config is YAML text; is this the file you meant?)") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

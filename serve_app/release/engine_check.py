@@ -8,9 +8,9 @@ its engine (a simulated engine too: it runs vLLM's front end on the same config)
 reads the model's ``config.json`` and checks dtype, ``max_model_len`` against the model,
 scheduler limits and LoRA settings; it starts nothing.
 
-Importing vLLM takes ~10 s (more on a busy host), once per process; each further variant
-takes well under a second, and variants with the same model and engine args are checked
-once. Where vLLM is not installed (a CI runner with only ``meshctl``), nothing is checked and
+Importing vLLM takes :data:`VLLM_IMPORT_TIME`, once per process; each further variant takes
+well under a second, and variants with the same model and engine args are checked once.
+Where vLLM is not installed (a CI runner with only ``meshctl``), nothing is checked and
 :func:`engine_problems` says so in a warning. Only the names are checked, with a warning that
 says why, for a variant whose model comes from the hub or a bucket and is not fetched on
 this host yet (vLLM reads the model's ``config.json``), and for a variant that runs on GPUs
@@ -28,6 +28,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+#: How long the check's import of vLLM takes, idle and beside a running mesh on a 2-core host
+#: (vLLM imports torch and its platform), as ``--help`` and the progress line say it.
+VLLM_IMPORT_TIME = "about 10 s on an idle 2-core host, up to 30 s on a busy one"
 #: Problems found per (model, engine args as JSON): one check per distinct engine.
 _CACHE: dict[tuple[str, str], list[str]] = {}
 

@@ -57,6 +57,33 @@ METRICS_PORT = 8080  # KubeRay's default metrics-export-port for every Ray pod
 #: whose limit is 53).
 MAX_NAME_LENGTH = 47
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+#: A container image reference, ``[host[:port]/]path[:tag][@algorithm:hex]``, by the grammar
+#: every container runtime parses (github.com/distribution/reference, ``regexp.go``): path
+#: components of lowercase letters and digits joined by ``.``, ``_``, ``__`` or dashes.
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_IMAGE_REFERENCE = re.compile(
+    rf"^(?:(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?/)?"
+    rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+#: Longest image name (without tag and digest) the grammar allows.
+MAX_IMAGE_NAME_LENGTH = 255
+
+
+def image_problem(image: str) -> str | None:
+    """Why ``image`` is not a container image reference a Kubernetes pod can pull, or None."""
+    if not image.strip():
+        return "empty; name the image built from deploy/kuberay/Dockerfile"
+    name = image.split("@")[0]
+    if ":" in name.rsplit("/", 1)[-1]:
+        name = name.rsplit(":", 1)[0]
+    if not _IMAGE_REFERENCE.match(image) or len(name) > MAX_IMAGE_NAME_LENGTH:
+        return (f"got {image!r}, which is not a container image reference: "
+                "[registry[:port]/]name[:tag][@sha256:digest], the name in lowercase letters, "
+                "digits and . _ - / (e.g. registry.example.com/model-mesh:1.0); name the "
+                "image built from deploy/kuberay/Dockerfile")
+    return None
 
 
 class ManifestError(ValueError):
@@ -246,8 +273,8 @@ def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: in
         problems.append(f"name: got {name!r}; KubeRay needs a DNS-1035 label (lowercase "
                         f"letters, digits and '-', starting with a letter) of at most "
                         f"{MAX_NAME_LENGTH} characters")
-    if not image.strip():
-        problems.append("image: empty; name the image built from deploy/kuberay/Dockerfile")
+    if problem := image_problem(image):
+        problems.append(f"image: {problem}")
     if not isinstance(head_cpus, int) or head_cpus < 1:
         problems.append(f"head_cpus: got {head_cpus!r}; need a whole number >= 1 (the router "
                         "and the rollout controller run on the head)")

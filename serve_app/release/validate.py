@@ -169,7 +169,7 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     try:
         ServeDeploySchema.model_validate(config)
     except ValidationError as e:
-        return [format_validation_error(e)]
+        return [format_validation_error(e, data=config)]
 
     problems: list[str] = []
     apps = applications(config)
@@ -456,5 +456,5 @@ def _check(problems: list[str], model: type[BaseModel], data: Any, at: str):
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems.append(format_validation_error(e, at))
+        problems.append(format_validation_error(e, at, data))
         return None

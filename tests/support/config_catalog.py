@@ -3,7 +3,8 @@
 Each case starts from a shipped config (``serve_configs/<base>``), changes one thing, and
 names the problem line it must get, exactly (``{models}``, ``{tmp}`` and ``{repo}`` stand for
 this host's paths). ``tests/unit/test_config_catalog.py`` checks every case; add one with every new
-refusal. ``engine=True`` cases are vLLM's own verdicts (they import vLLM: ~10 s once).
+refusal. ``engine=True`` cases are vLLM's own verdicts (they import vLLM once:
+:data:`serve_app.release.engine_check.VLLM_IMPORT_TIME`).
 """
 
 from __future__ import annotations
@@ -191,13 +192,13 @@ CASES: list[Case] = [
          tenant(1, tokens_per_minute=56),
          f"{ROUTER}.tenants[1].tokens_per_minute: 56 " + BUDGET.format(tenant="acme")),
     Case("an API key stored in clear", "tenants.yaml", tenant(1, api_keys_sha256=["sk-acme"]),
-         f"{ROUTER}.tenants.1.api_keys_sha256: Value error, 'sk-acme'... is not a SHA-256 hex "
+         f"{ROUTER}.tenants.1.api_keys_sha256: 'sk-acme'... is not a SHA-256 hex "
          "digest (64 lowercase hex characters); store hashes, never keys: meshctl hash-key"),
     Case("a tenant naming an unknown route", "tenants.yaml", tenant(1, routes=["smolm"]),
-         f"{ROUTER}: Value error, tenant 'acme' names unknown route 'smolm'"),
+         f"{ROUTER}: tenant 'acme' names unknown route 'smolm'"),
     Case("one adapter owned by two tenants", "tenants.yaml",
          tenant(2, adapters=["globex-report", "acme-support"]),
-         f"{ROUTER}: Value error, adapter 'acme-support' is owned by both 'acme' and "
+         f"{ROUTER}: adapter 'acme-support' is owned by both 'acme' and "
          "'globex'; an adapter belongs to one tenant"),
     # -- routes and variants ------------------------------------------------------------
     Case("a negative weight", "canary.yaml",

@@ -236,3 +236,125 @@ def test_shell_scripts_refuse_bad_arguments_in_one_line(argv, line):
     res = run_script(str(REPO_ROOT / "scripts" / argv[0]), *argv[1:])
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert one_line(res.stderr).startswith(line), res.stderr
+
+
+# -- values that cannot work: refused, naming the field or file ---------------------------------
+
+def written(tmp_path, base: str, change) -> str:
+    """``base`` (a shipped config) with ``change(config)`` applied, as a file."""
+    cfg = copy.deepcopy(load_yaml(base))
+    change(cfg)
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def router_uc(cfg):
+    return cfg["applications"][0]["deployments"][0]["user_config"]
+
+
+def test_a_negative_replica_count_is_one_plain_line(tmp_path, capsys):
+    """Serve's ``num_replicas: PositiveInt | str`` gave one line per union member, each under
+    pydantic's member name (``num_replicas.constrained-int``, ``num_replicas.str``)."""
+    path = written(tmp_path, LOCAL, lambda c: c["applications"][1]["deployments"][0].update(
+        num_replicas=-1))
+    got, err = meshctl(["validate", path, "--skip-engine-check"], capsys)
+    assert got == 1
+    assert err.splitlines() == [f"{path}: INVALID", "  applications.1.deployments.0."
+                                "num_replicas: Input should be greater than 0"]
+
+
+def test_pydantic_errors_are_field_paths_and_plain_messages():
+    from pydantic import BaseModel, PositiveInt, ValidationError, field_validator
+
+    from serve_app.common.errors import format_validation_error
+
+    class Model(BaseModel):
+        count: PositiveInt | str
+        sizes: dict[str, int | list[int]]
+
+        @field_validator("count")
+        @classmethod
+        def _auto(cls, v):
+            if isinstance(v, str) and v != "auto":
+                raise ValueError(f"count must be a number or 'auto', not {v!r}")
+            return v
+
+    data = {"count": "lots", "sizes": {"int": "x"}}  # a key named like a union member
+    with pytest.raises(ValidationError) as e:
+        Model.model_validate(data)
+    assert format_validation_error(e.value, "cfg", data).splitlines() == [
+        "cfg.count: count must be a number or 'auto', not 'lots'",
+        "cfg.sizes.int: Input should be a valid integer, unable to parse string as an integer "
+        "or a valid list"]
+
+
+def test_a_binary_file_is_named(tmp_path, capsys):
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(256)))
+    got, err = meshctl(["validate", str(path)], capsys)
+    assert got == 2
+    assert one_line(err) == (f"meshctl validate: {path}: not a text file: byte 128 is not UTF-8 "
+                             "(a Serve config is YAML text; is this the file you meant?)")
+
+
+@pytest.mark.parametrize("image", ["bad image!", "Model-Mesh:1", "mesh:", "mesh::1",
+                                   "registry.example.com/mesh@sha256:abc", "a" * 256, " "])
+def test_kuberay_refuses_an_image_that_is_not_a_reference(image, tmp_path, capsys):
+    out = tmp_path / "rayservice.yaml"
+    got, err = meshctl(["kuberay", LOCAL, "--image", image, "-o", str(out)], capsys)
+    assert got == 1 and not out.exists(), err
+    assert "  image: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("image", ["model-mesh:latest", "ubuntu:22.04", "localhost/mesh",
+                                   "registry.example.com:5000/team/model-mesh:1.0",
+                                   "ghcr.io/org/mesh@sha256:" + "a" * 64, "[::1]:5000/m:v1"])
+def test_kuberay_takes_any_image_reference(image):
+    from serve_app.release.kuberay import image_problem
+
+    assert image_problem(image) is None
+
+
+def test_a_daily_budget_below_the_minute_budget_is_refused_naming_both(tmp_path, capsys):
+    def swap(cfg):
+        initech = next(t for t in router_uc(cfg)["tenants"] if t["id"] == "initech")
+        initech.update(tokens_per_minute=10_000, tokens_per_day=5_000)
+    path = written(tmp_path, TENANTS, swap)
+    got, err = meshctl(["validate", path, "--skip-engine-check"], capsys)
+    assert got == 1
+    assert (f"{path}: INVALID\n  applications[0].deployments[MeshRouter].user_config.tenants.3: "
+            "tenant 'initech': tokens_per_day (5000) is below tokens_per_minute (10000)") in err
+
+
+def test_an_actor_ledger_with_a_redis_url_is_refused_naming_the_field(tmp_path, capsys):
+    path = written(tmp_path, TENANTS, lambda c: router_uc(c).update(
+        ledger={"backend": "actor", "redis_url": "redis://127.0.0.1:6379/0"}))
+    got, err = meshctl(["validate", path, "--skip-engine-check"], capsys)
+    assert got == 1
+    assert ("user_config.ledger: ledger.redis_url 'redis://127.0.0.1:6379/0' is set but "
+            "ledger.backend is actor") in err and "set backend: redis, or remove redis_url" in err
+
+
+def test_the_engine_check_says_how_long_it_takes_once(monkeypatch, capsys):
+    """--help and a progress line before vLLM is imported give the same time; a second file
+    needs no second import, and no line."""
+    from serve_app.release import engine_check
+
+    parser = cli.build_parser()
+    validate = next(a for a in parser._subparsers._group_actions[0].choices["validate"]._actions
+                    if "--skip-engine-check" in a.option_strings)
+    assert engine_check.VLLM_IMPORT_TIME in validate.help
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    calls = []
+
+    def check(config):
+        calls.append(config)
+        monkeypatch.setitem(sys.modules, "vllm", object())  # what a real check leaves
+        return [], []
+    monkeypatch.setattr(engine_check, "engine_problems", check)
+    assert cli.main(["validate", LOCAL, TENANTS]) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 2
+    assert err.count("meshctl: asking vLLM about the engine args (importing it takes "
+                     f"{engine_check.VLLM_IMPORT_TIME}") == 1, err

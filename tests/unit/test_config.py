@@ -401,7 +401,7 @@ def test_the_smallest_budget_follows_the_routes_max_model_len():
     from serve_app.common.config import VariantArgs
 
     def warns(max_model_len):
-        cfg = with_initech(tokens_per_day=3000)
+        cfg = with_initech(tokens_per_minute=None, tokens_per_day=3000)
         args = cfg["applications"][1]["args"]["engine_args"]
         if max_model_len is None:
             del args["max_model_len"]
