@@ -118,7 +118,7 @@ class MeshRouter:
         self.planner = RequestPlanner(new, splits, self.rollouts.weighted, self.availability)
         self.variants.configure(new)
         if ledger_changed:  # counted there from the next request; ready before it comes
-            self.limiter.use(lambda: ledger_for(new.ledger))
+            self.limiter.use(lambda: ledger_for(new.ledger), leases=new.ledger.leases)
             await self.limiter.start()
         if not new.tenants:
             logger.warning("OPEN MODE: no tenants configured, every caller is anonymous and "

@@ -464,10 +464,14 @@ class LedgerConfig(Strict):
         backend: ``actor`` (default: a Ray actor that keeps its buckets in the Ray GCS) or
             ``redis`` (a Redis server, which outlives the Ray cluster).
         redis_url: ``redis://host:port/db`` of the server, for ``backend: redis``.
+        leases: each router replica holds a lease on each busy tenant's budget and counts
+            its requests there, with no ledger call per request (default); false asks the
+            ledger for every request of a limited tenant (:mod:`serve_app.tenancy.limits`).
     """
 
     backend: Literal["actor", "redis"] = "actor"
     redis_url: str | None = None
+    leases: bool = True
 
     @model_validator(mode="after")
     def _url_for_redis(self) -> LedgerConfig:

@@ -28,7 +28,7 @@ from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.admission.fair_share import service_cost
 from serve_app.admission.service_time import request_size
 from serve_app.admission.slots import Counted, Slot
-from serve_app.tenancy.limits import Lease, TenantLimiter
+from serve_app.tenancy.limits import CountedRequest, TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 
@@ -74,7 +74,7 @@ class RequestAccount:
         self.tags = dict(tags)
         self.arms: tuple[tuple[str, str], ...] = ()
         self.capture = None  # a PrimaryCapture when the request is mirrored (control.shadow_mirror)
-        self._tenant: tuple[TenantLimiter, Lease | None] | None = None
+        self._tenant: tuple[TenantLimiter, CountedRequest | None] | None = None
         self.reservation = Reservation()
         self.streamed_chunks = 0  # chunks relayed to the client (a stream's progress)
         self.streamed_usage = Usage()  # a stream's token counts up to what was relayed
@@ -89,11 +89,11 @@ class RequestAccount:
         at a limit, see :meth:`TenantLimiter.acquire`); released and settled by finish.
         Returns the rate-limit headers for the response (empty: no limits)."""
         self.reservation = reservation
-        lease = await limiter.acquire(tenant, reservation.total)
-        self._tenant = (limiter, lease)
-        if lease is not None and lease.quota.tokens is not None:
-            self.metrics.record_tokens_remaining(tenant.id, lease.quota.tokens)
-        return lease.quota.headers() if lease is not None else {}
+        counted = await limiter.acquire(tenant, reservation.total)
+        self._tenant = (limiter, counted)
+        if counted is not None and counted.quota.tokens is not None:
+            self.metrics.record_tokens_remaining(tenant.id, counted.quota.tokens)
+        return counted.quota.headers() if counted is not None else {}
 
     def counts(self, stream: bool) -> Counted:
         """How this request's service counts for its tenant while it runs (the token-fair
@@ -182,10 +182,10 @@ class RequestAccount:
             # (the fair order keeps what its time counted: never a reservation).
             used = (self.reservation.prompt, self.reservation.completion)
         if self._tenant is not None:
-            limiter, lease = self._tenant
-            limiter.release(lease, sum(used))
-            if lease is not None:
-                self.metrics.record_tokens(self.tags["tenant"], lease.reserved, sum(used))
+            limiter, counted = self._tenant
+            limiter.release(counted, sum(used))
+            if counted is not None:
+                self.metrics.record_tokens(self.tags["tenant"], counted.reserved, sum(used))
         if self._slot is not None:
             admission, slot = self._slot
             admission.release(slot, cost=None if abandoned else service_cost(*used),

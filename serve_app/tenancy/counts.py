@@ -10,6 +10,10 @@
 Every answer to a limited tenant carries OpenAI's ``x-ratelimit-*`` headers (:class:`Quota`).
 :class:`TenantCounts` is what every ledger backend (:mod:`serve_app.tenancy.ledger`) runs;
 :meth:`TenantCounts.export` and :meth:`TenantCounts.load` are how a backend keeps it.
+
+Router replicas' budget leases (:mod:`serve_app.tenancy.lease_terms`) are counted here too:
+a lease's credit stays in its bucket's level and is not free to anyone else; its slots count
+as requests in flight (:meth:`TenantCounts.renew`).
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from typing import Any
 
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
+from serve_app.tenancy.lease_terms import (BUDGET_LEASE_TTL_S, LEASE_RETRY_AFTER_S, Grant,
+                                           Hold, Renewal, share)
 from serve_app.tenancy.token_budget import WINDOW_S, TokenBucket, duration_header
 
 #: The tenant's limits that are token buckets, with their windows (s). The requests bucket
-#: draws 1 per request, the token buckets a request's reserved tokens (:func:`_draw`).
+#: draws 1 per request, the token buckets a request's reserved tokens (:func:`draw`).
 REQUESTS = "requests_per_minute"
 BUCKET_WINDOWS_S = {REQUESTS: 60.0, **WINDOW_S}
 
 
-def _draw(bucket_name: str, tokens: int) -> int:
+def draw(bucket_name: str, tokens: int) -> int:
     """What one request reserving ``tokens`` draws from the bucket ``bucket_name``."""
     return 1 if bucket_name == REQUESTS else tokens
 
@@ -87,6 +93,28 @@ class Quota:
 class _TenantState:
     in_flight: int = 0
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    holds: dict[str, Hold] = field(default_factory=dict)  # lease id -> its budget lease
+
+    def held(self, bucket: str, but: str = "") -> float:
+        """Credit every lease (but ``but``) holds in ``bucket``."""
+        return sum(h.credit_in(bucket) for lease, h in self.holds.items() if lease != but)
+
+    def held_slots(self, but: str = "") -> int:
+        return sum(h.slots for lease, h in self.holds.items() if lease != but)
+
+    def free(self, name: str) -> float:
+        """What ``name``'s bucket has beyond the leases' credit (refilled by the caller)."""
+        return self.buckets[name].level - self.held(name)
+
+    def expire(self, now: float) -> None:
+        """Drop the leases not renewed in time: their unspent credit is counted as spent
+        (their router may have spent it unreported), their slots are freed."""
+        for lease, hold in list(self.holds.items()):
+            if hold.until <= now:
+                for name, bucket in self.buckets.items():
+                    bucket.refill(now)
+                    bucket.level -= hold.credit_in(name)
+                del self.holds[lease]
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,7 @@ class TenantCounts:
         """The tenant's state, its buckets matched to ``limits`` (a config change keeps
         what was left, up to the new limit)."""
         st = self._state.setdefault(tenant_id, _TenantState())
+        st.expire(now)
         wanted = limits.buckets()
         for name in list(st.buckets):
             if name not in wanted:
@@ -145,7 +174,7 @@ class TenantCounts:
         refusal = self._refusal(tenant_id, st, limits, tokens, now)
         if refusal is None:
             for name, bucket in st.buckets.items():
-                bucket.take(_draw(name, tokens))
+                bucket.take(draw(name, tokens))
             st.in_flight += 1
         quota = self._quota(st, now)
         return (replace(refusal, quota=quota) if refusal else None), quota
@@ -153,12 +182,19 @@ class TenantCounts:
     @staticmethod
     def _refusal(tenant_id: str, st: _TenantState, limits: Limits, tokens: int,
                  now: float) -> Refusal | None:
-        if limits.max_concurrent_requests and st.in_flight >= limits.max_concurrent_requests:
-            return Refusal(429, f"tenant {tenant_id!r} has {st.in_flight} requests in flight; "
-                           f"the limit is {limits.max_concurrent_requests}",
+        held_slots = st.held_slots()
+        if (limits.max_concurrent_requests
+                and st.in_flight + held_slots >= limits.max_concurrent_requests):
+            leased = f" (and router replicas hold {held_slots} slots)" if held_slots else ""
+            return Refusal(429, f"tenant {tenant_id!r} has {st.in_flight} requests in flight"
+                           f"{leased}; the limit is {limits.max_concurrent_requests}",
                            "concurrency_limit_exceeded", 1)
         for name, bucket in st.buckets.items():
-            wait_s = bucket.wait_s(_draw(name, tokens), now)
+            wait_s = bucket.wait_s(draw(name, tokens), now)
+            held = st.held(name)
+            if held and not math.isinf(wait_s) and bucket.level - held < draw(name, tokens):
+                # Leases hold some of it: they give back what they do not spend.
+                wait_s = max(wait_s, LEASE_RETRY_AFTER_S)
             if wait_s == 0:
                 continue
             if name == REQUESTS:
@@ -171,8 +207,9 @@ class TenantCounts:
                                "prompt; unset, the rest of the context), more than "
                                f"tenant {tenant_id!r}'s whole {name} of {bucket.limit}; set a "
                                "smaller max_tokens", "reservation_exceeds_budget", None)
-            left = (f"has {int(bucket.level)} of its {name} {bucket.limit} left"
-                    if bucket.level >= 0 else f"owes {math.ceil(-bucket.level)} tokens of its "
+            free = bucket.level - held
+            left = (f"has {int(free)} of its {name} {bucket.limit} left"
+                    if free >= 0 else f"owes {math.ceil(-free)} tokens of its "
                     f"{name} {bucket.limit} (its requests cost more than they reserved)")
             return Refusal(429, f"tenant {tenant_id!r} {left} and this request reserves "
                            f"{tokens}; retry in {math.ceil(wait_s)} s or set a smaller "
@@ -186,12 +223,14 @@ class TenantCounts:
 
     @staticmethod
     def _quota(st: _TenantState, now: float) -> Quota:
+        """Remaining: what is free beyond the leases' credit."""
         def figures(name: str) -> tuple[int, int, float] | None:
             b = st.buckets.get(name)
-            return None if b is None else (b.limit, max(0, int(b.level)), b.reset_s(now))
+            return None if b is None else (b.limit, max(0, int(st.free(name))),
+                                           b.reset_s(now))
         return Quota(requests=figures(REQUESTS),
                      tokens=figures("tokens_per_minute") or figures("tokens_per_day"),
-                     left=tuple((name, b.level) for name, b in st.buckets.items()))
+                     left=tuple((name, st.free(name)) for name in st.buckets))
 
     def release(self, tenant_id: str, reserved: int = 0, used: int = 0, *,
                 counted: bool = True) -> None:
@@ -204,6 +243,7 @@ class TenantCounts:
         if counted and st.in_flight > 0:
             st.in_flight -= 1
         now = self._clock()
+        st.expire(now)
         for name, bucket in st.buckets.items():
             if name != REQUESTS:  # a request stays counted; its tokens are settled
                 bucket.settle(reserved, used, now)
@@ -213,27 +253,97 @@ class TenantCounts:
         return st.in_flight if st else 0
 
     def remaining(self, tenant_id: str) -> dict[str, int]:
-        """Tokens (or requests) left per bucket name, now."""
+        """Tokens (or requests) left per bucket name, now, beyond what leases hold."""
         st = self._state.get(tenant_id)
         now = self._clock()
         out = {}
+        if st is not None:
+            st.expire(now)
         for name, bucket in (st.buckets.items() if st else ()):
             bucket.refill(now)
-            out[name] = max(0, int(bucket.level))
+            out[name] = max(0, int(st.free(name)))
         return out
 
-    def export(self, tenant_id: str) -> dict[str, Any]:
-        """The tenant's buckets as JSON-able data, ``{"buckets": {name: [limit, window_s,
-        level, at]}}`` (``at``: this counter's clock, s); in-flight counts are not in it."""
+    def leases(self, tenant_id: str) -> dict[str, Hold]:
+        """The tenant's budget leases now, lease id -> :class:`Hold` (expired ones
+        dropped)."""
         st = self._state.get(tenant_id)
-        return {"buckets": {name: b.state() for name, b in (st.buckets.items() if st else ())}}
+        if st is None:
+            return {}
+        st.expire(self._clock())
+        return dict(st.holds)
+
+    def export(self, tenant_id: str) -> dict[str, Any]:
+        """The tenant's buckets and budget leases as JSON-able data, ``{"buckets": {name:
+        [limit, window_s, level, at]}, "holds": {lease id: Hold.state()}}`` (``at``,
+        ``until``: this counter's clock, s); in-flight counts are not in it."""
+        st = self._state.get(tenant_id)
+        if st is None:
+            return {"buckets": {}}
+        out: dict[str, Any] = {"buckets": {name: b.state() for name, b in st.buckets.items()}}
+        if st.holds:
+            out["holds"] = {lease: h.state() for lease, h in st.holds.items()}
+        return out
 
     def load(self, tenant_id: str, data: dict[str, Any] | None, in_flight: int = 0) -> None:
         """Take a tenant's :meth:`export` back (None: a tenant with full buckets), with
         ``in_flight`` requests."""
         buckets = (data or {}).get("buckets") or {}
-        self._state[tenant_id] = _TenantState(in_flight, {
-            name: TokenBucket.from_state(state) for name, state in buckets.items()})
+        holds = (data or {}).get("holds") or {}
+        self._state[tenant_id] = _TenantState(
+            in_flight, {name: TokenBucket.from_state(state) for name, state in buckets.items()},
+            {lease: Hold.from_state(state) for lease, state in holds.items()})
+
+    def renew(self, r: Renewal) -> Grant:
+        """Apply a router's :class:`Renewal` of its budget lease and answer it (see
+        :mod:`serve_app.tenancy.lease_terms`): its spending since its last renewal is drawn
+        from the buckets (a negative figure, settlements, goes back), then the lease keeps
+        ``r.keep`` and gets up to ``r.want``, the rest at most the router's share of what
+        is free beyond ``r.pending`` (none below ``r.least``); slots likewise. A lease the
+        ledger does not hold (expired, or closed) answers ``held`` False, and its report is
+        not counted: an expired lease's credit was counted spent whole."""
+        now = self._clock()
+        st = self._tenant(r.tenant_id, r.limits, now)
+        hold = st.holds.get(r.lease_id)
+        if hold is None and r.seq > 1:
+            return Grant(r.lease_id, r.seq, False, quota=self._quota(st, now))
+        hold = st.holds.setdefault(r.lease_id, Hold())
+        if r.seq <= hold.seq:  # a repeated renewal: the lease as it stands
+            return self._grant(r.lease_id, st, hold, now)
+        hold.seq = r.seq
+        for name, bucket in st.buckets.items():
+            spent = r.spent.get(name, 0.0) - hold.spent.get(name, 0.0)
+            bucket.refill(now)
+            bucket.level = min(float(bucket.limit), bucket.level - spent)
+            hold.credit[name] = hold.credit.get(name, 0.0) - spent
+        hold.spent = dict(r.spent)
+        routers = max(1, r.routers, len(st.holds))
+        kept = {name: min(hold.credit_in(name), r.keep.get(name, 0.0)) for name in st.buckets}
+        fresh = {name: min(max(0.0, r.want.get(name, 0.0) - kept[name]),
+                           share(bucket.level - st.held(name, but=r.lease_id) - kept[name]
+                                 - r.pending.get(name, 0.0), routers))
+                 for name, bucket in st.buckets.items()}
+        if any(kept[name] + fresh[name] < r.least.get(name, 0.0) for name in st.buckets):
+            fresh = dict.fromkeys(fresh, 0.0)  # too little to serve a request: none
+        hold.credit = {name: kept[name] + fresh[name] for name in st.buckets}
+        limit = r.limits.max_concurrent_requests
+        if limit:
+            slots_kept = min(hold.slots, r.slots_kept)
+            free = (limit - st.in_flight - st.held_slots(but=r.lease_id) - slots_kept
+                    - r.slots_pending)
+            hold.slots = slots_kept + min(max(0, r.slots_wanted - slots_kept),
+                                          int(share(free, routers)))
+        else:
+            hold.slots = 0
+        if r.closing and hold.slots == 0:
+            del st.holds[r.lease_id]  # given back: its credit is free again
+            return Grant(r.lease_id, r.seq, False, quota=self._quota(st, now))
+        hold.until = now + BUDGET_LEASE_TTL_S
+        return self._grant(r.lease_id, st, hold, now)
+
+    def _grant(self, lease_id: str, st: _TenantState, hold: Hold, now: float) -> Grant:
+        return Grant(lease_id, hold.seq, True, dict(hold.credit), hold.slots,
+                     self._quota(st, now))
 
     def tenants(self) -> list[str]:
         return list(self._state)

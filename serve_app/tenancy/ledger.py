@@ -17,7 +17,11 @@ router's ``user_config`` (``ledger:``, :class:`~serve_app.common.config.LedgerCo
   cluster, and in-flight counts are leases that expire should a router die holding one.
 
 Both run the same counting (:class:`~serve_app.tenancy.counts.TenantCounts`) and pass the
-same contract tests (``tests/test_ledger.py``).
+same contract tests (``tests/unit/test_ledger.py``), budget leases included: a router replica
+renews its leases on busy tenants' budgets in one :meth:`Ledger.renew_many` call about once a
+second (:mod:`serve_app.tenancy.lease_terms`) and spends them with no call per request. A
+lease is kept with its tenant's buckets (saved, read back after a restart) and expires
+:data:`~serve_app.tenancy.lease_terms.BUDGET_LEASE_TTL_S` after its last renewal.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import ray
 from ray.experimental.internal_kv import (_internal_kv_get, _internal_kv_list,
@@ -35,14 +39,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.counts import Limits, Quota, Refusal, TenantCounts
+from serve_app.tenancy.lease_terms import Grant, Renewal
 
 logger = get_logger(__name__)
 
 #: The shared counts' actor: name and namespace (one per Ray cluster). The actor is detached:
 #: it outlives `serve shutdown`, so its name carries the version of its calls' protocol, and
 #: routers of a new version never call an older actor (3: settles across incarnations, kept
-#: in the GCS).
-SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts-3", "model-mesh"
+#: in the GCS; 4: budget leases).
+SHARED_NAME, SHARED_NAMESPACE = "mesh-tenant-counts-4", "model-mesh"
 #: Where the actor keeps its buckets (Ray's internal key-value store, in the GCS): one key
 #: per tenant, the prefix followed by the tenant id.
 KV_PREFIX, KV_NAMESPACE = b"tenant-ledger/", b"model-mesh"
@@ -63,12 +68,40 @@ class AskFailed(Exception):
     tenant's ``limits_fail_mode`` to that request alone."""
 
 
-def by_tenant(items: list[tuple]) -> dict[str, list[int]]:
-    """Indices of ``items`` (asks or releases, tenant id first) per tenant, in order."""
+def tenant_of(item: tuple | Renewal) -> str:
+    """The tenant id of an ask, a release or a :class:`Renewal`."""
+    return item.tenant_id if isinstance(item, Renewal) else item[0]
+
+
+def by_tenant(items: list) -> dict[str, list[int]]:
+    """Indices of ``items`` (asks, releases or renewals) per tenant, in order."""
     out: dict[str, list[int]] = {}
     for i, item in enumerate(items):
-        out.setdefault(item[0], []).append(i)
+        out.setdefault(tenant_of(item), []).append(i)
     return out
+
+
+def count_by_tenant(counts: TenantCounts, items: list, count: Callable[[int], Any],
+                    commit: Callable[[str], None] = lambda tenant_id: None,
+                    what: str = "asks") -> list:
+    """``count(i)`` for each item, tenant by tenant, then ``commit(tenant_id)`` (a save); a
+    tenant whose counting or commit raises is put back as it was and each of its items
+    answers :class:`AskFailed`, the other tenants' are answered as usual."""
+    answers: list = [AskFailed("not counted")] * len(items)
+    for tenant_id, indices in by_tenant(items).items():
+        try:
+            with counts.all_or_nothing(tenant_id):
+                counted = [(i, count(i)) for i in indices]
+                commit(tenant_id)
+        except Exception as e:  # noqa: BLE001 - that tenant's items only
+            logger.warning("tenant ledger: %d %s of tenant %r not counted (%s: %s)",
+                           len(indices), what, tenant_id, type(e).__name__, str(e)[:200])
+            for i in indices:
+                answers[i] = AskFailed(f"tenant {tenant_id!r}: {type(e).__name__}")
+            continue
+        for i, answer in counted:
+            answers[i] = answer
+    return answers
 
 
 class Ledger(Protocol):
@@ -89,7 +122,13 @@ class Ledger(Protocol):
         """Return once the ledger answers."""
 
     async def remaining(self, tenant_id: str) -> dict[str, int]:
-        """Tokens (or requests) the tenant has left per bucket, now."""
+        """Tokens (or requests) the tenant has left per bucket, now, beyond what budget
+        leases hold."""
+
+    async def renew_many(self, renewals: list[Renewal]) -> list[Grant | AskFailed]:
+        """Apply each router's :class:`Renewal` of a budget lease
+        (:meth:`TenantCounts.renew`); one :class:`Grant` each, or :class:`AskFailed` for a
+        tenant the ledger could not count (raises only when it cannot answer at all)."""
 
 
 class KeptCounts:
@@ -106,8 +145,9 @@ class KeptCounts:
     """
 
     def __init__(self, read_all: Callable[[], dict[str, bytes | str]],
-                 write: Callable[[str, str], None]) -> None:
-        self.counts = TenantCounts(clock=time.time)  # wall clock: a restart may move nodes
+                 write: Callable[[str, str], None], clock: Callable[[], float] = time.time
+                 ) -> None:
+        self.counts = TenantCounts(clock=clock)  # wall clock: a restart may move nodes
         self.incarnation = uuid.uuid4().hex
         self._write = write
         saved = read_all()
@@ -125,22 +165,16 @@ class KeptCounts:
         counting or saving raises is left as it was and its asks answer :class:`AskFailed`,
         so one tenant's failure neither fails the others' asks nor leaves counts that no
         request holds (the next request would get 429 until a restart)."""
-        answers: list[Answer | AskFailed] = [AskFailed("not counted")] * len(asks)
-        for tenant_id, indices in by_tenant(asks).items():
-            try:
-                with self.counts.all_or_nothing(tenant_id):
-                    counted = [(i, (self.incarnation, *self.counts.acquire(*asks[i])))
-                               for i in indices]
-                    self._save(tenant_id)
-            except Exception as e:  # noqa: BLE001 - that tenant's asks only
-                logger.warning("tenant ledger: %d asks of tenant %r not counted (%s: %s)",
-                               len(indices), tenant_id, type(e).__name__, str(e)[:200])
-                for i in indices:
-                    answers[i] = AskFailed(f"tenant {tenant_id!r}: {type(e).__name__}")
-                continue
-            for i, answer in counted:
-                answers[i] = answer
-        return answers
+        return count_by_tenant(
+            self.counts, asks, lambda i: (self.incarnation, *self.counts.acquire(*asks[i])),
+            self._save)
+
+    def renew_many(self, renewals: list[Renewal]) -> list[Grant | AskFailed]:
+        """:meth:`TenantCounts.renew` for each, tenant by tenant, saved before the call
+        answers and committed only once saved (as :meth:`acquire_many`)."""
+        return count_by_tenant(self.counts, renewals,
+                               lambda i: self.counts.renew(renewals[i]), self._save,
+                               what="lease renewals")
 
     def release_many(self, releases: list[Release]) -> None:
         """:meth:`TenantCounts.release` for each, tenant by tenant, saved: one tenant's
@@ -199,6 +233,9 @@ class ActorLedger:
 
     async def remaining(self, tenant_id: str) -> dict[str, int]:
         return await self.handle.remaining.remote(tenant_id)
+
+    async def renew_many(self, renewals: list[Renewal]) -> list[Grant | AskFailed]:
+        return await self.handle.renew_many.remote(renewals)
 
 
 def shared_tenant_counts():

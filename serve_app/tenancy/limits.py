@@ -1,11 +1,17 @@
 """A router replica's side of the tenant limits (:mod:`serve_app.tenancy.counts`).
 
-A router's :class:`TenantLimiter` asks the cluster's :class:`~serve_app.tenancy.ledger.Ledger`
-once per request of a *limited* tenant (tenants without limits cost nothing), so a tenant
-limited to 2 in flight gets 2 across all routers, and gives the slot back without waiting.
-Its asks and give-backs are batched (:mod:`serve_app.tenancy.call_batcher`): one call in
-flight per router, the requests that arrive meanwhile go in the next one, so the ledger's
-cost per call is paid per batch.
+Tenants without limits cost nothing. A request of a *limited* tenant is counted, in order:
+
+1. on this router's **budget lease** on the tenant's budget, with no ledger call, when the
+   tenant is busy enough to hold one and the lease covers the request
+   (:mod:`serve_app.tenancy.lease_keeper`; off with ``ledger.leases: false``);
+2. else by the cluster's :class:`~serve_app.tenancy.ledger.Ledger`, asked for this request
+   (and settled at its end): so a tenant limited to 2 in flight gets 2 across all routers.
+   Asks and give-backs are batched (:mod:`serve_app.tenancy.call_batcher`): one call in
+   flight per router, the requests that arrive meanwhile go in the next one, so the
+   ledger's cost per call is paid per batch.
+
+Either way the tenant gets at most its limit plus one window's refill across all routers.
 
 When the ledger does not answer within :data:`SHARED_TIMEOUT_S`, the router stops asking
 for :data:`RETRY_SHARED_S` and applies each tenant's ``limits_fail_mode``: ``closed``
@@ -30,6 +36,7 @@ from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.call_batcher import MAX_BATCH, CallBatcher
 from serve_app.tenancy.counts import REQUESTS, Limits, Quota, TenantCounts
+from serve_app.tenancy.lease_keeper import BudgetLease, LeaseKeeper
 from serve_app.tenancy.ledger import AskFailed, Ledger, ledger_for
 
 logger = get_logger(__name__)
@@ -41,15 +48,17 @@ RETRY_SHARED_S = 5.0
 
 
 @dataclass(frozen=True)
-class Lease:
-    """One counted request: the shared counts that counted it (``shared`` None: this
-    router's own counts), the tokens it reserved and the tenant's quota after it."""
+class CountedRequest:
+    """One counted request: where it was counted (``lease``: this router's budget lease;
+    else ``shared``, the ledger, under ``incarnation``; neither: this router's own counts),
+    the tokens it reserved and the tenant's quota after it."""
 
     tenant_id: str
     shared: object | None = None
     incarnation: str = ""
     reserved: int = 0
     quota: Quota = Quota()
+    lease: BudgetLease | None = None
 
 
 class _SharedCalls:
@@ -72,9 +81,9 @@ class _SharedCalls:
                            str(e)[:200])
         return [None] * len(releases)
 
-    def give_back(self, lease: Lease, used: int = 0) -> None:
-        """Release ``lease``'s count, settling ``used`` tokens."""
-        self.releases.submit((lease.tenant_id, lease.incarnation, lease.reserved, used))
+    def give_back(self, counted: CountedRequest, used: int = 0) -> None:
+        """Release ``counted``'s count, settling ``used`` tokens."""
+        self.releases.submit((counted.tenant_id, counted.incarnation, counted.reserved, used))
 
 
 class TenantLimiter:
@@ -85,11 +94,17 @@ class TenantLimiter:
             failure); None counts on this router only (unit tests).
         max_batch: most asks (or give-backs) in one call to the ledger; 1 sends each in a
             call of its own (the unbatched baseline of ``scripts/bench.py --limits``).
-        routers: the number of router replicas running now (for the fallback's share).
+        routers: the number of router replicas running now (for the fallback's share, and
+            a lease's).
+        leases: hold budget leases on busy tenants (when the ledger grants them).
+        clock, renew_in_background: the leases' (:class:`LeaseKeeper`; tests on a fake
+            clock renew by hand).
     """
 
     def __init__(self, shared=lambda: ledger_for(None), max_batch: int = MAX_BATCH,
-                 routers: Callable[[], int] = lambda: 1) -> None:
+                 routers: Callable[[], int] = lambda: 1, leases: bool = True,
+                 clock: Callable[[], float] = time.monotonic,
+                 renew_in_background: bool = True) -> None:
         self._max_batch = max_batch
         self._factory = shared if callable(shared) else None
         self._calls: _SharedCalls | None = None
@@ -99,15 +114,26 @@ class TenantLimiter:
         self._routers = routers
         self._left: dict[str, dict[str, float]] = {}  # tenant -> bucket -> the ledger's last
         self._seeded: set[str] = set()  # tenants counted locally since the ledger was lost
+        self.leases = LeaseKeeper(lambda: self._shared, routers, self._heard, clock,
+                                  renew_in_background)
+        self._leasing = leases and shared is not None
+
+    def _heard(self, tenant_id: str, quota: Quota) -> None:
+        """The ledger's figures for ``tenant_id``: a later outage starts from them."""
+        self._left[tenant_id] = dict(quota.left)
+        self._seeded.clear()
 
     @property
     def backend(self) -> str:
         return getattr(self._shared, "backend", "local")
 
-    def use(self, factory: Callable[[], Ledger]) -> None:
-        """Count in the ledger ``factory`` makes from now on (a new ``ledger:`` config)."""
+    def use(self, factory: Callable[[], Ledger], leases: bool = True) -> None:
+        """Count in the ledger ``factory`` makes from now on (a new ``ledger:`` config),
+        with budget leases or not."""
         self._factory, self._shared, self._calls = factory, None, None
         self._down_until = 0.0
+        self.leases.forget()
+        self._leasing = leases
 
     def _calls_to(self, shared) -> _SharedCalls:
         if self._calls is None or self._calls.shared is not shared:
@@ -127,7 +153,7 @@ class TenantLimiter:
         except Exception as e:  # noqa: BLE001 - logged; acquire() handles the rest
             logger.warning("tenant ledger not ready (%s: %s)", type(e).__name__, e)
 
-    async def acquire(self, tenant: Tenant | None, tokens: int = 0) -> Lease | None:
+    async def acquire(self, tenant: Tenant | None, tokens: int = 0) -> CountedRequest | None:
         """Count a new request of ``tenant`` that reserves ``tokens`` (prompt + completion,
         :mod:`serve_app.tenancy.token_budget`); None when the tenant has no limits (nothing
         to release).
@@ -142,10 +168,27 @@ class TenantLimiter:
         if tenant is None or not Limits.of(tenant):
             return None
         limits = (tenant.id, Limits.of(tenant), tokens)
-        if time.monotonic() >= self._down_until:
-            lease = await self._acquire_shared(limits)
+        if self._leasing:  # a lease is spent until its deadline, the ledger down or not
+            lease = self.leases.take(*limits)
             if lease is not None:
-                return lease
+                return CountedRequest(tenant.id, reserved=tokens, quota=lease.quota(),
+                                      lease=lease)
+        counted = None
+        try:
+            counted = await self._acquire_unleased(tenant, limits)
+        finally:
+            if self._leasing:
+                self.leases.asked(*limits, admitted=counted is not None)
+        return counted
+
+    async def _acquire_unleased(self, tenant: Tenant, limits: tuple) -> CountedRequest:
+        """Count the request with the ledger, or by the tenant's fail mode (see
+        :meth:`acquire`)."""
+        tokens = limits[2]
+        if time.monotonic() >= self._down_until:
+            counted = await self._acquire_shared(limits)
+            if counted is not None:
+                return counted
         if tenant.limits_fail_mode == "closed":
             raise _unavailable(f"tenant {tenant.id!r} has limits and the mesh cannot count "
                                "them right now (limits_fail_mode: closed); retry shortly")
@@ -168,9 +211,9 @@ class TenantLimiter:
                                "shortly, or set a smaller max_tokens")
         if refusal is not None:
             raise refusal.error()
-        return Lease(tenant.id, reserved=tokens, quota=quota)
+        return CountedRequest(tenant.id, reserved=tokens, quota=quota)
 
-    async def _acquire_shared(self, limits: tuple) -> Lease | None:
+    async def _acquire_shared(self, limits: tuple) -> CountedRequest | None:
         """Ask the shared counts; None when they cannot answer in time (raises the 429)."""
         try:
             if self._shared is None:
@@ -197,11 +240,10 @@ class TenantLimiter:
             return None
         except Exception as e:  # noqa: BLE001 - a dead actor, or one that cannot answer this
             return self._unavailable(f"{type(e).__name__}: {e}"[:200])
-        self._left[limits[0]] = dict(quota.left)
-        self._seeded.clear()  # the ledger answers: a later outage starts from its figures
+        self._heard(limits[0], quota)  # the ledger answers: a later outage starts from it
         if refusal is not None:
             raise refusal.error()
-        return Lease(limits[0], shared, incarnation, limits[2], quota)
+        return CountedRequest(limits[0], shared, incarnation, limits[2], quota)
 
     def _unavailable(self, why: str) -> None:
         if self._down_until <= time.monotonic():  # once per outage, not once per request
@@ -212,14 +254,18 @@ class TenantLimiter:
             self._shared = None  # look it up again next time: Ray may have replaced it
         return None
 
-    def release(self, lease: Lease | None, used: int = 0) -> None:
-        """The leased request ended, having cost ``used`` tokens."""
-        if lease is None:
+    def release(self, counted: CountedRequest | None, used: int = 0) -> None:
+        """The counted request ended, having cost ``used`` tokens: settled on its lease, or
+        with the ledger (in the background), or here."""
+        if counted is None:
             return
-        if lease.shared is None:
-            self._local.release(lease.tenant_id, lease.reserved, used)
+        self.leases.ended(counted.tenant_id, counted.lease, counted.reserved, used)
+        if counted.lease is not None:
+            return
+        if counted.shared is None:
+            self._local.release(counted.tenant_id, counted.reserved, used)
         else:
-            self._calls_to(lease.shared).give_back(lease, used)
+            self._calls_to(counted.shared).give_back(counted, used)
 
 
 def share_of(limits: Limits, routers: int) -> Limits:
@@ -241,4 +287,4 @@ def _release_late(answer: asyncio.Future, calls: _SharedCalls, limits: tuple) ->
         return
     incarnation, refusal, _ = answer.result()
     if refusal is None:
-        calls.give_back(Lease(limits[0], calls.shared, incarnation, limits[2]), 0)
+        calls.give_back(CountedRequest(limits[0], calls.shared, incarnation, limits[2]), 0)

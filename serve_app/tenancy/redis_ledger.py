@@ -1,22 +1,25 @@
 """The ``redis`` ledger backend: tenant counts in a Redis server (:mod:`serve_app.tenancy.ledger`).
 
-Each tenant is one key, ``mesh:ledger:tenant:<id>``, holding JSON: its token buckets
-(:meth:`TenantCounts.export`, on the Redis server's clock, ``TIME``) and its in-flight
-**leases** (lease id -> expiry, s). A batch of asks or releases is one optimistic
+Each tenant is one key, ``mesh:ledger:tenant:<id>``, holding JSON: its token buckets and
+the router replicas' budget leases on them (:meth:`TenantCounts.export`, on the Redis
+server's clock, ``TIME``) and its in-flight **leases**, one per request counted here (lease
+id -> expiry, s). A batch of asks or releases is one optimistic
 transaction (``WATCH`` the batch's tenant keys, read them, count with the same
 :class:`~serve_app.tenancy.counts.TenantCounts` every backend runs, ``MULTI``/``EXEC`` the
 new values; retried when another router wrote one of those keys in between, at most
 :data:`MAX_WATCH_RETRIES` times with a growing, jittered back-off, then raised: the router
 applies the tenant's ``limits_fail_mode`` as for a ledger that does not answer), so two
-routers never both spend the same tokens. A lease expires after :data:`LEASE_TTL_S`: a
-router that dies holding requests does not hold its tenants' slots forever. A key idle for
+routers never both spend the same tokens. A request's lease expires after :data:`LEASE_TTL_S`: a
+router that dies holding requests does not hold its tenants' slots forever (a budget lease,
+renewed every second, expires far sooner: :mod:`serve_app.tenancy.lease_terms`). A key idle for
 :data:`KEY_TTL_S` (longer than any window) expires: its buckets would be full by then.
 
 Retries are idempotent. Each ask's lease id is fixed before the first attempt (the batch's
 id and the ask's place in it) and written in the same transaction as its counts, so an
 attempt whose ``EXEC`` reply was lost (a connection dropped after Redis applied it) and is
 run again finds the lease there and answers it without counting it a second time; a
-settlement pops its lease, so a second attempt finds it gone and changes nothing.
+settlement pops its lease, so a second attempt finds it gone and changes nothing. A budget
+lease's renewal carries its sequence number and cumulative figures: applied once.
 
 The server should run with ``appendonly yes`` so that its counts survive its restart
 (``scripts/redis_ledger.sh`` starts one so).
@@ -28,6 +31,7 @@ import asyncio
 import json
 import random
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -36,10 +40,11 @@ from redis.exceptions import WatchError
 
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.counts import TenantCounts
-from serve_app.tenancy.ledger import Answer, Ask, AskFailed, Release, by_tenant
+from serve_app.tenancy.lease_terms import Grant, Renewal
+from serve_app.tenancy.ledger import Answer, Ask, AskFailed, Release, by_tenant, count_by_tenant
+from serve_app.tenancy.token_budget import WINDOW_S
 
 logger = get_logger(__name__)
-from serve_app.tenancy.token_budget import WINDOW_S
 
 #: Seconds a lease (one request in flight) is held at most; longer than any request runs.
 LEASE_TTL_S = 3600.0
@@ -59,15 +64,20 @@ class RedisLedger:
     """:class:`~serve_app.tenancy.ledger.Ledger` in the Redis server at ``url``
     (``redis://host:port/db``).
 
+    Args:
+        clock: seconds now, in place of the server's ``TIME`` (tests pass a fake).
+
     Raises (from every call): ``redis.exceptions.RedisError`` when the server cannot be
     reached; the router then applies the tenant's ``limits_fail_mode``.
     """
 
     backend = "redis"
 
-    def __init__(self, url: str, prefix: str = KEY_PREFIX) -> None:
+    def __init__(self, url: str, prefix: str = KEY_PREFIX,
+                 clock: Callable[[], float] | None = None) -> None:
         self.url = url
         self.prefix = prefix
+        self._clock = clock
         self._redis = aioredis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                         socket_connect_timeout=SOCKET_TIMEOUT_S)
 
@@ -122,6 +132,13 @@ class RedisLedger:
         return await self._transaction([tenant_id], lambda counts, _, __: counts.remaining(
             tenant_id))
 
+    async def renew_many(self, renewals: list[Renewal]) -> list[Grant | AskFailed]:
+        return await self._transaction(
+            [r.tenant_id for r in renewals],
+            lambda counts, _, __: count_by_tenant(counts, renewals,
+                                                  lambda i: counts.renew(renewals[i]),
+                                                  what="lease renewals"))
+
     async def _transaction(self, tenant_ids: list[str], change) -> Any:
         """Run ``change(counts, leases, now)`` on the tenants' state read under ``WATCH``,
         and write it back in one ``MULTI``/``EXEC``; again if a key changed meanwhile (at
@@ -142,7 +159,7 @@ class RedisLedger:
                     await pipe.watch(*keys)
                     raw = await pipe.mget(keys)
                     seconds, micros = await pipe.time()
-                    now = seconds + micros / 1e6
+                    now = self._clock() if self._clock else seconds + micros / 1e6
                     counts = TenantCounts(clock=lambda: now)
                     leases: dict[str, dict[str, float]] = {}
                     for tenant_id, value in zip(tenants, raw):

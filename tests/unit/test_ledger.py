@@ -1,11 +1,8 @@
-"""The ledger contract (:mod:`serve_app.tenancy.ledger`): both backends, the same tests.
-
-``actor``: the :class:`KeptCounts` the Ray actor runs, called in-process over a key-value
-store (the Ray actor itself, killed and restarted by Ray, is in
-``tests/integration/test_tenant_token_budgets.py``). ``redis``: :class:`RedisLedger` against a real
-``redis-server`` (Debian's, ``scripts/install_services.sh``), killed with SIGKILL and started
-again on its data directory. Each test runs two routers (two :class:`TenantLimiter`, each with
-its own client of the backend) against one ledger.
+"""The ledger contract (:mod:`serve_app.tenancy.ledger`): both backends, the same tests
+(the backends: ``tests/support/ledger_backends.py``; their budget leases:
+``tests/unit/test_budget_leases.py``). Each test runs two routers (two
+:class:`TenantLimiter`, each with its own client of the backend) against one ledger, with
+budget leases on, as routers run by default.
 """
 
 from __future__ import annotations
@@ -17,84 +14,12 @@ import pytest
 
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.limits import TenantLimiter
-from serve_app.tenancy.redis_ledger import RedisLedger
-from bench.servers import start_redis
+from tests.support.ledger_backends import RedisBackend, backend  # noqa: F401 - a fixture
 
 
 def tenant(**limits) -> Tenant:
     return Tenant(id="t", api_keys_sha256=["0" * 64], **limits)
-
-
-class InProcessLedger:
-    """A :class:`Ledger` over the :class:`KeptCounts` the backend runs now, as
-    ``ActorLedger`` is over the actor (its handle reaches the actor's new incarnation)."""
-
-    backend = "actor"
-
-    def __init__(self, actor: ActorBackend) -> None:
-        self.actor = actor
-
-    @property
-    def kept(self) -> KeptCounts:
-        return self.actor.kept
-
-    async def acquire_many(self, asks):
-        await asyncio.sleep(0.001)  # a call's round trip: asks from both routers interleave
-        return self.kept.acquire_many(asks)
-
-    async def release_many(self, releases):
-        self.kept.release_many(releases)
-
-    async def ping(self):
-        pass
-
-    async def remaining(self, tenant_id):
-        return self.kept.remaining(tenant_id)
-
-
-class ActorBackend:
-    def __init__(self, tmp_path) -> None:
-        self.store: dict[str, str] = {}  # tenant id -> JSON, as the GCS keeps it
-        self.restart()
-
-    def client(self) -> InProcessLedger:
-        return InProcessLedger(self)
-
-    def restart(self) -> None:
-        """The actor dies and Ray starts it again: a new incarnation reads the store."""
-        self.kept = KeptCounts(lambda: dict(self.store), self.store.__setitem__)
-
-    def stop(self) -> None:
-        pass
-
-
-class RedisBackend:
-    def __init__(self, tmp_path) -> None:
-        self.dir = str(tmp_path)
-        self.proc, self.url = start_redis(self.dir)
-        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
-
-    def client(self) -> RedisLedger:
-        return RedisLedger(self.url)
-
-    def restart(self) -> None:
-        """The server is killed (SIGKILL) and started again on its data directory."""
-        self.proc.kill()
-        self.proc.wait()
-        self.proc, _ = start_redis(self.dir, port=self.port)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture(params=["actor", "redis"])
-def backend(request, tmp_path):
-    b = (ActorBackend if request.param == "actor" else RedisBackend)(tmp_path)
-    yield b
-    b.stop()
 
 
 def two_routers(backend) -> tuple[TenantLimiter, TenantLimiter]:

@@ -1,0 +1,344 @@
+"""Budget leases (:mod:`serve_app.tenancy.lease_terms`, :mod:`serve_app.tenancy.lease_keeper`):
+the ledger contract's lease part, both backends, the same tests
+(``tests/support/ledger_backends.py``; the Redis one against a real ``redis-server``).
+
+The ledger and the routers run on one fake clock; routers renew when a test says so (as
+their background task does every ``RENEW_S``). A router's ledger calls are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serve_app.common.config import Tenant
+from serve_app.common.errors import MeshError
+from serve_app.tenancy.counts import Limits
+from serve_app.tenancy.lease_keeper import EXPIRY_MARGIN_S, LEASE_MIN_REQUESTS
+from serve_app.tenancy.lease_terms import (BUDGET_LEASE_TTL_S, LEASE_RETRY_AFTER_S,
+                                           RENEW_S, Renewal)
+from serve_app.tenancy.limits import TenantLimiter
+from tests.support.ledger_backends import (CountingLedger, backend,  # noqa: F401 - fixtures
+                                           clocked)
+
+DAY = 86400.0
+
+
+def tenant(**limits) -> Tenant:
+    return Tenant(id="t", api_keys_sha256=["0" * 64], **limits)
+
+
+def router(backend, routers: int = 2, **kw) -> TenantLimiter:
+    """A router replica of ``routers`` against ``backend``, on its clock; its ledger client's
+    calls are counted (``router.ledger``)."""
+    ledger = CountingLedger(backend.client())
+    limiter = TenantLimiter(shared=ledger, routers=lambda: routers, clock=backend.clock,
+                            renew_in_background=False, **kw)
+    limiter.ledger = ledger
+    return limiter
+
+
+async def busy(limiter: TenantLimiter, t: Tenant, tokens: int, clock) -> None:
+    """Make ``t`` busy on ``limiter`` (requests of ``tokens`` each, settled at their
+    reservation), then one ``RENEW_S`` later renew: its lease opens."""
+    for _ in range(LEASE_MIN_REQUESTS):  # each waits for the last one's settlement
+        counted = await eventually(lambda: served(limiter, t, tokens))
+        assert counted is not None
+        limiter.release(counted, tokens)
+    await asyncio.sleep(0.01)  # settlements go out in the background
+    clock.advance(RENEW_S)
+    await limiter.leases.renew()
+
+
+async def eventually(ask, within_s: float = 2.0):
+    """``await ask()`` until it answers something, for at most ``within_s`` (real time)."""
+    deadline = time.monotonic() + within_s
+    while (answer := await ask()) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return answer
+
+
+def lease_of(limiter: TenantLimiter, tenant_id: str = "t"):
+    return limiter.leases.leases.get(tenant_id)
+
+
+async def served(limiter: TenantLimiter, t: Tenant, tokens: int):
+    """The request counted, or None when refused with a 429."""
+    try:
+        return await limiter.acquire(t, tokens)
+    except MeshError as e:
+        assert e.status == 429, e.body()
+        return None
+
+
+def test_a_busy_tenant_is_served_from_its_lease_without_a_ledger_call(clocked):
+    """After its lease opens, 12 requests cost no ask and no settlement call; their
+    settlements (one over its reservation: a debt) reach the ledger with the next renewal,
+    exactly."""
+    t = tenant(tokens_per_day=100_000, max_concurrent_requests=100)
+
+    async def main():
+        a = router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        assert lease is not None and lease.slots >= 1
+        calls = a.ledger.asks()
+        for i in range(12):  # 800 of credit: 150, then 40 a request
+            counted = await a.acquire(t, 100)
+            assert counted.lease is lease, i
+            assert counted.quota.headers()["x-ratelimit-limit-tokens"] == "100000"
+            a.release(counted, 150 if i == 0 else 40)  # 50 over, then 60 back each
+        assert a.ledger.asks() == calls, a.ledger.calls
+        await a.leases.renew()
+        held = lease.left("tokens_per_day")
+        left = (await clocked.client().remaining("t"))["tokens_per_day"]
+        spent = 4 * 100 + 150 + 11 * 40
+        assert abs(left + held - (100_000 - spent)) <= 3, (left, held)  # 3: a day's refill
+    asyncio.run(main())
+
+
+def test_leases_keep_a_budget_across_routers(clocked):
+    """tokens_per_day 2,000, two routers, requests reserving 100 and costing 60, leases
+    renewed every second: the tokens served stay within the budget (and the day's refill
+    over the test), and reach it once idle leases are given back."""
+    t = tenant(tokens_per_day=2000)
+
+    async def main():
+        routers = [router(clocked), router(clocked)]
+        cost, seconds = 0, 0.0
+        for a in routers:
+            await busy(a, t, 100, clocked.clock)
+            cost += LEASE_MIN_REQUESTS * 100
+        for _ in range(8):
+            for a in routers:
+                for _ in range(6):
+                    counted = await served(a, t, 100)
+                    if counted is not None:
+                        a.release(counted, 60)
+                        cost += 60
+            await asyncio.sleep(0.01)
+            clocked.clock.advance(RENEW_S)
+            seconds += RENEW_S
+            for a in routers:
+                await a.leases.renew()
+        for _ in range(2):  # idle: every lease is given back
+            clocked.clock.advance(RENEW_S)
+            seconds += RENEW_S
+            for a in routers:
+                await a.leases.renew()
+        assert not any(lease_of(a) for a in routers)
+        while (counted := await served(routers[0], t, 100)) is not None:
+            routers[0].release(counted, 60)
+            cost += 60
+            await asyncio.sleep(0.01)  # its settlement goes out in the background
+        refill = 2000 * (seconds + 2 * RENEW_S) / DAY
+        print(f"\n{cost} tokens served of a 2,000 budget")
+        assert 2000 - 100 < cost <= 2000 + refill + 1
+    asyncio.run(main())
+
+
+def test_idle_slots_go_back_at_renewal_and_a_limit_of_one_is_never_leased(clocked):
+    """max_concurrent_requests 4 on two routers: router a's lease holds idle slots, so b
+    gets only the rest, until a's next renewal finds a idle and gives them back. Limited to
+    1 in flight, no router holds a slot: b is served the moment a's request ends."""
+    async def main():
+        t = tenant(max_concurrent_requests=4)
+        a, b = router(clocked), router(clocked)
+        await busy(a, t, 0, clocked.clock)
+        held = lease_of(a).slots
+        assert held >= 1
+        running = [await b.acquire(t) for _ in range(4 - held)]
+        assert await served(b, t, 0) is None  # a's idle slots
+        clocked.clock.advance(RENEW_S)
+        await a.leases.renew()  # no request since: idle, given back
+        assert lease_of(a) is None
+        running.append(await b.acquire(t))
+        assert len(running) == 4 - held + 1
+
+        one = Tenant(id="one", api_keys_sha256=["1" * 64], max_concurrent_requests=1)
+        await busy(a, one, 0, clocked.clock)
+        assert lease_of(a, "one") is None or lease_of(a, "one").slots == 0
+        first = await a.acquire(one)
+        assert await served(b, one, 0) is None
+        a.release(first)  # its settlement goes out in the background: no renewal needed
+        assert await eventually(lambda: served(b, one, 0)) is not None
+    asyncio.run(main())
+
+
+def test_a_refusal_for_credit_another_router_holds_says_when_it_comes_back(clocked):
+    """Router a's lease holds credit it does not spend; router b's request that only that
+    credit would fit is refused with a Retry-After of LEASE_RETRY_AFTER_S (a's idle lease
+    gives it back within two renewals), not of the refill's wait; once a renewed idle, the
+    same request is served."""
+    t = tenant(tokens_per_day=1000)
+
+    async def main():
+        a, b = router(clocked), router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        held = lease_of(a).left("tokens_per_day")
+        assert held >= 200
+        while (counted := await served(b, t, 100)) is not None:
+            b.release(counted, 100)
+        with pytest.raises(MeshError) as e:
+            await b.acquire(t, 100)
+        assert e.value.code == "tokens_exhausted"
+        assert e.value.headers["Retry-After"] == str(LEASE_RETRY_AFTER_S)
+        assert int(e.value.headers["x-ratelimit-remaining-tokens"]) < 100
+        clocked.clock.advance(RENEW_S)
+        await a.leases.renew()
+        assert lease_of(a) is None  # idle: given back
+        assert await b.acquire(t, 100) is not None
+    asyncio.run(main())
+
+
+def test_a_lease_lost_with_its_router_expires_within_its_ttl_counted_spent(clocked):
+    """Router a holds a lease (credit and slots), spends some of it unreported, and dies
+    (kill -9: no renewal, no give-back). Until the lease's TTL its slots stay held and its
+    credit is not free; after it, well within one window, its slots are free again and its
+    whole credit is counted spent (it may have been used): nothing comes back."""
+    assert BUDGET_LEASE_TTL_S < 60  # the shortest window
+    t = tenant(tokens_per_day=10_000, max_concurrent_requests=10)
+
+    async def main():
+        a, b = router(clocked), router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        credit, slots = lease.left("tokens_per_day"), lease.slots
+        assert credit >= 200 and slots >= 1
+        in_flight = [await a.acquire(t, 100) for _ in range(min(slots, 2))]
+        assert all(c.lease is lease for c in in_flight)  # spent, never reported
+        del a  # kill -9
+        free_before = (await clocked.client().remaining("t"))["tokens_per_day"]
+        assert free_before <= 10_000 - LEASE_MIN_REQUESTS * 100 - credit + 1
+
+        clocked.clock.advance(BUDGET_LEASE_TTL_S - 1)
+        running = [c for c in [await served(b, t, 100) for _ in range(10)] if c]
+        assert len(running) == 10 - slots  # the dead router's slots are still held
+        clocked.clock.advance(1.5)  # past its TTL
+        assert await b.acquire(t, 100) is not None  # a slot it held is free
+        left = (await clocked.client().remaining("t"))["tokens_per_day"]
+        expected = 10_000 - LEASE_MIN_REQUESTS * 100 - credit - (len(running) + 1) * 100
+        refill = 10_000 * (BUDGET_LEASE_TTL_S + 1.5 + RENEW_S) / DAY
+        assert expected - 1 <= left <= expected + refill + 1, (left, expected)
+    asyncio.run(main())
+
+
+def test_a_ledger_restart_keeps_the_leases(clocked):
+    """The ledger dies and comes back (the actor restarted from the GCS, Redis from its
+    append-only file): the router's lease is still held, and what it spent meanwhile is
+    counted at its next renewal."""
+    t = tenant(tokens_per_day=10_000)
+
+    async def main():
+        a = router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        for _ in range(3):
+            a.release(await a.acquire(t, 100), 100)
+        clocked.restart()
+        await a.leases.renew()
+        assert lease_of(a) is lease
+        held = lease.left("tokens_per_day")
+        left = (await clocked.client().remaining("t"))["tokens_per_day"]
+        assert abs(left + held - (10_000 - 700)) <= 1, (left, held)
+    asyncio.run(main())
+
+
+def test_a_renewal_applied_twice_counts_once(clocked):
+    """A renewal whose answer was lost and is sent again (or a retried transaction) counts
+    its spending once: it is cumulative, and its sequence number was applied."""
+    limits = Limits(tokens_per_day=10_000)
+
+    async def main():
+        ledger = clocked.client()
+        [grant] = await ledger.renew_many([Renewal("t", "r1", 1, limits, want={
+            "tokens_per_day": 1000}, routers=1)])
+        assert grant.held and grant.credit == {"tokens_per_day": 1000}
+        second = Renewal("t", "r1", 2, limits, spent={"tokens_per_day": 300},
+                         keep={"tokens_per_day": 700}, want={"tokens_per_day": 700}, routers=1)
+        for _ in range(2):
+            [grant] = await ledger.renew_many([second])
+            assert grant.credit == {"tokens_per_day": 700}
+        assert (await ledger.remaining("t"))["tokens_per_day"] == 10_000 - 300 - 700
+        [stale] = await ledger.renew_many([Renewal("t", "gone", 5, limits)])
+        assert not stale.held  # a lease the ledger does not hold: the router drops it
+    asyncio.run(main())
+
+
+def test_with_the_ledger_down_a_router_spends_its_lease_then_its_share(clocked):
+    """limits_fail_mode open: with the ledger down, router a serves from its lease until its
+    credit runs out, then from its share of what the ledger last said was free (as without
+    leases); router b's lease, past its deadline, is not spent any more."""
+    t = tenant(tokens_per_day=10_000, limits_fail_mode="open")
+
+    async def main():
+        a, b = router(clocked), router(clocked)
+        await busy(b, t, 100, clocked.clock)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        credit = lease.left("tokens_per_day")
+        clocked.take_down()
+        assert (await a.acquire(t, 100)).lease is lease  # in use: not idle at its renewal
+        await a.leases.renew()  # fails: the lease goes on, frozen at what it kept
+        from_lease = 1
+        while (counted := await a.acquire(t, 100)).lease is lease:
+            from_lease += 1
+        assert from_lease == credit // 100 and from_lease >= 2
+        assert counted.shared is None  # this router's share, as without leases
+
+        assert (await b.acquire(t, 100)).lease is lease_of(b)
+        clocked.clock.advance(BUDGET_LEASE_TTL_S - EXPIRY_MARGIN_S)
+        counted = await b.acquire(t, 100)
+        assert counted.lease is None and counted.shared is None
+    asyncio.run(main())
+
+
+def test_leases_off_ask_the_ledger_for_every_request(clocked):
+    """``ledger.leases: false``: the baseline, an ask and a settlement per request."""
+    t = tenant(tokens_per_day=100_000)
+
+    async def main():
+        a = router(clocked, leases=False)
+        await busy(a, t, 100, clocked.clock)
+        assert lease_of(a) is None
+        before = a.ledger.asks()
+        for _ in range(10):
+            a.release(await a.acquire(t, 100), 100)
+        await asyncio.sleep(0.05)
+        assert a.ledger.asks() - before >= 11  # 10 asks, and their settlements batched
+    asyncio.run(main())
+
+
+def test_in_the_background_a_busy_tenant_stops_asking_the_ledger(backend):
+    """On the real clock, with the routers' background renewals: a busy tenant's lease opens
+    at its 4th request and grows with its demand (renewed at once when it runs dry); then
+    of its next 400 requests (8 in flight) at most two ask the ledger (while a renewal is in
+    flight the lease spends only what it keeps), and the lease is renewed a few times."""
+    t = tenant(tokens_per_day=10**9, max_concurrent_requests=10**6)
+
+    async def main():
+        ledger = CountingLedger(backend.client())
+        a = TenantLimiter(shared=ledger, routers=lambda: 2)
+
+        async def requests(n: int) -> None:
+            left = iter(range(n))
+
+            async def one() -> None:
+                for _ in left:
+                    counted = await a.acquire(t, 100)
+                    await asyncio.sleep(0.001)
+                    a.release(counted, 60)
+            await asyncio.gather(*(one() for _ in range(8)))
+        await requests(LEASE_MIN_REQUESTS)
+        assert await eventually(lambda: asyncio.sleep(0.01, lease_of(a))) is not None
+        await requests(200)  # its demand measured: the lease grows to it
+        await asyncio.sleep(0.05)
+        asks, renewals = ledger.asks(), ledger.calls["renew_many"]
+        await requests(400)
+        print(f"\n400 requests: {ledger.asks() - asks} ledger asks and settlements, "
+              f"{ledger.calls['renew_many'] - renewals} renewals")
+        assert ledger.asks() - asks <= 4, ledger.calls  # two asks and their settlements
+        assert ledger.calls["renew_many"] - renewals <= 5
+    asyncio.run(main())
