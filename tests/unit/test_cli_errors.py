@@ -179,7 +179,7 @@ PY_SCRIPTS = sorted([*(REPO_ROOT / "scripts").glob("*.py"), REPO_ROOT / "dashboa
 #: Shell scripts (their --help prints help and runs nothing).
 SH_SCRIPTS = [REPO_ROOT / "scripts" / n for n in ("demo.sh", "setup.sh", "observability.sh",
                                                   "install_services.sh", "stop.sh",
-                                                  "test.sh")] + [
+                                                  "test.sh", "install_git_hooks.sh")] + [
     REPO_ROOT / "deploy" / "ci" / "release.sh"]
 
 

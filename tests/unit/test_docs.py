@@ -1,7 +1,7 @@
 """The manual stays true to the code: the error-code reference (``docs/errors.md``) lists every
 code the code can send and is what the catalog generates; every metric the docs name exists,
-under the name Prometheus shows; every relative link of README.md and docs/*.md resolves,
-anchors included. No cluster."""
+under the name Prometheus shows; every relative link of README.md, CONTRIBUTING.md and
+docs/*.md resolves, anchors included. No cluster."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from serve_app.common.errors import ERROR_CODES
 from serve_app.common.paths import REPO_ROOT
 from scripts.error_reference import DOC, codes_in_code, render
 
-PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+PAGES = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md",
+         *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
 
 def rel(path: Path) -> str:
