@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -130,12 +130,14 @@ class Accepted:
     takes."""
 
 
-async def read_head(stream, timeout_s: float) -> tuple[Head, bool]:
-    """The :class:`Head` of a replica's answer ``stream`` (a Serve streaming response), and
-    whether the replica sent :class:`Accepted` first.
+async def read_head(stream, timeout_s: float,
+                    on_accepted: Callable[[], None] = lambda: None) -> Head:
+    """The :class:`Head` of a replica's answer ``stream`` (a Serve streaming response).
 
     The first item must come within ``timeout_s`` (a replica that cannot be reached must not
-    hold the request); after an ``Accepted`` the head may take as long as the replica needs.
+    hold the request); after an :class:`Accepted` the head may take as long as the replica
+    needs. ``on_accepted`` is called as the ``Accepted`` arrives, before that wait: a
+    non-stream abandoned during it was taken by the replica (and is charged).
 
     Raises:
         asyncio.TimeoutError: no first item within ``timeout_s``.
@@ -143,8 +145,9 @@ async def read_head(stream, timeout_s: float) -> tuple[Head, bool]:
     """
     first = await asyncio.wait_for(stream.__anext__(), timeout_s)
     if isinstance(first, Accepted):
-        return await stream.__anext__(), True
-    return first, False
+        on_accepted()
+        return await stream.__anext__()
+    return first
 
 
 @dataclass(frozen=True)

@@ -267,7 +267,7 @@ class ShadowMirror:
         ttft, chunks = None, []
         try:
             stream = self.variants.handle(application).options(stream=True).generate.remote(request)
-            head, _ = await read_head(stream, HEAD_TIMEOUT_S)
+            head = await read_head(stream, HEAD_TIMEOUT_S)
             if head.status != 200:
                 return Answer(error=f"HTTP {head.status}: {(head.body or '')[:200]}",
                               latency_s=time.monotonic() - t0)

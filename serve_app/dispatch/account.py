@@ -151,6 +151,11 @@ class RequestAccount:
     def _arms_of(self, variant: str) -> tuple[tuple[str, str], ...]:
         return tuple((key, arm or variant) for key, arm in self.arms)
 
+    def took(self, stream: bool) -> None:
+        """A replica took the request (:class:`~serve_app.common.wire.Accepted`): a
+        non-stream abandoned from now on is charged its reservation (:meth:`finish`)."""
+        self.accepted = not stream
+
     def refused(self, status: int, reason: str) -> None:
         """The mesh refused the request before running it (``reason``: the error code)."""
         self.metrics.rejected.inc(1, {**self.tags, "reason": reason})

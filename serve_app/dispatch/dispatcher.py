@@ -198,8 +198,8 @@ class Dispatcher:
             # is Accepted first too); waiting longer means the replica cannot take it (e.g.
             # it is on a lost node). After Accepted, the head comes when the answer (or the
             # replica's own queue_timeout_s wait for an adapter slot) is done.
-            head, accepted = await read_head(stream, plan.queue_timeout_s)
-            account.accepted = accepted and not plan.stream  # a non-stream's reservation
+            head = await read_head(stream, plan.queue_timeout_s,
+                                   on_accepted=lambda: account.took(plan.stream))
         except BaseException as e:
             stream.cancel()
             if not isinstance(e, Exception):  # the client left (CancelledError)

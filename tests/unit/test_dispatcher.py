@@ -13,6 +13,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import pytest
 from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
@@ -160,3 +161,33 @@ def test_a_stream_is_relayed():
     result, f = run({"v1": stream})
     assert isinstance(result, RelayResponse) and result.headers[VARIANT_HEADER] == "v1"
     assert not f.account.finished  # the relay finishes it when the stream ends
+
+
+def test_a_non_stream_abandoned_after_the_replica_took_it_is_charged():
+    """A non-stream whose client leaves while the replica runs it (after ``Accepted``, before
+    the answer) was taken: its account says so, and its settlement charges the reservation
+    (it was free while the head was awaited with the Accepted)."""
+    class Runs(FakeStream):
+        async def __anext__(self):
+            if not self.items:
+                await asyncio.sleep(3600)  # the engine runs the request
+            return await super().__anext__()
+
+    handles, availability, metrics = FakeHandles({"v1": Runs([Accepted()])}), \
+        FakeAvailability(), FakeRouterMetrics()
+    admissions = {"v1": VariantAdmission("v1")}
+    admissions["v1"].set_capacity(4)
+    dispatcher = Dispatcher(registry_of(handles, availability, admissions))
+    account = metrics.account(lambda arms, **kw: None)
+
+    async def main():
+        task = asyncio.create_task(dispatcher.dispatch(plan_of(("v1",)), account))
+        while not handles.sent:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert account.accepted
