@@ -127,6 +127,8 @@ def for_client(item: Head | str | Tail, engine_model: str, requested: str,
     if isinstance(item, Head):
         return replace(item, body=item.body.replace(old, new) if item.body else item.body,
                        headers={**item.headers, ADAPTER_HEADER: version})
+    if isinstance(item, Tail) and item.text:  # the stream's last text, sent with its end
+        return replace(item, text=for_client(item.text, engine_model, requested, version))
     return item
 
 
