@@ -139,6 +139,10 @@ class BudgetLease:
         tokens = "tokens_per_minute" if "tokens_per_minute" in left else "tokens_per_day"
         return Quota(figures(REQUESTS, q.requests), figures(tokens, q.tokens), q.left)
 
+    def heard(self, quota: Quota) -> None:
+        """The ledger's figures, newer than the last grant's (what is free beyond leases)."""
+        self._quota = quota
+
     def renewal(self, limits: Limits, demand: Demand | None, routers: int, now: float,
                 idle: bool, pending: Demand | None = None) -> Renewal:
         """The next :class:`Renewal`: demand-sized wants, the whole lease given back when
@@ -260,6 +264,13 @@ class LeaseKeeper:
         if lease is not None and self.leases.get(tenant_id) is lease:
             lease.settle(reserved, used)
         # A lease since lost: the ledger counted its whole credit spent when it expired.
+
+    def heard(self, tenant_id: str, quota: Quota) -> None:
+        """The ledger's latest figures for ``tenant_id`` (an asked request's answer, or a
+        grant): the response headers of the requests its lease covers start from them, so
+        what was asked of the ledger since the last renewal shows at once."""
+        if (lease := self.leases.get(tenant_id)) is not None:
+            lease.heard(quota)
 
     def forget(self) -> None:
         """Drop every lease (a new ledger): the old ledger expires them, counted spent."""

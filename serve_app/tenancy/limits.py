@@ -122,6 +122,7 @@ class TenantLimiter:
         """The ledger's figures for ``tenant_id``: a later outage starts from them."""
         self._left[tenant_id] = dict(quota.left)
         self._seeded.clear()
+        self.leases.heard(tenant_id, quota)
 
     @property
     def backend(self) -> str:

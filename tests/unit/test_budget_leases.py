@@ -99,6 +99,30 @@ def test_a_busy_tenant_is_served_from_its_lease_without_a_ledger_call(clocked):
     asyncio.run(main())
 
 
+def test_a_request_asked_of_the_ledger_shows_in_the_next_leased_requests_headers(clocked):
+    """A request too big for the lease is asked of the ledger; the next request the lease
+    covers reports remaining tokens after it at once, not at the next renewal (its
+    ``x-ratelimit-remaining-tokens`` was the last grant's figure, a whole charge too high)."""
+    t = tenant(tokens_per_day=100_000, max_concurrent_requests=100)
+
+    def remaining(counted) -> int:
+        return int(counted.quota.headers()["x-ratelimit-remaining-tokens"])
+
+    async def main():
+        a = router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        before = await a.acquire(t, 100)
+        assert before.lease is lease
+        big = await a.acquire(t, 5_000)  # more than the lease's credit: asked
+        assert big.lease is None
+        after = await a.acquire(t, 100)
+        assert after.lease is lease
+        assert remaining(before) - remaining(after) == 5_000 + 100, (remaining(before),
+                                                                     remaining(after))
+    asyncio.run(main())
+
+
 def test_leases_keep_a_budget_across_routers(clocked):
     """tokens_per_day 2,000, two routers, requests reserving 100 and costing 60, leases
     renewed every second: the tokens served stay within the budget (and the day's refill
