@@ -242,3 +242,23 @@ def test_a_promoted_versions_old_one_serves_requests_naming_it_for_the_grace(mon
     time.sleep(0.35)
     assert ask("acme-support@v1").status == 404
     assert s.serving_info().adapters == ("acme-support@v2",)
+
+
+def test_an_adapter_stream_names_the_model_the_client_asked_in_every_chunk():
+    """The last text travels with the Tail (one message fewer): it too names
+    ``route:adapter``, never the engine's ``name@vN``."""
+    chunks = [sse({"model": "acme-support@v1", "choices": [{"delta": {"content": c}}]})
+              for c in ("a", "b", "c")]
+
+    async def lines():
+        for c in chunks:
+            yield c
+
+    engine = FakeEngine(lambda: lines())
+    s = replica_server(engine, {"adapters": [{"name": "acme-support", "version": 1}],
+                                "stream_batching_interval_ms": 50})
+    items = collect(s, chat(model="smollm:acme-support", stream=True))
+    text = "".join(str(i) for i in items if isinstance(i, str)) + "".join(
+        i.text for i in items if isinstance(i, Tail))
+    assert text.count('"model":"smollm:acme-support"') == 3, items
+    assert "acme-support@v1" not in text
