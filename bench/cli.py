@@ -82,6 +82,10 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
                         "HTTP proxy, Ray's HAProxy, or both, one cluster each in the same run "
                         "(default: $MESH_INGRESS, else the mesh's default; "
                         "serve_app/common/serve_env.py)")
+    parser.add_argument("--leases", choices=["on", "off", "both"], default="on",
+                        help="--router-throughput: the routers' budget leases on the limited "
+                        "tenant (the default), off (a ledger ask per request), or both, off "
+                        "then on, redeployed in place (default: %(default)s)")
     parser.add_argument("--ttft-requests", type=int, default=100,
                         help="--router-throughput: requests sent one at a time for TTFT")
     parser.add_argument("--profile", action="store_true",

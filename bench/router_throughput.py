@@ -8,9 +8,11 @@ variant's model directory and args, profile cpu-smollm2 at ``time_scale`` 0.01, 
 (``--ingress proxy|haproxy|both``; default ``$MESH_INGRESS`` or the mesh's default,
 :mod:`serve_app.common.serve_env`) its own Ray cluster (free ports, 127.0.0.1) with
 ``--config`` deployed (default serve_configs/tenants.yaml, every variant on the same simulated
-engine; the load is a limited tenant's, its limits lifted far above it, so every request goes
-through the ledger as a limited tenant's does). Then, against the mesh and against vLLM's
-server alike:
+engine; the load is a limited tenant's, its token and request budgets lifted far above it
+and no concurrency limit, so it is counted as a busy budgeted tenant is: on the router's
+budget lease, or with ``--leases off`` (or ``both``, off then on, redeployed in place in the
+same cluster) by asking the ledger for each request). Then, against the mesh and against
+vLLM's server alike:
 
 - ``--rounds`` alternations (vLLM's server, then the mesh) of ``--requests`` / rounds
   streamed chats at ``--concurrency`` (32, saturation), ``--max-tokens`` each: requests/s;
@@ -28,7 +30,7 @@ with the client on 2 cores), so one core's ceiling for a process is 1 / its CPU 
 The engine is simulated: every figure is of the simulated engine, profile cpu-smollm2 x 0.01.
 
     python scripts/bench.py --router-throughput [--ingress proxy|haproxy|both]
-        [--config serve_configs/tenants.yaml] [--requests 600] [--rounds 3]
+        [--leases on|off|both] [--config serve_configs/tenants.yaml] [--requests 600] [--rounds 3]
         [--concurrency 32] [--max-tokens 16] [--ttft-requests 100] [--profile] [--json FILE]
 """
 
@@ -73,16 +75,28 @@ GOALS = {
 }
 
 
-def lifted(cfg: dict) -> dict:
-    """``cfg`` with :data:`TENANT`'s limits far above any load this host can send."""
+def lifted(cfg: dict, leases: bool = True) -> dict:
+    """``cfg`` with :data:`TENANT`'s budgets far above any load this host can send and no
+    concurrency limit (a tenant with one asks the ledger for every request's slot, leases
+    or not), and the router's budget leases on or off (``ledger.leases``)."""
     for app in cfg["applications"]:
         for dep in app.get("deployments", []):
-            for tenant in (dep.get("user_config") or {}).get("tenants", []):
+            user_config = dep.get("user_config") or {}
+            if "tenants" not in user_config:
+                continue
+            user_config.setdefault("ledger", {})["leases"] = leases
+            for tenant in user_config["tenants"]:
                 if tenant["id"] == TENANT:
-                    tenant.update(max_concurrent_requests=100_000,
-                                  requests_per_minute=10_000_000,
+                    tenant.pop("max_concurrent_requests", None)
+                    tenant.update(requests_per_minute=10_000_000,
                                   tokens_per_minute=10_000_000_000)
     return cfg
+
+
+def lease_choices(choice: str) -> list[bool]:
+    """The budget-lease settings to measure for ``--leases``: on, off, or both (off first,
+    the baseline)."""
+    return {"on": [True], "off": [False], "both": [False, True]}[choice]
 
 
 def ingresses(choice: str | None) -> list[str]:
@@ -150,53 +164,65 @@ class _Side:
                 "cpu_ms": per_request_ms(self.loads, idle, n)}
 
 
-def measure(a, ingress: str, direct_url: str, direct_pids) -> dict[str, Any]:
+def measure(a, ingress: str, direct_url: str, direct_pids) -> list[dict[str, Any]]:
     """One ingress: its own cluster and mesh, against the running direct server (module
-    docstring). Returns the run's figures (:func:`run_figures`)."""
+    docstring), once per ``--leases`` setting (redeployed in place). Returns each run's
+    figures (:func:`run_figures`)."""
     import ray
 
     dashboard, http_port, _ = start_local_ray(serve_env(ingress))
     base = f"http://127.0.0.1:{http_port}"
     try:
-        cfg = lifted(on_sim_engine(load_yaml(a.config), profile=PROFILE,
-                                   time_scale=TIME_SCALE, start_s=0))
-        cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
-        path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        print(f"[bench] {ingress}: serve deploy {a.config} on the simulated engine", flush=True)
-        deploy(path, dashboard, log=lambda m: None)
-        wait_for_ingress(base)
-        mesh = _Side(f"{base}/v1", mesh_processes, API_KEY, a)
-        direct = _Side(direct_url, lambda: {"direct": direct_pids()}, "none", a)
-        for side in (direct, mesh):  # warm up
-            asyncio.run(run_load(LoadSpec(**{**side.spec.__dict__, "requests": 32})))
-        # what each process spends with no request (polls, metrics), to subtract
-        idle_mesh, idle_direct = CpuMeter(mesh_processes), CpuMeter(
-            lambda: {"direct": direct_pids()})
-        idle_mesh.start()
-        idle_direct.start()
-        time.sleep(IDLE_S)
-        both = idle_mesh.stop(), idle_direct.stop()
-        idle = CpuSpent({**both[0].seconds, **both[1].seconds}, both[0].wall_s)
-        rounds = max(1, a.rounds)
-        for i in range(rounds):
-            n = a.requests // rounds + (1 if i < a.requests % rounds else 0)
-            print(f"[bench] {ingress}: round {i + 1}/{rounds}: {n} requests at "
-                  f"{a.concurrency} in flight to vLLM's server, then to the mesh", flush=True)
-            direct.load(n)
-            mesh.load(n)
-        print(f"[bench] {ingress}: TTFT at 1 in flight, {a.ttft_requests} requests each",
-              flush=True)
-        ttft_direct = direct.ttft(a.ttft_requests)
-        ttft_mesh = mesh.ttft(a.ttft_requests)
-        roles = mesh_processes()
-        profile = None
-        if a.profile:
-            profile = profile_router(mesh.spec, roles.get("router", []), a.profile_s)
-        return run_figures(ingress, mesh.figures(idle), direct.figures(idle), ttft_mesh,
-                           ttft_direct, {r: len(p) for r, p in roles.items()}, profile)
+        runs = []
+        for leases in lease_choices(a.leases):
+            cfg = lifted(on_sim_engine(load_yaml(a.config), profile=PROFILE,
+                                       time_scale=TIME_SCALE, start_s=0), leases)
+            cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+            path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            label = f"{ingress}, leases {'on' if leases else 'off'}"
+            print(f"[bench] {label}: serve deploy {a.config} on the simulated engine",
+                  flush=True)
+            deploy(path, dashboard, log=lambda m: None)
+            wait_for_ingress(base)
+            runs.append(_measure_mesh(a, label, base, direct_url, direct_pids))
+        return runs
     finally:
         ray.shutdown()
+
+
+def _measure_mesh(a, label: str, base: str, direct_url: str, direct_pids) -> dict[str, Any]:
+    """The loads, TTFT and (``--profile``) the router's profile of the mesh deployed at
+    ``base``, against the direct server, as ``label``."""
+    mesh = _Side(f"{base}/v1", mesh_processes, API_KEY, a)
+    direct = _Side(direct_url, lambda: {"direct": direct_pids()}, "none", a)
+    for side in (direct, mesh):  # warm up
+        asyncio.run(run_load(LoadSpec(**{**side.spec.__dict__, "requests": 32})))
+    # what each process spends with no request (polls, metrics), to subtract
+    idle_mesh, idle_direct = CpuMeter(mesh_processes), CpuMeter(
+        lambda: {"direct": direct_pids()})
+    idle_mesh.start()
+    idle_direct.start()
+    time.sleep(IDLE_S)
+    both = idle_mesh.stop(), idle_direct.stop()
+    idle = CpuSpent({**both[0].seconds, **both[1].seconds}, both[0].wall_s)
+    rounds = max(1, a.rounds)
+    for i in range(rounds):
+        n = a.requests // rounds + (1 if i < a.requests % rounds else 0)
+        print(f"[bench] {label}: round {i + 1}/{rounds}: {n} requests at "
+              f"{a.concurrency} in flight to vLLM's server, then to the mesh", flush=True)
+        direct.load(n)
+        mesh.load(n)
+    print(f"[bench] {label}: TTFT at 1 in flight, {a.ttft_requests} requests each",
+          flush=True)
+    ttft_direct = direct.ttft(a.ttft_requests)
+    ttft_mesh = mesh.ttft(a.ttft_requests)
+    roles = mesh_processes()
+    profile = None
+    if a.profile:
+        profile = profile_router(mesh.spec, roles.get("router", []), a.profile_s)
+    return run_figures(label, mesh.figures(idle), direct.figures(idle), ttft_mesh,
+                       ttft_direct, {r: len(p) for r, p in roles.items()}, profile)
 
 
 def profile_router(spec: LoadSpec, pids: list[int], seconds: float) -> dict | None:
@@ -314,7 +340,7 @@ def run(a) -> None:
     runs = []
     try:
         for ingress in chosen:
-            runs.append(measure(a, ingress, direct_url, direct_pids))
+            runs += measure(a, ingress, direct_url, direct_pids)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -163,3 +163,20 @@ def test_serve_env_per_ingress(monkeypatch):
     monkeypatch.setenv(INGRESS_VAR, "nginx")
     with pytest.raises(ValueError, match="MESH_INGRESS='nginx'.*proxy, haproxy"):
         serve_env()
+
+
+def test_the_load_tenant_is_budgeted_without_a_concurrency_limit_and_leases_follow_the_flag():
+    """A tenant with max_concurrent_requests is never leased, so the benchmark's tenant has
+    none: its budgets are lifted, and the router's ``ledger.leases`` is what --leases says."""
+    from bench.router_throughput import TENANT, lease_choices, lifted
+    from serve_app.common.paths import REPO_ROOT
+    from serve_app.common.serve_configs import load_yaml
+
+    for leases in (True, False):
+        cfg = lifted(load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml"), leases)
+        router = cfg["applications"][0]["deployments"][0]["user_config"]
+        tenant = next(t for t in router["tenants"] if t["id"] == TENANT)
+        assert "max_concurrent_requests" not in tenant
+        assert tenant["tokens_per_minute"] >= 10**9 and tenant["requests_per_minute"] >= 10**6
+        assert router["ledger"]["leases"] is leases
+    assert lease_choices("both") == [False, True] and lease_choices("on") == [True]
