@@ -12,8 +12,9 @@ Every answer to a limited tenant carries OpenAI's ``x-ratelimit-*`` headers (:cl
 :meth:`TenantCounts.export` and :meth:`TenantCounts.load` are how a backend keeps it.
 
 Router replicas' budget leases (:mod:`serve_app.tenancy.lease_terms`) are counted here too:
-a lease's credit stays in its bucket's level and is not free to anyone else; its slots count
-as requests in flight (:meth:`TenantCounts.renew`).
+a lease's credit stays in its bucket's level and is not free to anyone else
+(:meth:`TenantCounts.renew`). A lease holds credit only, never a slot of
+``max_concurrent_requests``: such a tenant's requests are each counted here.
 """
 
 from __future__ import annotations
@@ -99,16 +100,13 @@ class _TenantState:
         """Credit every lease (but ``but``) holds in ``bucket``."""
         return sum(h.credit_in(bucket) for lease, h in self.holds.items() if lease != but)
 
-    def held_slots(self, but: str = "") -> int:
-        return sum(h.slots for lease, h in self.holds.items() if lease != but)
-
     def free(self, name: str) -> float:
         """What ``name``'s bucket has beyond the leases' credit (refilled by the caller)."""
         return self.buckets[name].level - self.held(name)
 
     def expire(self, now: float) -> None:
         """Drop the leases not renewed in time: their unspent credit is counted as spent
-        (their router may have spent it unreported), their slots are freed."""
+        (their router may have spent it unreported)."""
         for lease, hold in list(self.holds.items()):
             if hold.until <= now:
                 for name, bucket in self.buckets.items():
@@ -182,12 +180,10 @@ class TenantCounts:
     @staticmethod
     def _refusal(tenant_id: str, st: _TenantState, limits: Limits, tokens: int,
                  now: float) -> Refusal | None:
-        held_slots = st.held_slots()
         if (limits.max_concurrent_requests
-                and st.in_flight + held_slots >= limits.max_concurrent_requests):
-            leased = f" (and router replicas hold {held_slots} slots)" if held_slots else ""
-            return Refusal(429, f"tenant {tenant_id!r} has {st.in_flight} requests in flight"
-                           f"{leased}; the limit is {limits.max_concurrent_requests}",
+                and st.in_flight >= limits.max_concurrent_requests):
+            return Refusal(429, f"tenant {tenant_id!r} has {st.in_flight} requests in flight;"
+                           f" the limit is {limits.max_concurrent_requests}",
                            "concurrency_limit_exceeded", 1)
         for name, bucket in st.buckets.items():
             wait_s = bucket.wait_s(draw(name, tokens), now)
@@ -299,9 +295,9 @@ class TenantCounts:
         :mod:`serve_app.tenancy.lease_terms`): its spending since its last renewal is drawn
         from the buckets (a negative figure, settlements, goes back), then the lease keeps
         ``r.keep`` and gets up to ``r.want``, the rest at most the router's share of what
-        is free beyond ``r.pending`` (none below ``r.least``); slots likewise. A lease the
-        ledger does not hold (expired, or closed) answers ``held`` False, and its report is
-        not counted: an expired lease's credit was counted spent whole."""
+        is free beyond ``r.pending`` (none below ``r.least``). A lease given back (``closing``)
+        or that the ledger does not hold (expired, or closed) answers ``held`` False; the
+        latter's report is not counted: an expired lease's credit was counted spent whole."""
         now = self._clock()
         st = self._tenant(r.tenant_id, r.limits, now)
         hold = st.holds.get(r.lease_id)
@@ -326,24 +322,14 @@ class TenantCounts:
         if any(kept[name] + fresh[name] < r.least.get(name, 0.0) for name in st.buckets):
             fresh = dict.fromkeys(fresh, 0.0)  # too little to serve a request: none
         hold.credit = {name: kept[name] + fresh[name] for name in st.buckets}
-        limit = r.limits.max_concurrent_requests
-        if limit:
-            slots_kept = min(hold.slots, r.slots_kept)
-            free = (limit - st.in_flight - st.held_slots(but=r.lease_id) - slots_kept
-                    - r.slots_pending)
-            hold.slots = slots_kept + min(max(0, r.slots_wanted - slots_kept),
-                                          int(share(free, routers)))
-        else:
-            hold.slots = 0
-        if r.closing and hold.slots == 0:
+        if r.closing:
             del st.holds[r.lease_id]  # given back: its credit is free again
             return Grant(r.lease_id, r.seq, False, quota=self._quota(st, now))
         hold.until = now + BUDGET_LEASE_TTL_S
         return self._grant(r.lease_id, st, hold, now)
 
     def _grant(self, lease_id: str, st: _TenantState, hold: Hold, now: float) -> Grant:
-        return Grant(lease_id, hold.seq, True, dict(hold.credit), hold.slots,
-                     self._quota(st, now))
+        return Grant(lease_id, hold.seq, True, dict(hold.credit), self._quota(st, now))
 
     def tenants(self) -> list[str]:
         return list(self._state)

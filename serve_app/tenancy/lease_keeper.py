@@ -1,17 +1,18 @@
 """A router replica's budget leases: each busy tenant's slice of its limits, spent here with no
 ledger call per request (the terms: :mod:`serve_app.tenancy.lease_terms`).
 
-:class:`LeaseKeeper` watches each limited tenant's demand on this router. A tenant with at
-least :data:`LEASE_MIN_REQUESTS` requests in an interval gets a lease: credit in each of its
-buckets and slots of its ``max_concurrent_requests``, sized by demand (what this router drew
-over the last interval, per :data:`RENEW_S`, times :data:`DEMAND_FACTOR`), at most this
+:class:`LeaseKeeper` watches the demand on this router of each tenant whose limits are
+buckets only (a tenant with ``max_concurrent_requests`` is never leased:
+:mod:`serve_app.tenancy.limits`). A tenant with at least :data:`LEASE_MIN_REQUESTS` requests
+in an interval gets a lease: credit in each of its buckets, sized by demand (what this router
+drew over the last interval, per :data:`RENEW_S`, times :data:`DEMAND_FACTOR`), at most this
 router's share of what the tenant has free. A request the lease covers takes its reservation
-(and a slot) from it; its settlement goes back to it, or is a debt on it, and reaches the
-ledger with the next renewal. A request it cannot cover (no lease yet, too little credit or
-no slot left, a limit too small to share) is asked of the ledger as without leases, and a
-lease that ran dry is renewed at once. Every :data:`RENEW_S`, one call renews the leases of
-all tenants: each reports its spending, gives back what its demand does not need (its idle
-slots too) and takes a new slice; a lease idle for an interval is given back whole.
+from it; its settlement goes back to it, or is a debt on it, and reaches the ledger with the
+next renewal. A request it cannot cover (no lease yet, too little credit left) is asked of the
+ledger as without leases, and a lease that ran dry is renewed at once. Every :data:`RENEW_S`,
+one call renews the leases of all tenants: each reports its spending, gives back what its
+demand does not need and takes a new slice; a lease idle for an interval, with nothing in
+flight on it, is given back whole.
 
 A lease that cannot be renewed (the ledger down) is still spent until its local deadline, a
 little before the ledger would expire it; then the tenant's ``limits_fail_mode`` applies,
@@ -38,9 +39,8 @@ logger = get_logger(__name__)
 #: Requests of a tenant in one interval on this router before it gets a lease: fewer cost
 #: the ledger less without one (a lease costs a renewal a second, and its give-back).
 LEASE_MIN_REQUESTS = 4
-#: A slice covers this many times the last interval's draws (and slots this many times its
-#: peak in flight): room for the demand to double before the next renewal, and a lease that
-#: runs dry before it is renewed at once.
+#: A slice covers this many times the last interval's draws: room for the demand to double
+#: before the next renewal, and a lease that runs dry before it is renewed at once.
 DEMAND_FACTOR = 2.0
 #: No fresh credit below this many of the interval's largest reservations: a slice that
 #: cannot serve two requests only keeps budget from the other routers.
@@ -58,22 +58,20 @@ MIN_RENEW_GAP_S = 0.1 * RENEW_S
 @dataclass
 class Demand:
     """One tenant's requests on this router since its lease was last renewed: how many, what
-    they drew per bucket (reservations, before settlement), the largest draw per bucket, and
-    the most in flight at once."""
+    they drew per bucket (reservations, before settlement), and the largest draw per
+    bucket."""
 
     since: float
     requests: int = 0
     drawn: dict[str, float] = field(default_factory=dict)
     largest: dict[str, float] = field(default_factory=dict)
-    peak: int = 0
 
-    def add(self, limits: Limits, tokens: int, in_flight: int) -> None:
+    def add(self, limits: Limits, tokens: int) -> None:
         self.requests += 1
         for name in limits.buckets():
             d = draw(name, tokens)
             self.drawn[name] = self.drawn.get(name, 0.0) + d
             self.largest[name] = max(self.largest.get(name, 0.0), d)
-        self.peak = max(self.peak, in_flight)
 
 
 class BudgetLease:
@@ -81,8 +79,8 @@ class BudgetLease:
     given back or lost).
 
     ``spent`` (per bucket, cumulative since the lease opened, net of settlements) may grow up
-    to ``cap`` (the ledger's credit plus what was spent when it granted it); ``in_use`` of
-    ``slots`` are requests in flight on it.
+    to ``cap`` (the ledger's credit plus what was spent when it granted it); ``in_flight``
+    requests counted on it have not ended yet.
     """
 
     def __init__(self, tenant_id: str, lease_id: str) -> None:
@@ -90,8 +88,7 @@ class BudgetLease:
         self.seq = 0
         self.spent: dict[str, float] = {}
         self.cap: dict[str, float] = {}
-        self.slots = 0
-        self.in_use = 0
+        self.in_flight = 0
         self.deadline = -math.inf  # local clock; none granted yet
         self.renewing = False
         self.last_sent = -math.inf
@@ -102,18 +99,16 @@ class BudgetLease:
         return self.cap.get(bucket, 0.0) - self.spent.get(bucket, 0.0)
 
     def covers(self, limits: Limits, tokens: int, now: float) -> bool:
-        """Whether a request of ``tokens`` fits: the lease is live, has a slot (if the
-        tenant has a concurrency limit) and credit in each of the tenant's buckets."""
+        """Whether a request of ``tokens`` fits: the lease is live and has credit in each
+        of the tenant's buckets."""
         if now >= self.deadline:
-            return False
-        if limits.max_concurrent_requests and self.in_use >= self.slots:
             return False
         return all(name in self.cap and self.spent.get(name, 0.0) + draw(name, tokens)
                    <= self.cap[name] for name in limits.buckets())
 
     def take(self, limits: Limits, tokens: int) -> None:
         """Count a request of ``tokens`` on the lease (after :meth:`covers`)."""
-        self.in_use += 1
+        self.in_flight += 1
         for name in limits.buckets():
             self.spent[name] = self.spent.get(name, 0.0) + draw(name, tokens)
 
@@ -121,7 +116,7 @@ class BudgetLease:
         """A request of the lease ended, having cost ``used`` of its ``reserved`` tokens:
         the rest goes back to the lease, an excess is spent from it (a debt if it has no
         credit left). Its request stays counted in ``requests_per_minute``."""
-        self.in_use = max(0, self.in_use - 1)
+        self.in_flight = max(0, self.in_flight - 1)
         for name in self.spent:
             if name != REQUESTS:
                 self.spent[name] += used - reserved
@@ -157,19 +152,13 @@ class BudgetLease:
         want = {} if idle else {name: math.ceil(demand.drawn.get(name, 0.0) * scale)
                                 for name in buckets} if demand else {}
         keep = {name: min(max(0.0, self.left(name)), want.get(name, 0.0)) for name in buckets}
-        slots_wanted = self.in_use
-        if not idle and demand is not None:
-            slots_wanted = max(self.in_use, math.ceil(demand.peak * DEMAND_FACTOR))
-        slots_kept = max(self.in_use, min(self.slots, slots_wanted))
         for name in buckets:  # frozen at what the ledger will leave, whatever it answers
             self.cap[name] = self.spent.get(name, 0.0) + keep[name]
-        self.slots = slots_kept
         least = {name: LEAST_REQUESTS * demand.largest.get(name, 0.0)
                  for name in buckets} if demand else {}
         return Renewal(self.tenant_id, self.id, self.seq, limits, dict(self.spent), keep,
-                       want, least, slots_kept, slots_wanted,
-                       dict(pending.drawn) if pending else {},
-                       pending.requests if pending else 0, routers)
+                       want, least, self.in_flight, dict(pending.drawn) if pending else {},
+                       routers)
 
     def renewed(self, r: Renewal, grant: Grant, sent_at: float) -> None:
         """The ledger's answer to ``r`` (sent at ``sent_at``, local clock)."""
@@ -178,7 +167,6 @@ class BudgetLease:
             return
         self.cap = {name: r.spent.get(name, 0.0) + credit
                     for name, credit in grant.credit.items()}
-        self.slots = grant.slots
         self.deadline = sent_at + BUDGET_LEASE_TTL_S - EXPIRY_MARGIN_S
         self._quota = grant.quota
 
@@ -217,7 +205,6 @@ class LeaseKeeper:
         self.leases: dict[str, BudgetLease] = {}
         self._demand: dict[str, Demand] = {}
         self._limits: dict[str, Limits] = {}
-        self._in_flight: dict[str, int] = {}  # this router's requests per tenant, any path
         self._asking: dict[str, Demand] = {}  # asks on their way to the ledger, per tenant
         self._due: set[str] = set()  # tenants to renew at once (a lease ran dry, or a new one)
         self._wake: asyncio.Event | None = None
@@ -230,24 +217,21 @@ class LeaseKeeper:
         now = self._clock()
         self._limits[tenant_id] = limits
         demand = self._demand.setdefault(tenant_id, Demand(now))
-        asking = self._asking.get(tenant_id)
-        demand.add(limits, tokens, self._in_flight.get(tenant_id, 0) + 1
-                   + (asking.requests if asking else 0))
+        demand.add(limits, tokens)
         lease = self.leases.get(tenant_id)
         if lease is not None and lease.covers(limits, tokens, now):
             lease.take(limits, tokens)
-            self._in_flight[tenant_id] = self._in_flight.get(tenant_id, 0) + 1
             return lease
         if (demand.requests >= LEASE_MIN_REQUESTS and (lease is None or not lease.renewing)
                 and now - (lease.last_sent if lease else -math.inf) >= MIN_RENEW_GAP_S):
             self._due.add(tenant_id)  # a busy tenant with no lease, or one that ran dry
-        self._asking.setdefault(tenant_id, Demand(now)).add(limits, tokens, 0)
+        self._asking.setdefault(tenant_id, Demand(now)).add(limits, tokens)
         self._run()
         return None
 
-    def asked(self, tenant_id: str, limits: Limits, tokens: int, admitted: bool) -> None:
-        """A request :meth:`take` did not cover has its answer (``admitted``: by the ledger
-        or by this router's fail-open counts)."""
+    def asked(self, tenant_id: str, limits: Limits, tokens: int) -> None:
+        """A request :meth:`take` did not cover has its answer (from the ledger, or from this
+        router's fail-open counts): it no longer waits on the ledger's free budget."""
         asking = self._asking.get(tenant_id)
         if asking is not None:
             asking.requests -= 1
@@ -255,13 +239,11 @@ class LeaseKeeper:
                 asking.drawn[name] -= draw(name, tokens)
             if asking.requests <= 0:
                 del self._asking[tenant_id]
-        if admitted:
-            self._in_flight[tenant_id] = self._in_flight.get(tenant_id, 0) + 1
 
-    def ended(self, tenant_id: str, lease: BudgetLease | None, reserved: int, used: int) -> None:
-        """A request of ``tenant_id`` ended (``lease``: the lease it was counted on)."""
-        self._in_flight[tenant_id] = max(0, self._in_flight.get(tenant_id, 0) - 1)
-        if lease is not None and self.leases.get(tenant_id) is lease:
+    def ended(self, lease: BudgetLease, reserved: int, used: int) -> None:
+        """A request counted on ``lease`` ended, having cost ``used`` of its ``reserved``
+        tokens."""
+        if self.leases.get(lease.tenant_id) is lease:
             lease.settle(reserved, used)
         # A lease since lost: the ledger counted its whole credit spent when it expired.
 

@@ -1,11 +1,13 @@
 """Budget leases, the terms both sides keep: a router replica's :class:`Renewal`, the ledger's
 :class:`Grant`, the ledger's record of one lease (:class:`Hold`), and their timing.
 
-A budget lease is a slice of one tenant's limits that the ledger
+A budget lease is a slice of one tenant's budget that the ledger
 (:mod:`serve_app.tenancy.ledger`) sets aside for one router replica: **credit** in each of the
-tenant's buckets (tokens, or requests for ``requests_per_minute``) and **slots** of its
-``max_concurrent_requests``. The router spends it on requests with no ledger call
-(:mod:`serve_app.tenancy.lease_keeper`) and renews it about every :data:`RENEW_S`.
+tenant's buckets (tokens, or requests for ``requests_per_minute``). The router spends it on
+requests with no ledger call (:mod:`serve_app.tenancy.lease_keeper`) and renews it about every
+:data:`RENEW_S`. A tenant with ``max_concurrent_requests`` is never leased (a slot lent to one
+router and idle there would refuse another router's request below the limit): each of its
+requests asks the ledger.
 
 Credit stays in the tenant's bucket while a lease holds it: the bucket's level counts what
 is held, and only the rest is free to other asks and leases. Held plus free never exceed the
@@ -21,8 +23,7 @@ answer is lost, the router stays within what the ledger holds for it either way.
 
 A lease the ledger hears nothing of for :data:`BUDGET_LEASE_TTL_S` (its router replica
 died) expires: its unspent credit is counted as spent (the router may have spent it
-without reporting it: nothing is given back that may have been used) and its slots are
-freed.
+without reporting it: nothing is given back that may have been used).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 #: Seconds between a router's renewals of its leases while a tenant is active. Each renewal
 #: is one ledger call per router replica for all its tenants, whatever their requests/s;
 #: a slice sized for about this long is small against a 60 s window (a minute's limit / 60
-#: per router), and idle credit or slots go back within about this long.
+#: per router), and idle credit goes back within about this long.
 RENEW_S = 1.0
 #: Seconds a lease lives at the ledger after its last renewal. Ten renewals can be missed
 #: (a slow ledger, a paused process) before it expires; and it is well below the shortest
@@ -63,11 +64,11 @@ class Renewal:
         want: per bucket, credit wanted for the next interval (from demand).
         least: per bucket, the smallest credit worth holding (a couple of requests'
             reservations): the ledger grants no fresh credit below it.
-        slots_kept: slots the router keeps (its requests in flight on this lease at least).
-        slots_wanted: slots wanted for the next interval (at least ``slots_kept``).
+        in_flight: requests in flight on this lease: the ledger keeps a lease with any, even
+            with no credit, so their settlements come back through it.
         pending: per bucket, what this router's asks of this tenant now on their way to the
-            ledger draw (requests its lease did not cover), and ``slots_pending`` their
-            number: left free for them, so a fresh slice does not refuse them.
+            ledger draw (requests its lease did not cover): left free for them, so a fresh
+            slice does not refuse them.
         routers: router replicas running now; a grant is at most this router's share of
             what is left.
     """
@@ -80,16 +81,14 @@ class Renewal:
     keep: dict[str, float] = field(default_factory=dict)
     want: dict[str, float] = field(default_factory=dict)
     least: dict[str, float] = field(default_factory=dict)
-    slots_kept: int = 0
-    slots_wanted: int = 0
+    in_flight: int = 0
     pending: dict[str, float] = field(default_factory=dict)
-    slots_pending: int = 0
     routers: int = 1
 
     @property
     def closing(self) -> bool:
         """The router gives the whole lease back (idle, nothing in flight on it)."""
-        return not any(self.want.values()) and self.slots_wanted == 0
+        return not any(self.want.values()) and self.in_flight == 0
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,6 @@ class Grant:
         held: False when the ledger holds no such lease (closed, or expired: the router
             drops it and counts on the ledger until it opens a new one).
         credit: per bucket, what the router may spend beyond the ``spent`` it reported.
-        slots: slots of ``max_concurrent_requests`` the lease holds (0 when unlimited).
         quota: the tenant's quota after the grant; its remaining figures are what is free
             beyond every lease's credit.
     """
@@ -109,30 +107,28 @@ class Grant:
     seq: int
     held: bool
     credit: dict[str, float] = field(default_factory=dict)
-    slots: int = 0
     quota: Quota | None = None
 
 
 @dataclass
 class Hold:
-    """The ledger's record of one lease: its unspent ``credit`` and ``slots``, the cumulative
+    """The ledger's record of one lease: its unspent ``credit`` per bucket, the cumulative
     ``spent`` last reported, the last ``seq`` applied, and when it expires (``until``, the
     ledger's clock, s)."""
 
     credit: dict[str, float] = field(default_factory=dict)
-    slots: int = 0
     spent: dict[str, float] = field(default_factory=dict)
     seq: int = 0
     until: float = 0.0
 
     def state(self) -> dict[str, Any]:
-        return {"credit": self.credit, "slots": self.slots, "spent": self.spent,
-                "seq": self.seq, "until": self.until}
+        return {"credit": self.credit, "spent": self.spent, "seq": self.seq,
+                "until": self.until}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Hold:
-        return cls(dict(state["credit"]), int(state["slots"]), dict(state["spent"]),
-                   int(state["seq"]), float(state["until"]))
+        return cls(dict(state["credit"]), dict(state["spent"]), int(state["seq"]),
+                   float(state["until"]))
 
     def credit_in(self, bucket: str) -> float:
         """Unspent credit in ``bucket`` (a lease that overspent holds none)."""
@@ -140,6 +136,5 @@ class Hold:
 
 
 def share(free: float, routers: int) -> float:
-    """One router's share of ``free`` credit or slots among ``routers`` (0 when none is
-    free)."""
+    """One router's share of ``free`` credit among ``routers`` (0 when none is free)."""
     return max(0.0, free) / max(1, routers)

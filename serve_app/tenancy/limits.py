@@ -3,8 +3,9 @@
 Tenants without limits cost nothing. A request of a *limited* tenant is counted, in order:
 
 1. on this router's **budget lease** on the tenant's budget, with no ledger call, when the
-   tenant is busy enough to hold one and the lease covers the request
-   (:mod:`serve_app.tenancy.lease_keeper`; off with ``ledger.leases: false``);
+   tenant is busy enough to hold one, has no ``max_concurrent_requests`` (a slot is never
+   lent) and the lease covers the request (:mod:`serve_app.tenancy.lease_keeper`; off with
+   ``ledger.leases: false``);
 2. else by the cluster's :class:`~serve_app.tenancy.ledger.Ledger`, asked for this request
    (and settled at its end): so a tenant limited to 2 in flight gets 2 across all routers.
    Asks and give-backs are batched (:mod:`serve_app.tenancy.call_batcher`): one call in
@@ -169,18 +170,20 @@ class TenantLimiter:
         if tenant is None or not Limits.of(tenant):
             return None
         limits = (tenant.id, Limits.of(tenant), tokens)
-        if self._leasing:  # a lease is spent until its deadline, the ledger down or not
+        # A concurrency limit is never leased: a slot lent to one router and idle there would
+        # refuse another router's request below the limit. Such a tenant's every request
+        # asks the ledger (it needs a slot there anyway, and the ask draws its tokens too).
+        leased = self._leasing and not limits[1].max_concurrent_requests
+        if leased:  # a lease is spent until its deadline, the ledger down or not
             lease = self.leases.take(*limits)
             if lease is not None:
                 return CountedRequest(tenant.id, reserved=tokens, quota=lease.quota(),
                                       lease=lease)
-        counted = None
         try:
-            counted = await self._acquire_unleased(tenant, limits)
+            return await self._acquire_unleased(tenant, limits)
         finally:
-            if self._leasing:
-                self.leases.asked(*limits, admitted=counted is not None)
-        return counted
+            if leased:
+                self.leases.asked(*limits)
 
     async def _acquire_unleased(self, tenant: Tenant, limits: tuple) -> CountedRequest:
         """Count the request with the ledger, or by the tenant's fail mode (see
@@ -260,10 +263,9 @@ class TenantLimiter:
         with the ledger (in the background), or here."""
         if counted is None:
             return
-        self.leases.ended(counted.tenant_id, counted.lease, counted.reserved, used)
         if counted.lease is not None:
-            return
-        if counted.shared is None:
+            self.leases.ended(counted.lease, counted.reserved, used)
+        elif counted.shared is None:
             self._local.release(counted.tenant_id, counted.reserved, used)
         else:
             self._calls_to(counted.shared).give_back(counted, used)

@@ -77,13 +77,13 @@ def test_a_busy_tenant_is_served_from_its_lease_without_a_ledger_call(clocked):
     """After its lease opens, 12 requests cost no ask and no settlement call; their
     settlements (one over its reservation: a debt) reach the ledger with the next renewal,
     exactly."""
-    t = tenant(tokens_per_day=100_000, max_concurrent_requests=100)
+    t = tenant(tokens_per_day=100_000)
 
     async def main():
         a = router(clocked)
         await busy(a, t, 100, clocked.clock)
         lease = lease_of(a)
-        assert lease is not None and lease.slots >= 1
+        assert lease is not None
         calls = a.ledger.asks()
         for i in range(12):  # 800 of credit: 150, then 40 a request
             counted = await a.acquire(t, 100)
@@ -103,7 +103,7 @@ def test_a_request_asked_of_the_ledger_shows_in_the_next_leased_requests_headers
     """A request too big for the lease is asked of the ledger; the next request the lease
     covers reports remaining tokens after it at once, not at the next renewal (its
     ``x-ratelimit-remaining-tokens`` was the last grant's figure, a whole charge too high)."""
-    t = tenant(tokens_per_day=100_000, max_concurrent_requests=100)
+    t = tenant(tokens_per_day=100_000)
 
     def remaining(counted) -> int:
         return int(counted.quota.headers()["x-ratelimit-remaining-tokens"])
@@ -112,6 +112,7 @@ def test_a_request_asked_of_the_ledger_shows_in_the_next_leased_requests_headers
         a = router(clocked)
         await busy(a, t, 100, clocked.clock)
         lease = lease_of(a)
+        assert lease is not None
         before = await a.acquire(t, 100)
         assert before.lease is lease
         big = await a.acquire(t, 5_000)  # more than the lease's credit: asked
@@ -163,31 +164,55 @@ def test_leases_keep_a_budget_across_routers(clocked):
     asyncio.run(main())
 
 
-def test_idle_slots_go_back_at_renewal_and_a_limit_of_one_is_never_leased(clocked):
-    """max_concurrent_requests 4 on two routers: router a's lease holds idle slots, so b
-    gets only the rest, until a's next renewal finds a idle and gives them back. Limited to
-    1 in flight, no router holds a slot: b is served the moment a's request ends."""
-    async def main():
-        t = tenant(max_concurrent_requests=4)
-        a, b = router(clocked), router(clocked)
-        await busy(a, t, 0, clocked.clock)
-        held = lease_of(a).slots
-        assert held >= 1
-        running = [await b.acquire(t) for _ in range(4 - held)]
-        assert await served(b, t, 0) is None  # a's idle slots
-        clocked.clock.advance(RENEW_S)
-        await a.leases.renew()  # no request since: idle, given back
-        assert lease_of(a) is None
-        running.append(await b.acquire(t))
-        assert len(running) == 4 - held + 1
+def test_a_concurrency_limit_is_never_leased_and_a_burst_gets_all_of_it(clocked):
+    """max_concurrent_requests 16 on two routers, both busy: neither holds a lease (a slot
+    lent to one router and idle there would refuse the other's request below the limit), so
+    a burst of 16 at once, 15 on router b and 1 on a, gets all 16 in flight, and the 17th
+    request gets 429 concurrency_limit_exceeded."""
+    limit = 16
+    t = tenant(max_concurrent_requests=limit, tokens_per_day=100_000)
 
-        one = Tenant(id="one", api_keys_sha256=["1" * 64], max_concurrent_requests=1)
-        await busy(a, one, 0, clocked.clock)
-        assert lease_of(a, "one") is None or lease_of(a, "one").slots == 0
-        first = await a.acquire(one)
-        assert await served(b, one, 0) is None
-        a.release(first)  # its settlement goes out in the background: no renewal needed
-        assert await eventually(lambda: served(b, one, 0)) is not None
+    async def main():
+        a, b = router(clocked), router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        await busy(b, t, 100, clocked.clock)
+        assert lease_of(a) is None and lease_of(b) is None
+        burst = await asyncio.gather(*(served(b, t, 100) for _ in range(limit - 1)),
+                                     served(a, t, 100))
+        assert sum(c is not None for c in burst) == limit
+        assert all(c.lease is None for c in burst)  # each asked the ledger
+        with pytest.raises(MeshError) as e:
+            await a.acquire(t, 100)
+        assert e.value.status == 429 and e.value.code == "concurrency_limit_exceeded"
+        b.release(burst[0], 100)
+        assert await eventually(lambda: served(a, t, 100)) is not None  # its slot is free
+    asyncio.run(main())
+
+
+def test_an_idle_lease_is_kept_while_a_request_on_it_runs(clocked):
+    """A request on router a's lease runs through renewals with no new request: the idle
+    lease is kept (no fresh credit) so that the request's settlement comes back through it;
+    at the first idle renewal after it ended the lease is given back, and the ledger has
+    counted what the request cost, not what it reserved."""
+    t = tenant(tokens_per_day=10_000)
+
+    async def main():
+        a = router(clocked)
+        await busy(a, t, 100, clocked.clock)
+        lease = lease_of(a)
+        long = await a.acquire(t, 100)
+        assert long.lease is lease
+        for _ in range(2):  # the second finds the tenant idle
+            clocked.clock.advance(RENEW_S)
+            await a.leases.renew()
+            assert lease_of(a) is lease
+        a.release(long, 40)
+        clocked.clock.advance(RENEW_S)
+        await a.leases.renew()
+        assert lease_of(a) is None
+        left = (await clocked.client().remaining("t"))["tokens_per_day"]
+        expected = 10_000 - LEASE_MIN_REQUESTS * 100 - 40
+        assert expected <= left <= expected + 1, (left, expected)  # 1: the refill
     asyncio.run(main())
 
 
@@ -218,32 +243,37 @@ def test_a_refusal_for_credit_another_router_holds_says_when_it_comes_back(clock
 
 
 def test_a_lease_lost_with_its_router_expires_within_its_ttl_counted_spent(clocked):
-    """Router a holds a lease (credit and slots), spends some of it unreported, and dies
-    (kill -9: no renewal, no give-back). Until the lease's TTL its slots stay held and its
-    credit is not free; after it, well within one window, its slots are free again and its
-    whole credit is counted spent (it may have been used): nothing comes back."""
+    """Router a holds a lease, spends some of it unreported, and dies (kill -9: no renewal,
+    no give-back). Until the lease's TTL the ledger holds it (a repeat of its last renewal
+    finds it) and its credit is free to no one else; after it, well within one window, the
+    ledger holds it no more and its whole credit is counted spent (it may have been used):
+    nothing comes back."""
     assert BUDGET_LEASE_TTL_S < 60  # the shortest window
-    t = tenant(tokens_per_day=10_000, max_concurrent_requests=10)
+    t = tenant(tokens_per_day=10_000)
 
     async def main():
-        a, b = router(clocked), router(clocked)
+        a = router(clocked)
         await busy(a, t, 100, clocked.clock)
         lease = lease_of(a)
-        credit, slots = lease.left("tokens_per_day"), lease.slots
-        assert credit >= 200 and slots >= 1
-        in_flight = [await a.acquire(t, 100) for _ in range(min(slots, 2))]
+        credit = lease.left("tokens_per_day")
+        assert credit >= 200
+        in_flight = [await a.acquire(t, 100) for _ in range(2)]
         assert all(c.lease is lease for c in in_flight)  # spent, never reported
+        # Its last renewal sent again: the ledger answers with the lease as it stands.
+        last = Renewal("t", lease.id, lease.seq, Limits.of(t), routers=2)
         del a  # kill -9
-        free_before = (await clocked.client().remaining("t"))["tokens_per_day"]
-        assert free_before <= 10_000 - LEASE_MIN_REQUESTS * 100 - credit + 1
+        ledger = clocked.client()
+        expected = 10_000 - LEASE_MIN_REQUESTS * 100 - credit
+        free_before = (await ledger.remaining("t"))["tokens_per_day"]
+        assert expected - 1 <= free_before <= expected + 1, (free_before, expected)
 
         clocked.clock.advance(BUDGET_LEASE_TTL_S - 1)
-        running = [c for c in [await served(b, t, 100) for _ in range(10)] if c]
-        assert len(running) == 10 - slots  # the dead router's slots are still held
+        [grant] = await ledger.renew_many([last])
+        assert grant.held and grant.credit == {"tokens_per_day": credit}  # still held
         clocked.clock.advance(1.5)  # past its TTL
-        assert await b.acquire(t, 100) is not None  # a slot it held is free
-        left = (await clocked.client().remaining("t"))["tokens_per_day"]
-        expected = 10_000 - LEASE_MIN_REQUESTS * 100 - credit - (len(running) + 1) * 100
+        [grant] = await ledger.renew_many([last])
+        assert not grant.held  # expired
+        left = (await ledger.remaining("t"))["tokens_per_day"]
         refill = 10_000 * (BUDGET_LEASE_TTL_S + 1.5 + RENEW_S) / DAY
         assert expected - 1 <= left <= expected + refill + 1, (left, expected)
     asyncio.run(main())
@@ -340,7 +370,7 @@ def test_in_the_background_a_busy_tenant_stops_asking_the_ledger(backend):
     at its 4th request and grows with its demand (renewed at once when it runs dry); then
     of its next 400 requests (8 in flight) at most two ask the ledger (while a renewal is in
     flight the lease spends only what it keeps), and the lease is renewed a few times."""
-    t = tenant(tokens_per_day=10**9, max_concurrent_requests=10**6)
+    t = tenant(tokens_per_day=10**9, requests_per_minute=10**9)
 
     async def main():
         ledger = CountingLedger(backend.client())
