@@ -3,7 +3,8 @@ budget that holds across both routers under concurrent streams, a stream the cli
 settling to what it really streamed, a non-stream the client abandons charged its
 reservation with its engine request stopped, vLLM's 400 costing nothing, an engine death
 charging what streamed and the refusals until its replacement nothing, a window that
-refills on time, and the kill drills of both ledger backends (token-fair admission:
+refills on time, a budget lease lost with its router replica (kill -9) expiring within its
+TTL, and the kill drills of both ledger backends (token-fair admission:
 test_fairness.py). The drills come last: they leave acme's day spent. Budgets are given to globex and acme
 here; what they reserve is computed as the router does (:mod:`serve_app.tenancy.token_budget`)."""
 
@@ -21,7 +22,8 @@ import httpx
 import pytest
 import ray
 
-from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
+from serve_app.tenancy.lease_terms import BUDGET_LEASE_TTL_S, RENEW_S
+from serve_app.tenancy.ledger import KV_NAMESPACE, KV_PREFIX, SHARED_NAME, SHARED_NAMESPACE
 from serve_app.tenancy.redis_ledger import RedisLedger
 from serve_app.tenancy.token_budget import Reservation
 from bench.servers import start_redis
@@ -299,6 +301,74 @@ def refused_for_tokens(http: httpx.Client, tenant: str) -> None:
     r = http.post("/v1/chat/completions", json=SMALL,
                   headers={"authorization": f"Bearer {KEYS[tenant]}"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_exhausted", r.text
+
+
+def held_leases(tenant: str) -> dict[str, float]:
+    """The budget leases the ledger actor holds for ``tenant``, as it last saved them in the
+    GCS (it saves on every call that touches the tenant): lease id -> seconds until the
+    ledger expires it (negative: due, dropped at the tenant's next call)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    data = _internal_kv_get(KV_PREFIX + tenant.encode(), namespace=KV_NAMESPACE)
+    holds = json.loads(data).get("holds", {}) if data else {}
+    return {lease: hold["until"] - time.time() for lease, hold in holds.items()}
+
+
+def test_a_lease_lost_with_its_router_replica_expires_within_its_ttl(budgets):
+    """A budget lease lost with its router replica (kill -9): globex, busy on both router
+    replicas, holds a lease on each; one replica is killed while the load runs. Nothing
+    renews its lease, and the ledger drops it within BUDGET_LEASE_TTL_S (10 s, well inside a
+    minute's window) of its last renewal, its unspent credit counted spent; the survivor's
+    lease, idle once the load stops, is given back; globex is served after."""
+    import os
+    import signal
+    import threading
+
+    from ray.util.state import list_actors
+
+    budgets.deploy(budgeted(budgets.tenants_cfg, globex={"tokens_per_day": 1_000_000}))
+    stop = threading.Event()
+
+    def load() -> None:  # 4 in flight: each router sees 4+ requests a second
+        with budgets.http() as http, ThreadPoolExecutor(4) as pool:
+            while not stop.is_set():
+                list(pool.map(lambda _: http.post(
+                    "/v1/chat/completions", json=SMALL,
+                    headers={"authorization": f"Bearer {KEYS['globex']}"}), range(4)))
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(held := held_leases("globex")) < 2:
+            assert time.monotonic() < deadline, f"globex never held a lease on both: {held}"
+            time.sleep(0.2)
+        routers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+                   if a.class_name == "ServeReplica:mesh:MeshRouter"]
+        assert len(routers) == 2, routers
+        os.kill(routers[0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        loader.join(timeout=30)
+    seen = set(held)
+    with budgets.http() as http:
+        while held_leases("globex"):
+            # a call that touches globex at the ledger: the next one after a lease is due
+            # drops it (and saves)
+            http.post("/v1/chat/completions", json=SMALL,
+                      headers={"authorization": f"Bearer {KEYS['globex']}"})
+            assert time.monotonic() - killed_at < BUDGET_LEASE_TTL_S + 2 * RENEW_S + 5, \
+                f"leases still held: {held_leases('globex')}"
+            time.sleep(0.5)
+        gone_s = time.monotonic() - killed_at
+        after = http.post("/v1/chat/completions", json=SMALL,
+                          headers={"authorization": f"Bearer {KEYS['globex']}"})
+    print(f"\nleases {sorted(seen)} held at the kill; none left {gone_s:.1f} s after it")
+    assert after.status_code == 200, after.text
+    # the killed replica's lease went by its TTL, not sooner (nothing gave it back)
+    assert gone_s >= BUDGET_LEASE_TTL_S - 2 * RENEW_S - 1, gone_s
 
 
 def test_a_killed_ledger_actor_comes_back_with_the_budget_spent(budgets):
