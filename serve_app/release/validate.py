@@ -150,7 +150,15 @@ def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
     """The mesh's AffinityRouter keywords (Serve itself checks only that they are JSON)."""
     from serve_app.replica_routing.router import AFFINITY_ROUTER, affinity_settings
 
+    from serve_app.common.serve_env import chosen_ingress
+
     rr = (dep or {}).get("request_router_config") or {}
+    if rr.get("request_router_class") and chosen_ingress() == "haproxy":
+        # Ray refuses it at deploy (every variant's LLMReplica is its application's ingress
+        # deployment, and HAProxy bypasses Serve's request router there).
+        return [f"{at}.request_router_class: Ray Serve refuses a custom request router on an "
+                "ingress deployment when HAProxy is on (MESH_INGRESS=haproxy); use "
+                "MESH_INGRESS=proxy (the default) or remove request_router_config"]
     if rr.get("request_router_class") != AFFINITY_ROUTER:
         return []
     try:
