@@ -28,7 +28,8 @@ UNBATCHED = 2
 
 async def coalesce(items: AsyncIterator[str | T], interval_s: float,
                    attach: Callable[[str, T], T] | None = None) -> AsyncIterator[str | T]:
-    """``items`` with consecutive strings joined, at most one batch per ``interval_s``.
+    """``items`` with consecutive strings joined, at most one batch per ``interval_s``; the
+    stream's end is sent as soon as it comes, with the text before it.
 
     Non-string items (the stream's :class:`~serve_app.common.wire.Tail`) are passed on as
     they are, after the text before them; with ``attach``, a non-string item that ends a
@@ -62,7 +63,7 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float,
             batch = [await queue.get()]
             wait = sent_at + interval_s - loop.time()
             if wait > 0 and sent >= UNBATCHED and isinstance(batch[0], str):
-                await asyncio.sleep(wait)
+                await _collect_until_end(queue, batch, loop.time() + wait)
             while not queue.empty():
                 batch.append(queue.get_nowait())
             text = [x for x in batch if isinstance(x, str)]
@@ -89,3 +90,20 @@ async def coalesce(items: AsyncIterator[str | T], interval_s: float,
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)  # items closed when it returns
+
+
+async def _collect_until_end(queue: asyncio.Queue, batch: list, deadline: float) -> None:
+    """Add what ``queue`` gives to ``batch`` until the loop's clock reaches ``deadline``, or
+    at once when the stream ends (its Tail, an error, the end): nothing more will come to
+    batch, so the last text is not held back for the rest of the interval (a short stream's
+    end, and with it the router's slot and the client's answer, waited up to a whole
+    ``interval_s`` for nothing)."""
+    loop = asyncio.get_running_loop()
+    while (left := deadline - loop.time()) > 0:
+        try:
+            item = await asyncio.wait_for(queue.get(), left)
+        except asyncio.TimeoutError:
+            return
+        batch.append(item)
+        if not isinstance(item, str):
+            return
