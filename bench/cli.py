@@ -86,6 +86,9 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
                         help="--router-throughput: the routers' budget leases on the limited "
                         "tenant (the default), off (a ledger ask per request), or both, off "
                         "then on, redeployed in place (default: %(default)s)")
+    parser.add_argument("--headroom", type=float, nargs="+",
+                        help="--router-throughput: each route's admission.headroom, one run "
+                        "per value, redeployed in place (default: the config's own)")
     parser.add_argument("--ttft-requests", type=int, default=100,
                         help="--router-throughput: requests sent one at a time for TTFT")
     parser.add_argument("--profile", action="store_true",

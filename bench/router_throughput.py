@@ -11,8 +11,9 @@ variant's model directory and args, profile cpu-smollm2 at ``time_scale`` 0.01, 
 engine; the load is a limited tenant's, its token and request budgets lifted far above it
 and no concurrency limit, so it is counted as a busy budgeted tenant is: on the router's
 budget lease, or with ``--leases off`` (or ``both``, off then on, redeployed in place in the
-same cluster) by asking the ledger for each request). Then, against the mesh and against
-vLLM's server alike:
+same cluster) by asking the ledger for each request), and with ``--headroom`` each value of
+every route's ``admission.headroom`` in turn (redeployed in place). Then, against the mesh and
+against vLLM's server alike:
 
 - ``--rounds`` alternations (vLLM's server, then the mesh) of ``--requests`` / rounds
   streamed chats at ``--concurrency`` (32, saturation), ``--max-tokens`` each: requests/s;
@@ -30,7 +31,7 @@ with the client on 2 cores), so one core's ceiling for a process is 1 / its CPU 
 The engine is simulated: every figure is of the simulated engine, profile cpu-smollm2 x 0.01.
 
     python scripts/bench.py --router-throughput [--ingress proxy|haproxy|both]
-        [--leases on|off|both] [--config serve_configs/tenants.yaml] [--requests 600] [--rounds 3]
+        [--leases on|off|both] [--headroom 0.25 1 ...] [--config serve_configs/tenants.yaml] [--requests 600] [--rounds 3]
         [--concurrency 32] [--max-tokens 16] [--ttft-requests 100] [--profile] [--json FILE]
 """
 
@@ -75,16 +76,20 @@ GOALS = {
 }
 
 
-def lifted(cfg: dict, leases: bool = True) -> dict:
+def lifted(cfg: dict, leases: bool = True, headroom: float | None = None) -> dict:
     """``cfg`` with :data:`TENANT`'s budgets far above any load this host can send and no
     concurrency limit (a tenant with one asks the ledger for every request's slot, leases
-    or not), and the router's budget leases on or off (``ledger.leases``)."""
+    or not), the router's budget leases on or off (``ledger.leases``), and with
+    ``headroom`` every route's ``admission.headroom`` (None: the config's own)."""
     for app in cfg["applications"]:
         for dep in app.get("deployments", []):
             user_config = dep.get("user_config") or {}
             if "tenants" not in user_config:
                 continue
             user_config.setdefault("ledger", {})["leases"] = leases
+            if headroom is not None:
+                for route in user_config.get("routes", {}).values():
+                    route.setdefault("admission", {})["headroom"] = headroom
             for tenant in user_config["tenants"]:
                 if tenant["id"] == TENANT:
                     tenant.pop("max_concurrent_requests", None)
@@ -175,17 +180,19 @@ def measure(a, ingress: str, direct_url: str, direct_pids) -> list[dict[str, Any
     try:
         runs = []
         for leases in lease_choices(a.leases):
-            cfg = lifted(on_sim_engine(load_yaml(a.config), profile=PROFILE,
-                                       time_scale=TIME_SCALE, start_s=0), leases)
-            cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
-            path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            label = f"{ingress}, leases {'on' if leases else 'off'}"
-            print(f"[bench] {label}: serve deploy {a.config} on the simulated engine",
-                  flush=True)
-            deploy(path, dashboard, log=lambda m: None)
-            wait_for_ingress(base)
-            runs.append(_measure_mesh(a, label, base, direct_url, direct_pids))
+            for headroom in a.headroom or [None]:
+                cfg = lifted(on_sim_engine(load_yaml(a.config), profile=PROFILE,
+                                           time_scale=TIME_SCALE, start_s=0), leases, headroom)
+                cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+                path = Path(tempfile.mkdtemp(prefix="bench-router-")) / "mesh.yaml"
+                path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                label = f"{ingress}, leases {'on' if leases else 'off'}" + (
+                    "" if headroom is None else f", headroom {headroom:g}")
+                print(f"[bench] {label}: serve deploy {a.config} on the simulated engine",
+                      flush=True)
+                deploy(path, dashboard, log=lambda m: None)
+                wait_for_ingress(base)
+                runs.append(_measure_mesh(a, label, base, direct_url, direct_pids))
         return runs
     finally:
         ray.shutdown()

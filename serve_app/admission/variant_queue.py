@@ -50,7 +50,7 @@ from serve_app.admission.slots import Counted, Slot, Waiter
 
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
-#: router's next dispatch.
+#: router's next dispatch. The default of a route's ``admission.headroom``.
 HEADROOM = 0.25
 #: A request waits only if its estimated wait is within this share of ``queue_timeout_s``;
 #: it is shed only past its deadline. The gap absorbs the estimate's noise, so a refusal
@@ -95,8 +95,11 @@ class VariantAdmission:
 
     def configure(self, *, queue_timeout_s: float, reserved_slots: int,
                   max_queued_per_slot: float | None, fairness: str = "tokens",
-                  newcomer_slots: int = 0, anticipation_s: float = 0.0) -> None:
+                  newcomer_slots: int = 0, anticipation_s: float = 0.0,
+                  headroom: float | None = None) -> None:
         self.shares.configure(fairness, newcomer_slots, anticipation_s)
+        if headroom is not None:  # None: as it is (the constructor's)
+            self.headroom = headroom
         self.queue_timeout_s = queue_timeout_s
         self.reserved_slots = reserved_slots
         self.max_queued_per_slot = max_queued_per_slot

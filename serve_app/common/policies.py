@@ -42,6 +42,12 @@ class Admission(Strict):
             ``fairness: tokens``): a client that sends its next request when the last one ends keeps
             its share instead of losing each slot to the queue in the moment between the
             two (anticipatory scheduling; 0: off).
+        headroom: requests the best priority may have in flight beyond the engines'
+            ``max_num_seqs``, as a share of it: they wait inside vLLM (in its priority
+            order), so an engine slot freed by a finished request is taken at once instead
+            of after the router's next dispatch. Raise it for an engine that finishes
+            requests faster than the mesh turns a slot round; past the mesh's own order
+            (fair share, newcomer slots) those requests are vLLM's to order.
     """
 
     queue_timeout_s: float = Field(default=30.0, gt=0, le=600)
@@ -50,6 +56,7 @@ class Admission(Strict):
     fairness: Literal["tokens", "fifo"] = "tokens"
     newcomer_slots: int = Field(default=1, ge=0, le=100_000)
     anticipation_s: float = Field(default=0.05, ge=0, le=5)
+    headroom: float = Field(default=0.25, ge=0, le=10)
 
 
 class RolloutGates(Strict):

@@ -709,3 +709,20 @@ def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured
         q.release((await held[4]), size=1.0)
         assert q.in_flight == 0
     run(main())
+
+
+def test_a_routes_headroom_sets_the_best_prioritys_slots_beyond_the_engines():
+    """``admission.headroom``: the best priority may have capacity x (1 + headroom) in
+    flight (the rest waits inside vLLM); the others keep ``reserved_slots`` free. A
+    configure that names no headroom keeps the one set."""
+    from serve_app.common.policies import Admission
+
+    q = VariantAdmission("v")
+    q.set_capacity(8)
+    assert q.slots_for(True) == 10  # the default, 0.25
+    q.configure(**Admission(headroom=1.0).model_dump())
+    assert q.slots_for(True) == 16 and q.slots_for(False) == 7
+    q.configure(queue_timeout_s=30, reserved_slots=1, max_queued_per_slot=None)
+    assert q.slots_for(True) == 16
+    with pytest.raises(ValueError):
+        Admission(headroom=11)

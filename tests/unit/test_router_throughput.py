@@ -180,3 +180,6 @@ def test_the_load_tenant_is_budgeted_without_a_concurrency_limit_and_leases_foll
         assert tenant["tokens_per_minute"] >= 10**9 and tenant["requests_per_minute"] >= 10**6
         assert router["ledger"]["leases"] is leases
     assert lease_choices("both") == [False, True] and lease_choices("on") == [True]
+    cfg = lifted(load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml"), True, headroom=2.0)
+    routes = cfg["applications"][0]["deployments"][0]["user_config"]["routes"]
+    assert {r["admission"]["headroom"] for r in routes.values()} == {2.0}
