@@ -98,12 +98,14 @@ async def _collect_until_end(queue: asyncio.Queue, batch: list, deadline: float)
     batch, so the last text is not held back for the rest of the interval (a short stream's
     end, and with it the router's slot and the client's answer, waited up to a whole
     ``interval_s`` for nothing)."""
-    loop = asyncio.get_running_loop()
-    while (left := deadline - loop.time()) > 0:
-        try:
-            item = await asyncio.wait_for(queue.get(), left)
-        except asyncio.TimeoutError:
-            return
-        batch.append(item)
-        if not isinstance(item, str):
-            return
+    try:
+        # timeout_at, not wait_for: on Python 3.11, wait_for may swallow the cancellation of
+        # a client that leaves just as a get completes, and makes a task per item
+        async with asyncio.timeout_at(deadline):
+            while True:
+                item = await queue.get()
+                batch.append(item)
+                if not isinstance(item, str):
+                    return
+    except TimeoutError:
+        return
