@@ -218,6 +218,7 @@ class Dispatcher:
             account.failed_over(plan.route, variant, f"{type(e).__name__}: {str(e)[:500]}")
             return None
         if head.failure is Failure.VARIANT:
+            account.accepted = False  # it ran nothing there: the next candidate may take it
             account.failed_over(plan.route, variant, (head.body or "")[:500])
             return None
         return head, stream

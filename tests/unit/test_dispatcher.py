@@ -191,3 +191,27 @@ def test_a_non_stream_abandoned_after_the_replica_took_it_is_charged():
 
     asyncio.run(main())
     assert account.accepted
+
+
+def test_a_non_stream_failed_over_after_accepted_and_then_abandoned_is_not_taken():
+    """The replica took it (Accepted), then answered with a variant failure: it ran nothing
+    there. Abandoned while the next candidate is awaited, it is not charged as taken."""
+    handles, availability, metrics = FakeHandles({
+        "v1": FakeStream([Accepted(), Head(503, "{}", failure=Failure.VARIANT)]),
+        "v2": FakeStream([], hang=True)}), FakeAvailability(), FakeRouterMetrics()
+    admissions = {v: VariantAdmission(v) for v in ("v1", "v2")}
+    for q in admissions.values():
+        q.set_capacity(4)
+    dispatcher = Dispatcher(registry_of(handles, availability, admissions))
+    account = metrics.account(lambda arms, **kw: None)
+
+    async def main():
+        task = asyncio.create_task(dispatcher.dispatch(plan_of(("v1", "v2")), account))
+        while len(handles.sent) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()  # the client left while v2 was awaited
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert not account.accepted
