@@ -179,6 +179,12 @@ def test_validate_refuses_the_affinity_router_behind_haproxy(monkeypatch):
                                   ".request_router_config.request_router_class: ")
     monkeypatch.setenv(INGRESS_VAR, "proxy")
     assert validate_config(cfg) == []
+    # the ingress it will run behind, when given (meshctl kuberay --ingress), wins
+    assert validate_config(cfg, "haproxy") == problems
+    monkeypatch.setenv(INGRESS_VAR, "haproxy")
+    assert validate_config(cfg, "proxy") == []
+    monkeypatch.setenv(INGRESS_VAR, "nginx")  # unknown: not this check's to report
+    assert validate_config(cfg) == []
 
 
 def test_new_conversations_without_a_whole_block_are_spread_too():
