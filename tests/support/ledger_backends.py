@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from bench.servers import start_redis
+from serve_app.common.errors import MeshError
 from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.redis_ledger import RedisLedger
 
@@ -155,3 +156,13 @@ class CountingLedger:
     def asks(self) -> int:
         """Calls a request makes without a lease: asks and settlements."""
         return self.calls["acquire_many"] + self.calls["release_many"]
+
+
+async def granted(limiter, tenant, tokens: int):
+    """``limiter.acquire(tenant, tokens)``: the request counted, or None when refused with a
+    429 (any other refusal fails the test)."""
+    try:
+        return await limiter.acquire(tenant, tokens)
+    except MeshError as e:
+        assert e.status == 429, e.body()
+        return None

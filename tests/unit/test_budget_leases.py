@@ -21,7 +21,7 @@ from serve_app.tenancy.lease_terms import (BUDGET_LEASE_TTL_S, LEASE_RETRY_AFTER
                                            RENEW_S, Renewal)
 from serve_app.tenancy.limits import TenantLimiter
 from tests.support.ledger_backends import (CountingLedger, backend,  # noqa: F401 - fixtures
-                                           clocked)
+                                           clocked, granted)
 
 DAY = 86400.0
 
@@ -44,7 +44,7 @@ async def busy(limiter: TenantLimiter, t: Tenant, tokens: int, clock) -> None:
     """Make ``t`` busy on ``limiter`` (requests of ``tokens`` each, settled at their
     reservation), then one ``RENEW_S`` later renew: its lease opens."""
     for _ in range(LEASE_MIN_REQUESTS):  # each waits for the last one's settlement
-        counted = await eventually(lambda: served(limiter, t, tokens))
+        counted = await eventually(lambda: granted(limiter, t, tokens))
         assert counted is not None
         limiter.release(counted, tokens)
     await asyncio.sleep(0.01)  # settlements go out in the background
@@ -62,15 +62,6 @@ async def eventually(ask, within_s: float = 2.0):
 
 def lease_of(limiter: TenantLimiter, tenant_id: str = "t"):
     return limiter.leases.leases.get(tenant_id)
-
-
-async def served(limiter: TenantLimiter, t: Tenant, tokens: int):
-    """The request counted, or None when refused with a 429."""
-    try:
-        return await limiter.acquire(t, tokens)
-    except MeshError as e:
-        assert e.status == 429, e.body()
-        return None
 
 
 def test_a_busy_tenant_is_served_from_its_lease_without_a_ledger_call(clocked):
@@ -139,7 +130,7 @@ def test_leases_keep_a_budget_across_routers(clocked):
         for _ in range(8):
             for a in routers:
                 for _ in range(6):
-                    counted = await served(a, t, 100)
+                    counted = await granted(a, t, 100)
                     if counted is not None:
                         a.release(counted, 60)
                         cost += 60
@@ -154,7 +145,7 @@ def test_leases_keep_a_budget_across_routers(clocked):
             for a in routers:
                 await a.leases.renew()
         assert not any(lease_of(a) for a in routers)
-        while (counted := await served(routers[0], t, 100)) is not None:
+        while (counted := await granted(routers[0], t, 100)) is not None:
             routers[0].release(counted, 60)
             cost += 60
             await asyncio.sleep(0.01)  # its settlement goes out in the background
@@ -177,15 +168,15 @@ def test_a_concurrency_limit_is_never_leased_and_a_burst_gets_all_of_it(clocked)
         await busy(a, t, 100, clocked.clock)
         await busy(b, t, 100, clocked.clock)
         assert lease_of(a) is None and lease_of(b) is None
-        burst = await asyncio.gather(*(served(b, t, 100) for _ in range(limit - 1)),
-                                     served(a, t, 100))
+        burst = await asyncio.gather(*(granted(b, t, 100) for _ in range(limit - 1)),
+                                     granted(a, t, 100))
         assert sum(c is not None for c in burst) == limit
         assert all(c.lease is None for c in burst)  # each asked the ledger
         with pytest.raises(MeshError) as e:
             await a.acquire(t, 100)
         assert e.value.status == 429 and e.value.code == "concurrency_limit_exceeded"
         b.release(burst[0], 100)
-        assert await eventually(lambda: served(a, t, 100)) is not None  # its slot is free
+        assert await eventually(lambda: granted(a, t, 100)) is not None  # its slot is free
     asyncio.run(main())
 
 
@@ -228,7 +219,7 @@ def test_a_refusal_for_credit_another_router_holds_says_when_it_comes_back(clock
         await busy(a, t, 100, clocked.clock)
         held = lease_of(a).left("tokens_per_day")
         assert held >= 200
-        while (counted := await served(b, t, 100)) is not None:
+        while (counted := await granted(b, t, 100)) is not None:
             b.release(counted, 100)
         with pytest.raises(MeshError) as e:
             await b.acquire(t, 100)

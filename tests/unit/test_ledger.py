@@ -15,7 +15,8 @@ import pytest
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.limits import TenantLimiter
-from tests.support.ledger_backends import RedisBackend, backend  # noqa: F401 - a fixture
+from tests.support.ledger_backends import (RedisBackend, backend,  # noqa: F401 - a fixture
+                                           granted)
 
 
 def tenant(**limits) -> Tenant:
@@ -24,14 +25,6 @@ def tenant(**limits) -> Tenant:
 
 def two_routers(backend) -> tuple[TenantLimiter, TenantLimiter]:
     return TenantLimiter(shared=backend.client()), TenantLimiter(shared=backend.client())
-
-
-async def granted(limiter: TenantLimiter, t: Tenant, tokens: int):
-    try:
-        return await limiter.acquire(t, tokens)
-    except MeshError as e:
-        assert e.status == 429, e.body()
-        return None
 
 
 def test_concurrent_reservations_from_two_routers_never_overdraw(backend):
