@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import pickle
 from dataclasses import dataclass
 
@@ -85,9 +86,41 @@ def engine_dead(variant: str) -> Verdict:
                    "replica is being replaced, retry", code="engine_dead")
 
 
-def _pydantic_param(exc) -> str | None:
-    first = exc.errors()[0] if exc.errors() else {}
-    return ".".join(str(p) for p in first.get("loc", ())) or None
+def vllm_validation_verdict(exc) -> Verdict:
+    """The 400 ``vllm serve`` answers for a body its protocol class refuses, unchanged.
+
+    vLLM's server has FastAPI parse the body into its request class (``ChatCompletionRequest``
+    ...), which turns pydantic's errors into a ``RequestValidationError`` whose ``loc`` starts
+    with ``"body"`` (FastAPI's ``_regenerate_error_with_loc``); vLLM's handler
+    (``vllm.entrypoints.serve.exception_handling.handlers.validation``) writes the message
+    and ``param`` from it. The replica validates the same class itself, so it runs the same
+    handler on the same errors: status, message and ``param`` are vLLM's.
+
+    Args:
+        exc: the ``pydantic.ValidationError`` of ``<Request class>.model_validate(body)``.
+    """
+    from types import SimpleNamespace
+
+    from fastapi.exceptions import RequestValidationError
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+        validation_exception_handler)
+
+    errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors(include_url=False)]
+    # The handler reads only app.state.args.log_error_stack and, when that is set, the
+    # request's id: a stand-in request is enough.
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
+        args=SimpleNamespace(log_error_stack=False))), state=SimpleNamespace())
+    handling = validation_exception_handler(request, RequestValidationError(errors))
+    try:  # it awaits nothing: run it to its end here, synchronously
+        handling.send(None)
+    except StopIteration as done:
+        answer = done.value
+    else:  # pragma: no cover -- a future vLLM that awaits inside: our own wording
+        handling.close()
+        return Verdict(Failure.REQUEST, 400, format_validation_error(exc))
+    error = json.loads(answer.body)["error"]
+    return Verdict(Failure.REQUEST, answer.status_code, error["message"],
+                   param=error.get("param"))
 
 
 def replica_verdict(exc: BaseException, *, variant: str, engine_is_dead: bool,
@@ -109,8 +142,7 @@ def replica_verdict(exc: BaseException, *, variant: str, engine_is_dead: bool,
     if engine_is_dead or isinstance(exc, EngineDeadError):
         return engine_dead(variant)
     if isinstance(exc, ValidationError):
-        return Verdict(Failure.REQUEST, 400, format_validation_error(exc),
-                       param=_pydantic_param(exc))
+        return vllm_validation_verdict(exc)
     if isinstance(exc, RecursionError):
         return nested_too_deeply()
     if isinstance(exc, RetryableRequestError):
