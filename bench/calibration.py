@@ -11,7 +11,7 @@ them), first on real vLLM, then on the simulated engine with the fitted profile:
 * ``adapters k`` (k = 1, 2, 4, 8): concurrency 8, request i on adapter i mod k: tokens/s;
 * ``adapter load``: seconds to load each of 8 adapters.
 
-:func:`fit` turns the real rows into a :class:`~serve_app.sim.profile.SimProfile`:
+:func:`fit` turns the real rows into a :class:`~serve_app.common.sim_profile.SimProfile`:
 the decode table from TPOT at each concurrency, the prefill rate from the prefill row's TTFT
 less one decode step, the per-adapter step cost from the slope of TPOT over k, the load time
 and start time as measured, the KV blocks the real engine allocated, and a step's spread
@@ -136,7 +136,7 @@ async def measure(engine, route: str, adapter_names: list[str], *, quick: bool =
 def fit(rows: list[Row], *, name: str, description: str, source: str, load_s: float,
         start_s: float, kv_blocks: int, block_size: int, prompt_tokens: int,
         short_prompt_tokens: int) -> dict[str, Any]:
-    """A profile (as a dict for :class:`~serve_app.sim.profile.SimProfile`) from real rows.
+    """A profile (as a dict for :class:`~serve_app.common.sim_profile.SimProfile`) from real rows.
 
     The decode table is each decode row's TPOT. A decode row's requests start in waves of
     its concurrency c (they all generate the same tokens), so its TTFT is one step that

@@ -47,7 +47,7 @@ from bench.router_cost import admission_cost, affinity_table_memory, router_cost
 from bench.scale_plots import plot
 from bench.trust import trust
 from serve_app.observability.stats import percentile
-from serve_app.sim.profile import SimProfile, load_profile
+from serve_app.common.sim_profile import SimProfile, load_profile
 
 #: SLOs by profile when none is given: (TTFT p95 s, TPOT p95 s). The GPU one is a common
 #: interactive target for an 8B chat model; the CPU one scales it to a 135M model on 2 cores.

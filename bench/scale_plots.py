@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.fleet.runs import sim_label
-from serve_app.sim.profile import SimProfile
+from serve_app.common.sim_profile import SimProfile
 
 
 def plot(results: dict, profile: SimProfile, slo: tuple[float, float], out: Path

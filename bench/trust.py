@@ -18,7 +18,7 @@ from bench.fleet.routers import Replayed
 from bench.fleet.runs import simulate, summarize
 from bench.fleet.workloads import ClosedLoop, SessionQueue
 from serve_app.observability.stats import percentile
-from serve_app.sim.profile import load_profile
+from serve_app.common.sim_profile import load_profile
 
 #: The real runs and where they come from (commands, dates, the host's reference run).
 RUNS_FILE = Path(__file__).resolve().parent / "data" / "trust_runs.yaml"

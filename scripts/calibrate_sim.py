@@ -37,7 +37,7 @@ from serve_app.common.paths import REPO_ROOT  # noqa: E402
 from serve_app.common.script_args import run as run_script  # noqa: E402
 from serve_app.common.script_args import script_parser  # noqa: E402
 from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
-from serve_app.sim.profile import PROFILES_DIR, load_profile  # noqa: E402
+from serve_app.common.sim_profile import PROFILES_DIR, load_profile  # noqa: E402
 
 #: Engine args on top of the shipped variant's, so that every row's batch fits one step.
 CALIBRATION_ENGINE_ARGS = {"max_num_seqs": 32, "max_loras": 8, "max_cpu_loras": 8}

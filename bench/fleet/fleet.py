@@ -3,7 +3,7 @@ host cannot hold (32+ replicas, 1,000 adapters), for ``scripts/bench.py --sim``.
 
 What runs is the mesh's own code wherever it decides something: each replica's engine is
 the simulated engine's :class:`~serve_app.sim.scheduler.SimScheduler` priced by a
-:class:`~serve_app.sim.profile.SimProfile` (continuous batching, ``max_num_seqs``,
+:class:`~serve_app.common.sim_profile.SimProfile` (continuous batching, ``max_num_seqs``,
 ``max_loras``, the prefix cache); the replica router is the mesh's
 :class:`~serve_app.replica_routing.affinity.ReplicaAffinity` fed what
 :class:`~serve_app.replica_routing.router.AffinityRouter` feeds it; admission is the mesh's
@@ -39,7 +39,7 @@ from serve_app.admission.fair_share import service_cost
 from serve_app.admission.service_time import request_size
 from serve_app.admission.refusals import Rejected
 from serve_app.admission.slots import Counted
-from serve_app.sim.profile import SimProfile
+from serve_app.common.sim_profile import SimProfile
 from serve_app.sim.scheduler import SimRequest, SimScheduler, evict_idle_lru
 
 

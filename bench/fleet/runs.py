@@ -14,7 +14,7 @@ from bench.fleet.routers import make_router
 from bench.fleet.virtual_time import run_virtual
 from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.observability.stats import percentile
-from serve_app.sim.profile import SimProfile
+from serve_app.common.sim_profile import SimProfile
 
 
 def sim_label(profile: SimProfile) -> str:

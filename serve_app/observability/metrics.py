@@ -131,7 +131,7 @@ class MeshMetrics:
     def record_tokens_remaining(self, tenant: str, quota_tokens: tuple[int, int, float]
                                 ) -> None:
         """A tenant's token quota after an admission: ``(limit, remaining, seconds until
-        full)`` (:class:`~serve_app.tenancy.counts.Quota`). Set now, and again by
+        full)`` (:class:`~serve_app.tenancy.quota.Quota`). Set now, and again by
         :meth:`refresh_gauges` with the window's refill since (Ray drops a gauge value that
         is not set for a while, and a quiet tenant's budget refills)."""
         self._remaining[tenant] = (*quota_tokens, time.monotonic())

@@ -4,7 +4,7 @@ metrics) on an engine core whose time follows a cost model, for tests and scale 
 A variant chooses it in its ``args`` (``engine: sim``, ``sim: {profile: ...}``); no shipped
 config does, and ``meshctl validate`` flags one that does. Modules:
 
-- :mod:`~serve_app.sim.profile`: the cost model and its data files (``profiles/*.yaml``);
+- ``profiles/*.yaml``: the cost models (read by :mod:`~serve_app.common.sim_profile`);
 - :mod:`~serve_app.sim.scheduler`: continuous batching under vLLM's limits (pure);
 - :mod:`~serve_app.sim.prefix_cache`: the block prefix cache (LRU);
 - :mod:`~serve_app.sim.answers`: deterministic answers keyed by adapter, model and prompt;

@@ -39,7 +39,7 @@ from serve_app.common.adapters import merged_adapter
 from serve_app.common.logs import get_logger
 from serve_app.common.paths import model_identity
 from serve_app.sim.answers import AnswerBook
-from serve_app.sim.profile import SimProfile
+from serve_app.common.sim_profile import SimProfile
 from serve_app.sim.scheduler import (LENGTH, SimRequest, SimScheduler, Step, Token,
                                      evict_idle_lru)
 
@@ -305,7 +305,7 @@ async def start_sim_async_llm(args: Any, vllm_config: Any,
         RuntimeError: ``args.sim.fail_start`` is set (the engine "fails to start").
     """
     from serve_app.common.config import SimArgs
-    from serve_app.sim.profile import load_profile
+    from serve_app.common.sim_profile import load_profile
 
     sim = args.sim or SimArgs()
     profile = load_profile(sim.profile).scaled(sim.time_scale)

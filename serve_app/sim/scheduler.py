@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from serve_app.sim.answers import AnswerBook
 from serve_app.sim.prefix_cache import PrefixCache
-from serve_app.sim.profile import SimProfile
+from serve_app.common.sim_profile import SimProfile
 
 #: ``finish_reason`` values, as vLLM's ``FinishReason`` names them.
 STOP, LENGTH = "stop", "length"

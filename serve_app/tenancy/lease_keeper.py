@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from serve_app.common.logs import get_logger
 from serve_app.common.shared_task import start_shared_task
-from serve_app.tenancy.counts import REQUESTS, Limits, Quota, draw
 from serve_app.tenancy.lease_terms import BUDGET_LEASE_TTL_S, RENEW_S, Grant, Renewal
+from serve_app.tenancy.quota import REQUESTS, Limits, Quota, draw
 
 logger = get_logger(__name__)
 
@@ -184,7 +184,7 @@ class LeaseKeeper:
     """One router replica's :class:`BudgetLease` per busy tenant, and their renewals.
 
     Args:
-        ledger: returns the :class:`~serve_app.tenancy.ledger.Ledger` to renew with now
+        ledger: returns the :class:`~serve_app.tenancy.ledger_protocol.Ledger` to renew with now
             (None: none reachable; the leases go on until their deadline).
         routers: the number of router replicas running now.
         heard: called with ``(tenant_id, quota)`` for each answer of the ledger (the

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from serve_app.tenancy.counts import Limits, Quota
+from serve_app.tenancy.quota import Limits, Quota
 
 #: Seconds between a router's renewals of its leases while a tenant is active. Each renewal
 #: is one ledger call per router replica for all its tenants, whatever their requests/s;

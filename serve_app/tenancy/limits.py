@@ -6,7 +6,7 @@ Tenants without limits cost nothing. A request of a *limited* tenant is counted,
    tenant is busy enough to hold one, has no ``max_concurrent_requests`` (a slot is never
    lent) and the lease covers the request (:mod:`serve_app.tenancy.lease_keeper`; off with
    ``ledger.leases: false``);
-2. else by the cluster's :class:`~serve_app.tenancy.ledger.Ledger`, asked for this request
+2. else by the cluster's :class:`~serve_app.tenancy.ledger_protocol.Ledger`, asked for this request
    (and settled at its end): so a tenant limited to 2 in flight gets 2 across all routers.
    Asks and give-backs are batched (:mod:`serve_app.tenancy.call_batcher`): one call in
    flight per router, the requests that arrive meanwhile go in the next one, so the
@@ -36,9 +36,11 @@ from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.call_batcher import MAX_BATCH, CallBatcher
-from serve_app.tenancy.counts import REQUESTS, Limits, Quota, TenantCounts
+from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.lease_keeper import BudgetLease, LeaseKeeper
-from serve_app.tenancy.ledger import AskFailed, Ledger, ledger_for
+from serve_app.tenancy.ledger import ledger_for
+from serve_app.tenancy.ledger_protocol import AskFailed, Ledger
+from serve_app.tenancy.quota import REQUESTS, Limits, Quota
 
 logger = get_logger(__name__)
 

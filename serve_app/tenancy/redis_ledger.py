@@ -41,7 +41,8 @@ from redis.exceptions import WatchError
 from serve_app.common.logs import get_logger
 from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.lease_terms import Grant, Renewal
-from serve_app.tenancy.ledger import Answer, Ask, AskFailed, Release, by_tenant, count_by_tenant
+from serve_app.tenancy.ledger_protocol import (Answer, Ask, AskFailed, Release, by_tenant,
+                                              count_by_tenant)
 from serve_app.tenancy.token_budget import WINDOW_S
 
 logger = get_logger(__name__)
@@ -61,7 +62,7 @@ BACKOFF_S, MAX_BACKOFF_S = 0.001, 0.032
 
 
 class RedisLedger:
-    """:class:`~serve_app.tenancy.ledger.Ledger` in the Redis server at ``url``
+    """:class:`~serve_app.tenancy.ledger_protocol.Ledger` in the Redis server at ``url``
     (``redis://host:port/db``).
 
     Args:

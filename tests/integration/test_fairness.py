@@ -29,7 +29,7 @@ import pytest
 
 from serve_app.admission.fair_share import service_cost
 from serve_app.observability.stats import percentile
-from serve_app.sim.profile import load_profile
+from serve_app.common.sim_profile import load_profile
 from bench.loadgen import LoadSpec, background_load, wait_for_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.sim_only]

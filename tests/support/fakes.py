@@ -139,7 +139,7 @@ def status_of(apps: dict[str, dict], messages: dict[str, str] | None = None):
 
 
 class FakeShared:
-    """A :class:`~serve_app.tenancy.ledger.Ledger` on a real TenantCounts, as the actor
+    """A :class:`~serve_app.tenancy.ledger_protocol.Ledger` on a real TenantCounts, as the actor
     runs it, with a delay or a failure on request."""
 
     backend = "fake"

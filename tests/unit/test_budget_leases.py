@@ -15,11 +15,11 @@ import pytest
 
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.tenancy.counts import Limits
 from serve_app.tenancy.lease_keeper import EXPIRY_MARGIN_S, LEASE_MIN_REQUESTS
 from serve_app.tenancy.lease_terms import (BUDGET_LEASE_TTL_S, LEASE_RETRY_AFTER_S,
                                            RENEW_S, Renewal)
 from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.quota import Limits
 from tests.support.ledger_backends import (CountingLedger, backend,  # noqa: F401 - fixtures
                                            clocked, granted)
 

@@ -47,7 +47,8 @@ def test_the_largest_accepted_figures_stay_finite_per_request():
     """What the bounds let through works: the split and the token bucket on the largest
     values compute finite figures (10**400 raised OverflowError on every request)."""
     from serve_app.common.config import MAX_TOKENS_BUDGET, MAX_WEIGHT
-    from serve_app.tenancy.counts import Limits, TenantCounts
+    from serve_app.tenancy.counts import TenantCounts
+    from serve_app.tenancy.quota import Limits
 
     cfg = RouterConfig.model_validate(config(weight=MAX_WEIGHT, tokens_per_day=MAX_TOKENS_BUDGET))
     assert pick_variant(splits_of(cfg)["smollm"].weighted, "smollm", "caller") == "v1"

@@ -16,7 +16,7 @@ from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.observability.stats import percentile
 from bench.fleet.fleet import EngineLimits, Fleet, FleetRequest
 from bench.fleet.routers import MeshAffinity, make_router
-from serve_app.sim.profile import load_profile
+from serve_app.common.sim_profile import load_profile
 from bench.fleet.virtual_time import run_virtual
 from bench.fleet.workloads import (ClosedLoop, SessionQueue, Sessions, many_adapters,
                                    reachable_hit_rate, tenants)

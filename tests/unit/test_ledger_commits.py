@@ -15,9 +15,9 @@ import asyncio
 import pytest
 
 from serve_app.common.config import Tenant
-from serve_app.tenancy.counts import Limits
 from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.quota import Limits
 
 ONE = Limits(max_concurrent_requests=1, tokens_per_day=1000)
 OVERFLOWING = Limits(tokens_per_day=10**400)  # float(limit) raises OverflowError

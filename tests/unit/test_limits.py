@@ -10,8 +10,9 @@ import pytest
 import serve_app.tenancy.limits as limits
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.tenancy.counts import Limits, TenantCounts
+from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.quota import Limits
 from tests.support.fakes import FakeShared
 
 

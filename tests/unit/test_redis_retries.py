@@ -22,8 +22,8 @@ from redis.exceptions import WatchError
 import serve_app.tenancy.redis_ledger as redis_ledger
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.tenancy.counts import Limits
 from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.quota import Limits
 from serve_app.tenancy.redis_ledger import KEY_PREFIX, RedisLedger
 from bench.servers import start_redis
 

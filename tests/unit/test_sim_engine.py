@@ -17,7 +17,7 @@ from serve_app.common.config import VariantArgs
 from bench import calibration
 from serve_app.sim.answers import AnswerBook
 from serve_app.sim.prefix_cache import PrefixCache
-from serve_app.sim.profile import SimProfile, load_profile, profile_names
+from serve_app.common.sim_profile import SimProfile, load_profile, profile_names
 from serve_app.sim.scheduler import LENGTH, STOP, SimRequest, SimScheduler
 
 PROFILE = SimProfile(name="t", description="test", source="this test",
@@ -351,7 +351,7 @@ def test_engine_runs_max_num_seqs_at_once_and_loads_adapters(engine):
 def test_a_killed_engine_fails_as_a_dead_vllm_engine(engine):
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    engine.kill()
+    engine.drills.kill_engine()
     assert engine.errored
     with pytest.raises(EngineDeadError):
         engine.loop.run_until_complete(engine.run("chat", chat("hi", max_tokens=2)))

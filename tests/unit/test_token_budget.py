@@ -9,8 +9,9 @@ import pytest
 
 from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
-from serve_app.tenancy.counts import Limits, TenantCounts
+from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
+from serve_app.tenancy.quota import Limits
 from serve_app.tenancy.token_budget import (CHAT_TEMPLATE_TOKENS, DEFAULT_MAX_TOKENS,
                                             Reservation, TokenBucket, completion_reservation,
                                             duration_header, prompt_bound)
