@@ -23,7 +23,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from serve_app.common.adapters import merged_adapter
 from serve_app.common.config import VariantArgs
-from serve_app.common.deployment_options import replica_options
+from serve_app.common.deployment_options import options, replica_options
 from serve_app.common.fetch import cached_model, fetch_model
 from serve_app.common.sources import parse_source
 from serve_app.common.logs import get_logger
@@ -31,6 +31,7 @@ from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaIn
 from serve_app.server.engine import engine_config, start_engine
 from serve_app.server.engine_checks import accepted_before, remember_accepted
 from serve_app.server.engine_reaper import start_reaper
+from serve_app.variant_ingress import INGRESS_OPTIONS, VariantIngress
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import ReplicaServer
 
@@ -197,4 +198,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         except ValueError as e:
             raise ValueError(f"invalid engine_args for model {checked.model!r}: {e}") from None
         remember_accepted(checked)
-    return serve.deployment(LLMReplica, **replica_options(checked)).bind(args)
+    replica = serve.deployment(LLMReplica, **replica_options(checked)).bind(args)
+    # LLMReplica behind an ingress of its own: see serve_app.variant_ingress for why.
+    return serve.deployment(VariantIngress, **options(INGRESS_OPTIONS)).bind(replica)

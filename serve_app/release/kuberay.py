@@ -156,7 +156,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
         except ValueError as e:
             problems.append(f"{option}: {e}")
     serve_config = pod_serve_config(config)
-    problems += serve_config_problems(serve_config, ingress)
+    problems += serve_config_problems(serve_config)
     if problems:
         raise ManifestError(problems)
 
@@ -218,14 +218,13 @@ def pod_serve_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def serve_config_problems(serve_config: dict[str, Any],
-                          ingress: str | None = None) -> list[str]:
+def serve_config_problems(serve_config: dict[str, Any]) -> list[str]:
     """Problems of a Serve config, one line each: :func:`validate_config` (Ray's
-    ``ServeDeploySchema`` first, then, when that passes, the mesh's own checks) for
-    ``ingress`` (None: ``$MESH_INGRESS``, else the default)."""
+    ``ServeDeploySchema`` first, then, when that passes, the mesh's own checks); the same
+    under either ingress."""
     from serve_app.release.validate import validate_config
 
-    return [line for p in validate_config(serve_config, ingress)
+    return [line for p in validate_config(serve_config)
             for line in p.splitlines()]
 
 

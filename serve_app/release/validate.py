@@ -146,25 +146,13 @@ def config_warnings(config: dict[str, Any]) -> list[str]:
     return warnings
 
 
-def _replica_router_problems(dep: dict[str, Any] | None, at: str,
-                             ingress: str | None = None) -> list[str]:
-    """The mesh's AffinityRouter keywords (Serve itself checks only that they are JSON), and
-    no custom replica router behind HAProxy (``ingress``: see :func:`validate_config`)."""
-    from serve_app.common.serve_env import chosen_ingress
+def _replica_router_problems(dep: dict[str, Any] | None, at: str) -> list[str]:
+    """The mesh's AffinityRouter keywords (Serve itself checks only that they are JSON). A
+    custom replica router runs under either ingress: ``LLMReplica`` is not its application's
+    ingress deployment (:mod:`serve_app.variant_ingress`)."""
     from serve_app.replica_routing.router import AFFINITY_ROUTER, affinity_settings
 
-    try:
-        behind_haproxy = chosen_ingress(ingress) == "haproxy"
-    except ValueError:  # an unknown $MESH_INGRESS: what starts Ray with it says so
-        behind_haproxy = False
     rr = (dep or {}).get("request_router_config") or {}
-    if rr.get("request_router_class") and behind_haproxy:
-        # Ray refuses it at deploy (every variant's LLMReplica is its application's ingress
-        # deployment, and HAProxy bypasses Serve's request router there).
-        return [f"{at}.request_router_class: Ray Serve refuses a custom request router on an "
-                "ingress deployment when HAProxy is on (the haproxy ingress: "
-                "MESH_INGRESS=haproxy, meshctl kuberay --ingress haproxy); use the proxy "
-                "ingress (the default) or remove request_router_config"]
     if rr.get("request_router_class") != AFFINITY_ROUTER:
         return []
     try:
@@ -174,10 +162,9 @@ def _replica_router_problems(dep: dict[str, Any] | None, at: str,
     return []
 
 
-def validate_config(config: dict[str, Any], ingress: str | None = None) -> list[str]:
+def validate_config(config: dict[str, Any]) -> list[str]:
     """All problems found in a Serve config dict (checks 1-7 of the module docstring); an
-    empty list means it is valid. ``ingress``: the ingress it will run behind (``proxy`` or
-    ``haproxy``; None: ``$MESH_INGRESS``, else the default). Engine args are vLLM's to
+    empty list means it is valid. Engine args are vLLM's to
     judge: :func:`serve_app.release.engine_check.engine_problems`."""
     from ray.serve.schema import ServeDeploySchema
 
@@ -228,7 +215,7 @@ def validate_config(config: dict[str, Any], ingress: str | None = None) -> list[
             if replica and args:
                 problems += _adapter_problems(replica, args, uc_at)
         problems += _replica_router_problems(
-            dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}].request_router_config", ingress)
+            dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}].request_router_config")
         if app.get("route_prefix", "/") is not None:
             problems.append(f"{at}.route_prefix: variant {name!r} must not be exposed over HTTP; "
                             "set `route_prefix: null` (clients go through the router)")
