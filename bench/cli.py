@@ -1,19 +1,21 @@
-"""The command line of ``scripts/bench.py`` and its shortcuts (``bench_scale.py``,
-``bench_sessions.py``, ``bench_adapters.py``, ``bench_router.py``): one parser, and the
-benchmark module each mode runs."""
+"""The command line of ``scripts/bench.py``: one parser, and the benchmark module each mode
+runs (``--sim``, ``--sessions``, ``--adapters``, ``--router-throughput``, ``--limits``,
+``--direct-ingress``; none: the mesh against vLLM's own server)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from bench import mesh_vs_vllm
-from serve_app.common.script_args import ScriptError, ScriptParser, script_parser
+from bench.script_args import ScriptError, ScriptParser, script_parser
+
+#: ``--sessions`` and ``--adapters`` given without a number: the sizes of their tables in
+#: docs/benchmarks.md.
+SESSIONS, ADAPTERS = 24, 16
 
 
 def build_parser(description: str | None, prog: str | None = None) -> ScriptParser:
-    """bench.py's options (also those of bench_sessions.py, bench_adapters.py,
-    bench_router.py and bench_scale.py), with ``description`` (the script's docstring) atop
-    ``--help``."""
+    """bench.py's options, with ``description`` (the script's docstring) atop ``--help``."""
     parser = script_parser(description, prog=prog)
     parser.add_argument("--mesh-url", default="http://127.0.0.1:8000/v1",
                         help="the running mesh's OpenAI base URL")
@@ -52,9 +54,10 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
                         help="measure what cluster-wide tenant limits add (see above)")
     parser.add_argument("--limit-calls", type=int, default=2000,
                         help="--limits: asks to the shared counts per run")
-    parser.add_argument("--sessions", type=int, metavar="N",
+    parser.add_argument("--sessions", type=int, nargs="?", const=SESSIONS, metavar="N",
                         help="cache-aware replica routing vs Serve's default router on two "
-                        "replicas (scripts/bench_sessions.py; starts its own Ray and mesh)")
+                        f"replicas, N sessions ({SESSIONS} when N is not given; "
+                        "bench/sessions.py; starts its own Ray and mesh)")
     parser.add_argument("--turns", type=int, default=4, help="--sessions: turns per session")
     parser.add_argument("--prefix-tokens", type=int, default=1500,
                         help="--sessions: system prompt + document tokens per session")
@@ -64,11 +67,11 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
                         help="--sessions: tenants (one system prompt each)")
     parser.add_argument("--workdir", default=".mesh/bench",
                         help="--sessions: where the deployed configs are written")
-    parser.add_argument("--adapters", type=int, metavar="K",
-                        help="many LoRA adapters: K registered copies on a 2-replica variant, "
-                        "adapter affinity vs Serve's default router vs vLLM direct vs "
-                        "base-only, and a merged variant (scripts/bench_adapters.py; starts "
-                        "its own Ray and mesh)")
+    parser.add_argument("--adapters", type=int, nargs="?", const=ADAPTERS, metavar="K",
+                        help="many LoRA adapters: K registered copies on a 2-replica variant "
+                        f"({ADAPTERS} when K is not given), adapter affinity vs Serve's "
+                        "default router vs vLLM direct vs base-only, and a merged variant "
+                        "(bench/adapters.py; starts its own Ray and mesh)")
     parser.add_argument("--max-resident", type=int, default=4,
                         help="--adapters: max_adapters_per_replica")
     parser.add_argument("--router-throughput", action="store_true",

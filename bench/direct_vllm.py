@@ -10,13 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.servers import free_port
+from bench.servers import ServerDidNotStart, free_port, wait_until_ready
 from serve_app.common.adapters import load_manifest, resolve_uri
 from serve_app.common.config import ReplicaConfig, VariantArgs
 from serve_app.common.deployment_options import replica_environment
 from serve_app.common.paths import REPO_ROOT, resolve_model_path, resolve_repo_path
 from serve_app.common.serve_configs import REPLICA_DEPLOYMENT, deployment, load_yaml, mesh_parts
-from serve_app.common.servers import ServerDidNotStart, wait_until_ready
 
 
 def vllm_flags(engine_args: dict) -> list[str]:

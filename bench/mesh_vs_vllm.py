@@ -16,7 +16,7 @@ import httpx
 from bench.direct_vllm import start_direct
 from bench.loadgen import LoadSpec
 from bench.measure import measure
-from serve_app.common.script_args import ScriptError
+from bench.script_args import ScriptError
 from serve_app.common.serve_configs import load_yaml
 
 #: Demo keys of serve_configs/tenants.yaml: the adapter each tenant owns ("" = base model).

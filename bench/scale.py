@@ -52,6 +52,8 @@ from serve_app.common.sim_profile import SimProfile, load_profile
 #: SLOs by profile when none is given: (TTFT p95 s, TPOT p95 s). The GPU one is a common
 #: interactive target for an 8B chat model; the CPU one scales it to a 135M model on 2 cores.
 DEFAULT_SLO = {"h100-llama3-8b": (1.0, 0.05), "cpu-smollm2": (10.0, 0.5)}
+#: ``--sim`` given without a profile: the one docs/scale.md's results are of.
+DEFAULT_SIM_PROFILE = "h100-llama3-8b"
 WORKLOADS = ("many-adapters", "sessions", "tenants")
 #: Bisections of the arrival rate past the grid's last rate within the SLO.
 REFINE_STEPS = 3
@@ -395,8 +397,9 @@ def _without(value, key: str):
 def add_arguments(parser) -> None:
     """``bench.py --sim``'s options."""
     g = parser.add_argument_group("--sim PROFILE (the mesh at scale, simulated)")
-    g.add_argument("--sim", metavar="PROFILE",
-                   help="simulate a fleet of engines of this profile (serve_app/sim/profiles)")
+    g.add_argument("--sim", nargs="?", const=DEFAULT_SIM_PROFILE, metavar="PROFILE",
+                   help="simulate a fleet of engines of this profile (serve_app/sim/profiles; "
+                        f"{DEFAULT_SIM_PROFILE} when PROFILE is not given)")
     g.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
                    help="which to run (none: only --trust or --router-cost)")
     g.add_argument("--replicas", type=int, default=32, help="replicas (tenants: a quarter)")

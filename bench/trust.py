@@ -39,7 +39,7 @@ class TrustRun:
     engines x worker cores each`` in the benchmark's table:
     :class:`~bench.host_cpu.EngineShare`), the prefix-cache hit rate (None: not
     a prefix load) and, for a sessions run, the replica each turn went to (``placement``, as
-    ``bench_sessions`` prints it: a digit a turn, a group a session), which the replay
+    ``bench.py --sessions`` prints it: a digit a turn, a group a session), which the replay
     follows when ``replay_placement`` (:class:`~bench.fleet.routers.Replayed`, each
     replica running at most its share of the requests in flight: the most Serve's default
     router lets one run when it sends each request to the less loaded; assumed, the benchmark
@@ -66,8 +66,8 @@ class TrustRun:
         digits = set(self.placement or "") - {" "}
         if not digits <= set("0123456789"[:self.replicas]):
             raise ValueError(f"TrustRun {self.name!r}: placement has {sorted(digits)}; it "
-                             f"holds replica indexes below {self.replicas}, as bench_sessions "
-                             "prints them (a turn it lost, '?', cannot be replayed)")
+                             f"holds replica indexes below {self.replicas}, as bench.py "
+                             "--sessions prints them (a turn it lost, '?', cannot be replayed)")
         if self.replay_placement and not self.placement:
             raise ValueError(f"TrustRun {self.name!r}: replay_placement needs the placement")
 

@@ -21,8 +21,9 @@ from grafanalib._gen import DashboardEncoder
 from grafanalib.core import (Annotations, Dashboard, GridPos, RowPanel, Target, Template,
                              Templating, TimeSeries)
 
-from serve_app.release.rollout_report import gated_error_rate, refusal_rate
-from serve_app.common.script_args import run, script_parser
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.script_args import run, script_parser  # noqa: E402
+from serve_app.release.rollout_report import gated_error_rate, refusal_rate  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "model-mesh.json"
 DS = "${DS_PROMETHEUS}"

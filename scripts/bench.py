@@ -23,23 +23,25 @@ Usage:
   python scripts/bench.py [--config serve_configs/local.yaml] [--concurrency 1 8 32]
                           [--requests 32] [--max-tokens 64] [--mix] [--json FILE]
   python scripts/bench.py --limits [--concurrency 1 8 64] [--limit-calls 2000]
-  python scripts/bench.py --sessions 16 [--turns 4] [--prefix-tokens 1500] [--tenants 4]
-  python scripts/bench.py --adapters 16 [--max-resident 4]
-  python scripts/bench.py --sim h100-llama3-8b [--workloads ...] [--router-cost]
+  python scripts/bench.py --sessions [N] [--turns 4] [--prefix-tokens 1500] [--tenants 4]
+  python scripts/bench.py --adapters [K] [--max-resident 4]
+  python scripts/bench.py --sim [PROFILE] [--workloads ...] [--router-cost]
   python scripts/bench.py --router-throughput [--ingress proxy|haproxy|both] [--requests 600]
                           [--concurrency 32] [--ttft-requests 100] [--profile] [--json FILE]
 
 --sim PROFILE simulates the mesh at scale (32 replicas, 1,000 adapters; no Ray, no engine):
-the mesh's own replica routing and admission on engines priced by PROFILE, on a virtual
-clock, each policy against Serve's default router in one run (scripts/bench_scale.py).
+the mesh's own replica routing and admission on engines priced by PROFILE (h100-llama3-8b
+when not given), on a virtual clock, each policy against Serve's default router in one run
+(bench/scale.py).
 
---sessions compares cache-aware replica routing with Serve's default router on a variant of
-two replicas, in one run, starting its own Ray cluster (scripts/bench_sessions.py).
+--sessions N compares cache-aware replica routing with Serve's default router on a variant of
+two replicas, N sessions (24 when not given), in one run, starting its own Ray cluster
+(bench/sessions.py).
 
---adapters K runs K registered adapters on a variant of two replicas: adapter affinity vs
-Serve's default router vs vLLM's own server vs base-only, and a hot adapter from merged
-weights, in one run, starting its own Ray cluster (scripts/bench_adapters.py; 48 requests at 8
-in flight unless --requests / --concurrency say otherwise).
+--adapters K runs K registered adapters (16 when not given) on a variant of two replicas:
+adapter affinity vs Serve's default router vs vLLM's own server vs base-only, and a hot
+adapter from merged weights, in one run, starting its own Ray cluster (bench/adapters.py; 48
+requests at 8 in flight unless --requests / --concurrency say otherwise).
 
 --router-throughput measures what the mesh adds per request against vLLM's own OpenAI server
 on the same simulated engine, in one run: requests/s at saturation, TTFT overhead at one in
@@ -60,7 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cli import build_parser, main  # noqa: E402
-from serve_app.common.script_args import run  # noqa: E402
+from bench.script_args import run  # noqa: E402
 
 if __name__ == "__main__":
     run(lambda: main(build_parser(__doc__)))

@@ -34,8 +34,8 @@ from bench.tokenizer import hf_tokenizer  # noqa: E402
 from serve_app.common.config import VariantArgs  # noqa: E402
 from serve_app.common.deployment_options import replica_environment  # noqa: E402
 from serve_app.common.paths import REPO_ROOT  # noqa: E402
-from serve_app.common.script_args import run as run_script  # noqa: E402
-from serve_app.common.script_args import script_parser  # noqa: E402
+from bench.script_args import run as run_script  # noqa: E402
+from bench.script_args import script_parser  # noqa: E402
 from serve_app.common.serve_configs import load_yaml, mesh_parts  # noqa: E402
 from serve_app.common.sim_profile import PROFILES_DIR, load_profile  # noqa: E402
 

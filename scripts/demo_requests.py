@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serve_app.common.script_args import ScriptError, run, script_parser  # noqa: E402
+from bench.script_args import ScriptError, run, script_parser  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "What is 2 + 2?",
              "Name a primary color."]

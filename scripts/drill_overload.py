@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.release.deploy import DEFAULT_DASHBOARD, deploy  # noqa: E402
 from bench.drills import format_figures, overload_drill, without_priorities  # noqa: E402
 from serve_app.common.serve_configs import load_yaml  # noqa: E402
-from serve_app.common.script_args import run, script_parser  # noqa: E402
+from bench.script_args import run, script_parser  # noqa: E402
 
 
 def main() -> None:

@@ -205,7 +205,7 @@ def reservation_section() -> list[str]:
 
 
 def main() -> None:
-    from serve_app.common.script_args import run, script_parser
+    from bench.script_args import run, script_parser
 
     def write() -> int:
         p = script_parser(__doc__, prog="scripts/error_reference.py")

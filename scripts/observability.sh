@@ -10,4 +10,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case " $* " in *" -h "*|*" --help "*) ;; *) ./scripts/install_services.sh;; esac
-exec .venv/bin/python -m serve_app.observability.prometheus "$@"
+exec .venv/bin/python -m bench.local_prometheus "$@"

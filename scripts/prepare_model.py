@@ -37,7 +37,7 @@ from typing import NoReturn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import AdapterError, load_manifest, resolve_uri, sha256_file  # noqa: E402
 from serve_app.common.paths import DEFAULT_MODEL_NAME, models_dir, resolve_model_path  # noqa: E402
-from serve_app.common.script_args import ScriptError, run, script_parser  # noqa: E402
+from bench.script_args import ScriptError, run, script_parser  # noqa: E402
 from train_adapter import PREFIXES, UNSEEN  # noqa: E402  (scripts/ is on sys.path)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,7 +50,7 @@ def step(msg: str) -> None:
 
 
 def fail(msg: str) -> NoReturn:
-    """Stop with one line and exit status 2 (:func:`serve_app.common.script_args.run`)."""
+    """Stop with one line and exit status 2 (:func:`bench.script_args.run`)."""
     raise ScriptError(msg)
 
 

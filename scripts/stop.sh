@@ -9,4 +9,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}   # as scripts/demo.sh starts Ray
-exec .venv/bin/python -m serve_app.release.full_stop "$@"
+exec .venv/bin/python -m bench.full_stop "$@"

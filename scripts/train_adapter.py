@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve_app.common.adapters import (MANIFEST_PATH, WEIGHTS_FILE, AdapterSpec,  # noqa: E402
                                 sha256_file, verify_adapter)
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, resolve_model_path  # noqa: E402
-from serve_app.common.script_args import run, script_parser  # noqa: E402
+from bench.script_args import run, script_parser  # noqa: E402
 
 RANK, ALPHA = 8, 16
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -27,7 +27,7 @@ from tests.support.mesh import TEST_ENGINE, on_engine
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
-from serve_app.release import full_stop
+from bench import full_stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -20,6 +20,7 @@ import pytest
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.observability import prometheus
+from bench import local_prometheus
 from bench.loadgen import LoadSpec, background_load
 from bench.servers import free_port
 from tests.support.dashboard import dashboard
@@ -77,7 +78,7 @@ def observed_config(base, routed_before: bool):
 def observed(mesh):
     base = mesh.config("canary.yaml")
     mesh.deploy(observed_config(base, routed_before=hasattr(mesh, "affinity_cfg")))
-    proc, url = prometheus.start(free_port())  # 5 s, as shipped
+    proc, url = local_prometheus.start(free_port())  # 5 s, as shipped
     mesh.prometheus = url
     yield mesh
     proc.terminate()
@@ -121,9 +122,9 @@ def test_every_dashboard_panel_returns_data_and_a_rollout_report_is_written(obse
         print(f"\nrollout: {[d['decision'] for d in state['history']]}")
 
         # Every panel's query, through Prometheus's HTTP API, while the load goes on.
-        missing = prometheus.without_data(observed.prometheus, queries, 180)
+        missing = local_prometheus.without_data(observed.prometheus, queries, 180)
         assert not missing, (f"panels without data: {missing}; failing scrapes: "
-                             f"{prometheus.target_errors(observed.prometheus)}")
+                             f"{local_prometheus.target_errors(observed.prometheus)}")
         # Engine series carry the variant (a scrape between two exports may miss one: wait)
         wait_for("engine series of both variants", lambda: {
             r["metric"].get("variant") for r in prometheus.query(

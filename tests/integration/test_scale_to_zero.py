@@ -25,7 +25,7 @@ import pytest
 
 from serve_app.request.split import pick_variant
 from serve_app.tenancy.token_budget import Reservation
-from serve_app.observability import prometheus
+from bench import local_prometheus
 from bench.drills import herd_table
 from bench.loadgen import flood
 from bench.servers import free_port
@@ -96,7 +96,7 @@ def sleepy(mesh):
     canary["deployments"][0]["autoscaling_config"].update(SHORT)
     mesh.deploy(cfg)
     mesh.sleepy_cfg = cfg
-    proc, mesh.sleepy_prometheus = prometheus.start(free_port())  # 5 s, as shipped
+    proc, mesh.sleepy_prometheus = local_prometheus.start(free_port())  # 5 s, as shipped
     yield mesh
     proc.terminate()
     proc.wait(timeout=30)
@@ -413,6 +413,6 @@ def test_the_dashboards_scale_to_zero_panels_have_data(budget):
     build = dashboard()
     queries = build.queries({build.SCALE_TO_ZERO_ROW})
     assert len(queries) == 6
-    missing = prometheus.without_data(budget.sleepy_prometheus, queries, 60, every_s=2)
+    missing = local_prometheus.without_data(budget.sleepy_prometheus, queries, 60, every_s=2)
     assert not missing, (f"panels without data: {missing}; failing scrapes: "
-                         f"{prometheus.target_errors(budget.sleepy_prometheus)}")
+                         f"{local_prometheus.target_errors(budget.sleepy_prometheus)}")

@@ -208,8 +208,8 @@ def test_every_shell_script_has_help(script):
     (["bench.py", "--config", "nope.yaml"], "bench.py: --config nope.yaml: no such file"),
     (["bench.py", "--concurrency", "x"], "bench.py: argument --concurrency: invalid int"),
     (["bench.py", "--mesh-url", NOWHERE + "/v1"], "bench.py: the mesh is not answering at"),
-    (["bench_adapters.py", "--max-resident", "x"],
-     "bench_adapters.py: argument --max-resident: invalid int"),
+    (["bench.py", "--adapters", "--max-resident", "x"],
+     "bench.py: argument --max-resident: invalid int"),
     (["demo_requests.py", "--base-url", NOWHERE + "/v1"],
      f"demo_requests.py: the mesh does not answer at {NOWHERE}/v1"),
     (["drill_overload.py", "--compare", "--config", "nope.yaml"],
@@ -225,6 +225,21 @@ def test_scripts_say_what_was_wrong_in_one_line(argv, line):
     res = run_script(sys.executable, str(REPO_ROOT / "scripts" / argv[0]), *argv[1:])
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert one_line(res.stderr).startswith(line), res.stderr
+
+
+@pytest.mark.parametrize("argv, mode, size", [
+    (["--adapters"], "adapters", 16),
+    (["--adapters", "8", "--max-resident", "2"], "adapters", 8),
+    (["--sessions", "--turns", "3"], "sessions", 24),
+    (["--sim"], "sim", "h100-llama3-8b"),
+    (["--sim", "cpu-smollm2", "--small"], "sim", "cpu-smollm2"),
+])
+def test_a_bench_mode_without_its_size_runs_the_documented_one(argv, mode, size):
+    """``bench.py --adapters``, ``--sessions`` and ``--sim`` alone run the size of their
+    table in docs/benchmarks.md and docs/scale.md (16 adapters, 24 sessions, h100-llama3-8b)."""
+    from bench.cli import build_parser
+
+    assert getattr(build_parser(None).parse_args(argv), mode) == size
 
 
 @pytest.mark.parametrize("argv, line", [

@@ -169,7 +169,7 @@ def test_bench_sessions_records_where_and_when_each_turn_ran():
 
 def test_a_replayed_placement_sends_each_turn_where_the_real_run_sent_it():
     """``--trust`` puts a real run's placement on the fleet: each session's turns go to the
-    replicas its placement names (bench_sessions prints it), each replica running at most its
+    replicas its placement names (bench.py --sessions prints it), each replica running at most its
     share of the requests in flight; a placement naming a replica the run did not have, a
     lost turn or the wrong shape is refused."""
     from bench.trust import TrustRun

@@ -1,6 +1,6 @@
 """The operating guide's stop, without a cluster: ``scripts/observability.sh`` stops its
 Prometheus on SIGTERM (a stand-in ``prometheus`` binary that answers ``/-/ready``), and the
-full stop's parts (``serve_app.release.full_stop``) find and stop what they should. The full
+full stop's parts (``bench.full_stop``) find and stop what they should. The full
 stop of a real demo mesh is ``tests/integration/test_full_stop.py`` (integration)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from serve_app.common.paths import REPO_ROOT
-from serve_app.release import full_stop
+from bench import full_stop
 from bench.servers import free_port
 
 #: A stand-in for Debian's prometheus: serves 200 on every path at --web.listen-address.
@@ -59,7 +59,7 @@ def started(proc: subprocess.Popen, timeout_s: float = 60) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_observability_stops_its_prometheus_on_a_signal(fake_prometheus, tmp_path, sig):
     port, data = free_port(), tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "serve_app.observability.prometheus", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "bench.local_prometheus", "--port",
                              str(port), "--data-dir", str(data)], env=fake_prometheus,
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -1,6 +1,8 @@
-"""What every script of ``scripts/`` shares on its command line: ``--help`` that shows each
-option's default, and one line of error with exit status 2, never a traceback, for bad
-arguments, files that cannot be read and addresses that do not answer (as ``meshctl``).
+"""What every command of the repository around the product shares on its command line (the
+scripts of ``scripts/``, ``dashboards/build.py``, ``scripts/stop.sh`` and
+``scripts/observability.sh``): ``--help`` that shows each option's default, and one line of
+error with exit status 2, never a traceback, for bad arguments, files that cannot be read and
+addresses that do not answer (as ``meshctl``).
 
     parser = script_parser(__doc__)
     ...

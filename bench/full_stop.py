@@ -129,9 +129,9 @@ def leftovers(*, keep_ray: bool = False, pid_file: Path = PROMETHEUS_PID_FILE) -
 
 
 def main() -> int:
-    from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
+    from bench.script_args import script_parser
     from serve_app.release.deploy import DEFAULT_DASHBOARD
-    from serve_app.common.script_args import script_parser
+    from serve_app.tenancy.ledger import SHARED_NAME, SHARED_NAMESPACE
 
     p = script_parser(__doc__, prog="stop.sh")
     p.add_argument("--keep-ray", action="store_true",
@@ -157,6 +157,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from serve_app.common.script_args import run
+    from bench.script_args import run
 
     run(main)
