@@ -179,3 +179,151 @@ def test_installed_packages_carry_their_bytecode(module):
     assert spec is not None and spec.origin, f"{module} is not installed: run ./scripts/setup.sh"
     cached = Path(importlib.util.cache_from_source(spec.origin))
     assert cached.exists(), f"{module} has no bytecode ({cached}): run ./scripts/setup.sh"
+
+
+# ---- one install, from the lock: scripts/install_lock.sh, setup.sh and the image -----------
+
+INSTALL = ROOT / "scripts" / "install_lock.sh"
+SETUP = ROOT / "scripts" / "setup.sh"
+DOCKERFILE = ROOT / "deploy" / "kuberay" / "Dockerfile"
+
+
+def install_commands(accel: str, python: str = "python", uv: str = "",
+                     find_links: str = "/nonexistent") -> list[str]:
+    """The commands ``install_lock.sh`` runs for ``accel``, as it prints them (--print)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("UV", "TORCH_INDEX_URL")}
+    r = subprocess.run([str(INSTALL), "--print", python], capture_output=True, text=True,
+                       timeout=60, env={**env, "MESH_ACCEL": accel, "UV": uv,
+                                        "TORCH_FIND_LINKS": find_links})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("uv", ["", "/opt/uv/bin/uv"], ids=["pip", "uv"])
+@pytest.mark.parametrize("accel", ["cpu", "gpu"])
+def test_the_install_is_the_lock_with_its_hashes(accel, uv):
+    first, *rest = install_commands(accel, uv=uv)
+    lock = f"requirements-{accel}.txt"
+    if uv:
+        assert first.startswith(f"{uv} pip sync --python python --compile-bytecode "
+                                "--require-hashes ") and first.endswith(f" {lock}")
+    else:
+        assert first.startswith("python -m pip install -q --require-hashes --no-deps ")
+        assert first.endswith(f" -r {lock}")
+    assert rest[-1].endswith(" --no-deps --no-build-isolation -e .")  # the package, last
+    assert all("--no-deps" in c or " uninstall " in c for c in rest)
+
+
+@pytest.mark.parametrize("uv", ["", "/opt/uv/bin/uv"], ids=["pip", "uv"])
+def test_the_gpu_install_asks_no_cpu_torch_index(uv):
+    """The GPU lock's CUDA torch is on PyPI; PyTorch's CPU index has a torch of the same
+    version that must never stand in for it."""
+    text = "\n".join(install_commands("gpu", uv=uv))
+    assert "download.pytorch.org" not in text
+    assert not re.search(r"--(extra-)?index(-url)?\b|--find-links", text)
+
+
+@pytest.mark.parametrize("uv, option", [("", "--extra-index-url"), ("/opt/uv/bin/uv", "--index")])
+def test_the_cpu_install_takes_torch_from_the_wheel_folder_else_pytorchs_index(tmp_path, uv,
+                                                                               option):
+    assert (f"{option} https://download.pytorch.org/whl/cpu"
+            in install_commands("cpu", uv=uv)[0])
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    first = install_commands("cpu", uv=uv, find_links=str(tmp_path))[0]
+    assert f"--find-links {tmp_path}" in first and "download.pytorch.org" not in first
+
+
+def _run_lines(dockerfile: str) -> list[str]:
+    """The RUN instructions of a Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", dockerfile)
+    return [" ".join(line.split()[1:]) for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_the_image_installs_the_lock_with_the_install_setup_runs():
+    """The image runs install_lock.sh (what setup.sh runs too) on requirements-$MESH_ACCEL.txt,
+    after copying in the locks and the script; nothing else installs Python packages."""
+    text = DOCKERFILE.read_text()
+    run, = _run_lines(text)
+    assert 'MESH_ACCEL="$MESH_ACCEL"' in run and "./scripts/install_lock.sh python" in run
+    assert "pip install" not in run and "uv " not in run
+    copies = text[:text.index("\nRUN ")]
+    for needed in ("requirements-cpu.txt", "requirements-gpu.txt", "scripts/install_lock.sh",
+                   "pyproject.toml", "serve_app/"):
+        assert re.search(rf"^COPY .*{re.escape(needed)}", copies, re.M), needed
+    assert re.search(r"^ARG MESH_ACCEL=gpu$", text, re.M)
+    # The image's install, command by command (no uv in the image: pip).
+    assert install_commands("gpu") == [
+        "python -m pip install -q --require-hashes --no-deps -r requirements-gpu.txt",
+        "python -m pip install -q --no-deps --no-build-isolation -e ."]
+    # setup.sh installs through the same function, and nothing else of its own.
+    setup = SETUP.read_text()
+    assert "source scripts/install_lock.sh" in setup
+    assert re.search(r'^\s*MESH_ACCEL=\$ACCEL UV=\$UV install_lock "\$VPY" "\$SMOLLM2"$',
+                     setup, re.M)
+    assert not re.search(r"pip install .*-r |pip sync", setup)
+
+
+# ---- setup.sh's refusals, before it installs anything ------------------------------------------
+
+def _setup_copy(tmp_path):
+    from tests.support.gpu_host import repo_copy
+
+    return repo_copy(tmp_path / "repo", ("setup.sh", "check_driver.sh", "install_lock.sh"),
+                     links=("requirements-cpu.txt", "requirements-gpu.txt", "pyproject.toml"))
+
+
+def _setup(repo, path: str, **env):
+    import subprocess
+
+    from tests.support.gpu_host import environment
+
+    return subprocess.run([str(repo / "scripts" / "setup.sh")], capture_output=True, text=True,
+                          timeout=60, env=environment(path, **env))
+
+
+def test_setup_refuses_an_old_driver_under_mesh_accel_gpu_before_anything(tmp_path):
+    from tests.support.gpu_host import fake_nvidia_smi, tool_path
+
+    repo = _setup_copy(tmp_path)
+    fake_nvidia_smi(tmp_path / "bin", "535.104.05")
+    # No Python to make a venv with: nothing past the driver check could install anything.
+    r = _setup(repo, tool_path(tmp_path / "bin"), MESH_ACCEL="gpu", PYTHON="/nonexistent")
+    assert r.returncode == 1, r.stdout + r.stderr
+    line, = r.stderr.splitlines()
+    assert line.startswith("check_driver.sh: NVIDIA driver 535.104.05 is older than 580.65.06")
+    assert not (repo / ".venv").exists()
+
+
+def test_setup_checks_the_driver_then_python(tmp_path):
+    from tests.support.gpu_host import fake_nvidia_smi, tool_path
+
+    repo = _setup_copy(tmp_path)
+    fake_nvidia_smi(tmp_path / "bin", "580.95.05")
+    r = _setup(repo, tool_path(tmp_path / "bin"), MESH_ACCEL="gpu", PYTHON="/nonexistent")
+    assert r.stdout.startswith("[driver] NVIDIA driver 580.95.05: CUDA 13.0")
+    assert r.returncode == 2
+    assert r.stderr.startswith("setup.sh: needs Python 3.11 (requires-python ==3.11.*), and "
+                               "PYTHON=/nonexistent is not found: install 3.11")
+    assert not (repo / ".venv").exists()
+
+
+def test_setup_refuses_a_python3_that_is_not_3_11(tmp_path):
+    from tests.support.gpu_host import tool_path
+
+    repo = _setup_copy(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"  # no python3.11 on PATH; python3 is 3.12
+    fake.write_text('#!/bin/sh\ncase "$*" in *sys.version_info*) echo 3.12;; '
+                    '*) echo "fake python3 ran: $*" >&2; exit 9;; esac\n')
+    fake.chmod(0o755)
+    r = _setup(repo, tool_path(bin_dir))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        "setup.sh: needs Python 3.11 (requires-python ==3.11.*), and python3 is Python 3.12: "
+        "install 3.11 (Debian/Ubuntu: apt-get install python3.11 python3.11-venv; or uv python "
+        "install 3.11; or pyenv install 3.11) and run again, or set PYTHON=/path/to/python3.11"]
+    assert not (repo / ".venv").exists()
