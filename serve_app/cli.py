@@ -54,7 +54,7 @@ from serve_app.common.serve_configs import applications, load_yaml, mesh_parts
 from serve_app.common.serve_env import DEFAULT_INGRESS, INGRESSES
 from serve_app.release import kuberay, merge_plan, rollout_watch
 from serve_app.release.change_lines import report_lines
-from serve_app.release.rollout_report import fetch_rollouts, write_report
+from serve_app.release.rollout_report import ReportError, fetch_rollouts, write_report
 from serve_app.release.swap import InvalidPlan, apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.tenancy.keys import hash_api_key
 from serve_app.release.engine_check import VLLM_IMPORT_TIME
@@ -316,7 +316,10 @@ def _rollout_report(args: argparse.Namespace) -> int:
               f"{', '.join(rollouts) or 'none'})", file=sys.stderr)
         return REFUSED_EXIT
     for rollout in chosen.values():
-        report = write_report(rollout, Path(args.out), args.prometheus or None)
+        try:
+            report = write_report(rollout, Path(args.out), args.prometheus or None)
+        except ReportError as e:
+            raise UsageError(str(e)) from None
         print(f"{rollout['key']}: {rollout['state']}: wrote {report.png} and {report.markdown}")
     return 0
 

@@ -9,6 +9,8 @@ judge), the router's overload refusals as a line of their own (never counted aga
 arm), TTFT p95 and latency p95. Each decision (start, advance, promote, rollback, ...) is
 marked with its reason. Without Prometheus the report still has the decisions and the figures
 the controller judged at each one.
+
+The PNG is drawn with matplotlib, an optional extra of the package (:data:`REPORT_EXTRA`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,30 @@ from serve_app.observability.prometheus import PrometheusError, query_range
 
 #: Reasons of the router's own overload refusals (503 before the request ran).
 REFUSAL_REASONS = "overloaded|queue_timeout|shed"
+#: How to install what draws the report: matplotlib, the package's ``report`` extra.
+REPORT_EXTRA = "pip install 'serve-app[report]'"
+
+
+class ReportError(RuntimeError):
+    """The report cannot be drawn here; the message says how to fix it."""
+
+
+def pyplot():
+    """matplotlib's ``pyplot``, drawing to files only (the Agg backend).
+
+    Raises:
+        ReportError: matplotlib is not installed (it is the ``report`` extra:
+            :data:`REPORT_EXTRA`).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError(f"the report's PNG needs matplotlib, which is not installed: run "
+                          f"{REPORT_EXTRA}") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def gated_error_rate(sel: str, by: str = "") -> str:
@@ -143,11 +169,11 @@ def write_report(rollout: dict[str, Any], out_dir: Path, prometheus: str | None 
         prometheus: Prometheus base URL, for the figures over time.
         now: the report's end time, s since the epoch (default: now, or just after the last
             decision of a finished rollout).
-    """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+    Raises:
+        ReportError: matplotlib is not installed (:func:`pyplot`).
+    """
+    plt = pyplot()
     history = rollout["history"]
     start = history[0]["at"] - 30
     finished = rollout["state"] in FINAL_STATES

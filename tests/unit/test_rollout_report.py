@@ -3,11 +3,13 @@ from a rollout's decision history."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from serve_app.release.rollout_report import markdown, plot_queries, series, write_report
+from serve_app.release.rollout_report import (ReportError, markdown, plot_queries, series,
+                                              write_report)
 from tests.support.dashboard import dashboard
 
 
@@ -45,6 +47,33 @@ def test_report_files_and_markdown(tmp_path):
             "TTFT p95 310 ms, p95 950 ms | 20 req, 0.0% err, TTFT p95 290 ms, p95 860 ms |"
             in text)
     assert markdown(ROLLOUT, "x.png").count("\n| +") == 3
+
+
+# -- matplotlib is an optional extra -------------------------------------------------------------
+
+@pytest.fixture
+def without_matplotlib(monkeypatch):
+    """``import matplotlib`` fails, as where the package is installed without its extra."""
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_without_matplotlib_the_report_says_how_to_install_it(without_matplotlib, tmp_path):
+    with pytest.raises(ReportError, match=r"matplotlib.*pip install 'serve-app\[report\]'"):
+        write_report(ROLLOUT, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_meshctl_rollout_report_without_matplotlib_is_one_line(without_matplotlib, tmp_path,
+                                                                monkeypatch, capsys):
+    from serve_app import cli
+
+    monkeypatch.setattr(cli, "fetch_rollouts", lambda url, key: {"smollm": ROLLOUT})
+    code = cli.main(["rollout-report", "--out", str(tmp_path), "--prometheus", ""])
+    assert code == cli.USAGE_EXIT
+    assert capsys.readouterr().err.splitlines() == [
+        "meshctl rollout-report: the report's PNG needs matplotlib, which is not installed: "
+        "run pip install 'serve-app[report]'"]
 
 
 # -- the figures over time: which series each plotted line is made of -----------------------
