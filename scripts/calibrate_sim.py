@@ -96,10 +96,10 @@ async def run(engine_kind: str, profile: str, quick: bool):
     try:
         names, load_times = await load_adapters(engine)
         rows = await calibration.measure(engine, "smollm", names, quick=quick)
-        cache = engine.engine.vllm_config.cache_config
+        cache = engine.engine_client.vllm_config.cache_config
         return rows, dict(start_s=start_s, load_s=statistics.median(load_times),
                           kv_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
-                          **prompt_sizes(engine.engine.renderer.tokenizer))
+                          **prompt_sizes(engine.engine_client.renderer.tokenizer))
     finally:
         engine.shutdown()
 

@@ -1,8 +1,10 @@
 """``LLMReplica``: the Serve deployment shell of a variant application.
 
-One replica = one vLLM engine and the :class:`~serve_app.server.serving.ReplicaServer` that
-serves on it. The shell wires Serve to them (replica context, engine reaper, engine start,
-Ray metrics) and nothing else. The router calls :meth:`LLMReplica.generate` by handle with
+One replica = one engine (:class:`~serve_app.server.engine_protocol.Engine`, of the class
+``args.engine`` names, chosen once at start: :func:`~serve_app.server.engine.engine_cls_for`)
+and the :class:`~serve_app.server.serving.ReplicaServer` that serves on it. The shell wires
+Serve to them (replica context, engine reaper, engine start, Ray metrics, the engine's
+drills by name) and nothing else. The router calls :meth:`LLMReplica.generate` by handle with
 one :class:`~serve_app.common.wire.GenerateRequest`. ``args`` (:class:`VariantArgs`) are the
 engine's (a change restarts replicas); ``user_config`` is applied in place by
 ``reconfigure()``; Serve options: :mod:`serve_app.common.deployment_options`.
@@ -28,6 +30,7 @@ from serve_app.common.fetch import cached_model, fetch_model
 from serve_app.common.sources import parse_source
 from serve_app.common.logs import get_logger
 from serve_app.common.wire import CALIBRATION_TOKENS, GenerateRequest, ReplicaInfo
+from serve_app.server.drills import run_drill
 from serve_app.server.engine import engine_config, start_engine
 from serve_app.server.engine_checks import accepted_before, remember_accepted
 from serve_app.server.engine_reaper import start_reaper
@@ -57,19 +60,19 @@ class LLMReplica:
 
     async def __init__(self, args: dict[str, Any]):
         checked = VariantArgs.model_validate(args)
-        # a simulated engine's drill: every reconfigure takes this long (Serve: UPDATING)
-        self._reconfigure_s = checked.sim.reconfigure_s if checked.sim else 0.0
         variant = serve.get_replica_context().app_name
         model_dir = await asyncio.to_thread(fetch_model, checked.model, checked.revision)
-        logger.info("variant %s: starting vLLM engine for model %s", variant, checked.model)
+        logger.info("variant %s: starting the %s engine for model %s", variant, checked.engine,
+                    checked.model)
         self._reaper = start_reaper()  # stops the engine's processes should this one die first
-        self.engine = await start_engine(checked)
+        self.engine = await start_engine(checked)  # its class: engine_cls_for(checked)
         logger.info("variant %s: engine ready (max_model_len=%d)", variant,
                     self.engine.max_model_len)
         replica = serve.get_replica_context().replica_id.unique_id
         adapters = AdapterSet(
-            self.engine.models, self.engine.engine, base_model=checked.model,
-            max_lora_rank=self.engine.max_lora_rank, max_cpu_loras=self.engine.max_cpu_loras)
+            self.engine.models, self.engine.engine_client, base_model=checked.model,
+            max_lora_rank=self.engine.max_lora_rank, max_cpu_loras=self.engine.max_cpu_loras,
+            base_revision=checked.revision)
         self._adapter_metrics = adapters.on_event = AdapterMetrics(variant, replica, adapters)
         self.server = ReplicaServer(variant, self.engine, adapters, replica=replica,
                                     merged=merged_adapter(str(model_dir)) or "")
@@ -87,9 +90,10 @@ class LLMReplica:
                         self.server.full_batch_service_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config)."""
-        if self._reconfigure_s:
-            await asyncio.sleep(self._reconfigure_s)
+        """:meth:`ReplicaServer.reconfigure` (raises ValueError only on a first config), after
+        the engine's drills' delay (``args.sim.reconfigure_s`` on the simulated engine)."""
+        if self.engine.drills is not None:
+            await self.engine.drills.before_reconfigure()
         await self.server.reconfigure(user_config)
 
     async def check_health(self) -> None:
@@ -98,15 +102,24 @@ class LLMReplica:
 
     async def stats(self) -> dict[str, Any]:
         """``pid``, :meth:`ReplicaServer.stats` and the engine's own state
-        (:meth:`~serve_app.server.engine.EngineHandle.engine_state`; tests and debugging)."""
+        (:meth:`~serve_app.server.engine_protocol.Engine.engine_state`; tests and
+        debugging)."""
         return {"pid": os.getpid(), **self.server.stats(), **self.engine.engine_state()}
 
+    async def drill(self, name: str, **kw: Any) -> Any:
+        """Run the engine's drill ``name`` with ``kw`` (:func:`~serve_app.server.drills.run_drill`;
+        tests and drills); returns what it returns.
+
+        Raises:
+            ValueError: the engine has no drill ``name`` (the message lists those it has).
+        """
+        logger.warning("variant %s: drill %s %s", self.server.variant, name, kw or "")
+        return await run_drill(self.engine, name, **kw)
+
     async def kill_engine(self) -> None:
-        """Drills: kill this replica's engine as a crash would
-        (:meth:`~serve_app.server.engine.EngineHandle.kill`); Serve then replaces the
-        replica when its health check fails."""
-        logger.warning("variant %s: killing the engine (a drill)", self.server.variant)
-        self.engine.kill()
+        """``drill("kill_engine")``: kill this replica's engine as a crash would; Serve then
+        replaces the replica when its health check fails."""
+        await self.drill("kill_engine")
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (polled every ``request_routing_stats_period_s``): the

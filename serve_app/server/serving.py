@@ -1,9 +1,9 @@
 """``ReplicaServer``: the serving logic of one variant replica, over an engine protocol.
 
 ``LLMReplica`` (:mod:`serve_app.replica`) is the Serve deployment shell; everything it does
-with a request happens here, against a :class:`ServingEngine` (vLLM's, from
-:mod:`serve_app.server.engine`, or a fake in unit tests; the seam Ray Serve LLM's
-``LLMServer(engine_cls=...)`` has). Per request (:meth:`ReplicaServer.generate`):
+with a request happens here, against a :class:`ServingEngine` (the replica's
+:class:`~serve_app.server.engine_protocol.Engine`, or a fake in unit tests; the seam Ray Serve
+LLM's ``LLMServer(engine_cls=...)`` has). Per request (:meth:`ReplicaServer.generate`):
 
 1. :class:`~serve_app.common.wire.Accepted` first for a non-stream, and for a stream that
    must wait for its adapter (the router time-boxes the first item);
@@ -72,8 +72,8 @@ class EngineError:
 
 
 class ServingEngine(Protocol):
-    """What :class:`ReplicaServer` needs of an engine (:class:`serve_app.server.engine.EngineHandle`
-    is vLLM's)."""
+    """What :class:`ReplicaServer` needs of an engine: the part of
+    :class:`~serve_app.server.engine_protocol.Engine` it uses (unit tests give it a fake)."""
 
     max_num_seqs: int
     max_model_len: int

@@ -9,4 +9,6 @@ config does, and ``meshctl validate`` flags one that does. Modules:
 - :mod:`~serve_app.sim.prefix_cache`: the block prefix cache (LRU);
 - :mod:`~serve_app.sim.answers`: deterministic answers keyed by adapter, model and prompt;
 - :mod:`~serve_app.sim.core`: the engine core in place of vLLM's, and the ``AsyncLLM`` on it.
+- :mod:`~serve_app.sim.engine`: :class:`~serve_app.sim.engine.SimEngine`, the replica's
+  :class:`~serve_app.server.engine_protocol.Engine` for ``engine: sim``, and its drills.
 """
