@@ -1,7 +1,7 @@
 """Fit a simulated engine's profile from a real engine, and check the fit.
 
 The same workload rows run on an engine through vLLM's OpenAI layer
-(:meth:`~serve_app.server.engine.EngineHandle.run`, streaming, times taken as the client sees
+(:meth:`~serve_app.server.engine_protocol.Engine.run`, streaming, times taken as the client sees
 them), first on real vLLM, then on the simulated engine with the fitted profile:
 
 * ``decode c=N`` (N = 1, 8, 32): requests of :data:`DECODE_TOKENS` tokens (``ignore_eos``)
@@ -117,7 +117,8 @@ async def run_row(engine, name: str, n: int, concurrency: int, *, max_tokens: in
 
 async def measure(engine, route: str, adapter_names: list[str], *, quick: bool = False
                   ) -> list[Row]:
-    """Every row on ``engine`` (an ``EngineHandle``); ``adapter_names``: 8 adapters the
+    """Every row on ``engine`` (an :class:`~serve_app.server.engine_protocol.Engine`,
+    started); ``adapter_names``: 8 adapters the
     engine has loaded (their ``lora_name``). ``quick`` halves the requests."""
     scale = 1 if quick else 2
     rows = []

@@ -195,8 +195,9 @@ class ReplicaInfo:
             (``scripts/prepare_model.py --merge-adapter``), which it serves with no LoRA;
             "" for none.
         full_batch_service_s: seconds a request of :data:`CALIBRATION_TOKENS` generated tokens
-            held the engine in a full batch at start-up (:meth:`EngineHandle.full_batch_service_s`); 0.0
-            when not measured.
+            held the engine in a full batch at start-up
+            (:meth:`~serve_app.server.engine_protocol.Engine.full_batch_service_s`); 0.0 when not
+            measured.
         max_model_len: the engine's context length, tokens (0: unknown): what a chat with no
             ``max_tokens`` may generate at most (vLLM's default, the rest of the context).
         replica: the Serve replica id that answered ("" when unknown).
