@@ -183,3 +183,63 @@ def test_no_page_names_an_issue(page):
     assert not (found := issue_mentions(page.read_text())), (
         f"{rel(page)} names issues {found}: say what the mesh does now; dated runs and "
         "experiments go to docs/history.md")
+
+
+#: A date, as the docs write one.
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+#: The pages of latest results: each heading's table, introduced by one line that gives its
+#: run's date, host and command; every earlier run is in docs/history.md.
+RESULT_PAGES = [REPO_ROOT / "docs" / "benchmarks.md", REPO_ROOT / "docs" / "scale.md"]
+
+
+def dated_lab_notes(text: str) -> list[str]:
+    """What keeps a results page from being one current table per heading: a date outside a
+    results header (a paragraph that starts ``**DATE**``), a header that names no host ("this
+    host", or "simulated") or no command (a code span running ``python`` or ``pytest``), a
+    header not followed by its table, and a second header under one heading."""
+    problems, headers_here, at = [], 0, 0
+    paragraphs = re.split(r"\n\s*\n", text)
+    for i, para in enumerate(paragraphs):
+        at = text.index(para, at)
+        line = text.count("\n", 0, at) + 1
+        if para.startswith("#"):
+            headers_here = 0
+        if para.startswith("```"):
+            continue
+        dates = DATE.findall(para)
+        if not dates:
+            continue
+        if not re.match(r"\*\*20\d\d-\d\d-\d\d\*\*", para) or len(dates) > 1:
+            problems.append(f"{line}: a date outside a results header: {dates}")
+            continue
+        headers_here += 1
+        if headers_here > 1:
+            problems.append(f"{line}: a second dated table under one heading")
+        if "this host" not in para and "simulated" not in para:
+            problems.append(f"{line}: the header names no host")
+        if not re.search(r"`[^`]*\b(python|pytest)\b[^`]*`|the (same )?command", para):
+            problems.append(f"{line}: the header names no command")
+        following = paragraphs[i + 1] if i + 1 < len(paragraphs) else ""
+        if not following.startswith("|"):
+            problems.append(f"{line}: the header is not followed by its table")
+    return problems
+
+
+def test_dated_lab_notes_are_found():
+    assert dated_lab_notes("## A\n\n**2026-11-30**, this host, `python scripts/bench.py`:\n\n"
+                           "| a |\n|---|\n") == []
+    assert dated_lab_notes("## A\n\nOn a slower day (2026-12-02) it ran.\n") == [
+        "3: a date outside a results header: ['2026-12-02']"]
+    assert dated_lab_notes("## A\n\n**2026-11-30**, this host, `python x.py`:\n\n| a |\n\n"
+                           "**2026-12-01**, this host, `python x.py`:\n\n| b |\n") == [
+        "7: a second dated table under one heading"]
+    assert dated_lab_notes("## A\n\n**2026-11-30**, on a laptop:\n\nNo table.\n") == [
+        "3: the header names no host", "3: the header names no command",
+        "3: the header is not followed by its table"]
+
+
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_a_results_page_keeps_one_current_table_per_heading(page):
+    assert not (found := dated_lab_notes(page.read_text())), (
+        f"{rel(page)}: {found}: keep one table of the latest run per heading, introduced by "
+        "its date, host and command; move earlier runs and dated notes to docs/history.md")
