@@ -26,6 +26,7 @@ MODULE_ORDER = ["test_replica_routing",  # first: the router's handle is made wi
                 "test_scale_to_zero",  # changes smollm-v2's autoscaling (a restart)
                 "test_base_swap",  # changes smollm-v1's args and swaps its base model
                 "test_model_sources",  # adds two variants whose weights are in a bucket
+                "test_chaos",  # kills a variant replica, a router replica and the ledger
                 "test_real_engine",  # real vLLM engines: after every module on the sim
                 "test_multi_node"]  # last: it kills a node
 
