@@ -35,9 +35,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 from vllm.v1.outputs import LogprobsLists
 
-from serve_app.common.adapters import merged_adapter
+from serve_app.common.adapters import MODEL_STAMP, AdapterError, load_manifest, merged_adapter
 from serve_app.common.logs import get_logger
-from serve_app.common.paths import model_identity
+from serve_app.common.paths import model_identity, resolve_model_path
 from serve_app.sim.answers import AnswerBook
 from serve_app.common.sim_profile import SimProfile
 from serve_app.sim.scheduler import (LENGTH, SimRequest, SimScheduler, Step, Token,
@@ -46,6 +46,30 @@ from serve_app.sim.scheduler import (LENGTH, SimRequest, SimScheduler, Step, Tok
 logger = get_logger(__name__)
 
 _FINISH = {"stop": FinishReason.STOP, LENGTH: FinishReason.LENGTH}
+
+
+def merged_label(model: str) -> str | None:
+    """Who answers a merged model's own weights on the simulated engine
+    (:mod:`serve_app.sim.answers`); None for a model with no adapter merged in.
+
+    The adapter version its stamp names (``name@vN``, as the LoRA path labels that version)
+    only when the merge used that version's registered weights: the stamp's
+    ``adapter_sha256`` is the registry's ``sha256`` for it. A merge of other weights (another
+    version's, a retrained file) answers as ``name@vN#<their sha256>``: otherwise than the
+    LoRA path, as real weights would, so a check that the merged variant answers as the LoRA
+    path does can fail on this engine too."""
+    key = merged_adapter(model)
+    if key is None:
+        return None
+    try:
+        stamp = json.loads((Path(resolve_model_path(model)) / MODEL_STAMP).read_text())
+        registered = load_manifest().get(key)
+    except (OSError, ValueError, AdapterError):
+        stamp, registered = {}, None
+    merged_from = str(stamp.get("adapter_sha256", ""))
+    if registered is not None and merged_from == registered.sha256:
+        return key
+    return f"{key}#{merged_from[:12] or 'unknown'}"
 
 
 class SimEngineCore(EngineCoreClient):
@@ -74,7 +98,7 @@ class SimEngineCore(EngineCoreClient):
             max_num_batched_tokens=sched.max_num_batched_tokens,
             priority=sched.policy == "priority")
         # who answers a request without LoRA: the merged adapter, else the model itself
-        self.base_label = merged_adapter(model) or model_identity(model)
+        self.base_label = merged_label(model) or model_identity(model)
         self.resources = SimpleNamespace(engine_dead=False, output_queue_task=None)
         self.engine_ranks_managed = [0]
         self.loras: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
