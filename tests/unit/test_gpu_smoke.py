@@ -89,6 +89,13 @@ def test_a_driver_older_than_r580_is_refused_naming_both_fixes(tmp_path, driver)
     assert "MESH_SKIP_DRIVER_CHECK=1" in line
 
 
+def test_the_guide_shows_the_refusal_as_it_is(tmp_path):
+    """docs/gpu-fleet.md's driver section quotes the refusal of a 535 driver word for word."""
+    doc = (REPO_ROOT / "docs" / "gpu-fleet.md").read_text()
+    quoted, = re.findall(r"^check_driver\.sh: NVIDIA driver 535\.104\.05 .*$", doc, re.M)
+    assert check(tmp_path, "535.104.05").stderr.strip() == quoted
+
+
 @pytest.mark.parametrize("driver", ["580.65.06", "580.95.05", "590.44.01", "1000.1"])
 def test_an_r580_or_newer_driver_passes(tmp_path, driver):
     r = check(tmp_path, driver)
