@@ -100,8 +100,10 @@ class TenantLimiter:
         routers: the number of router replicas running now (for the fallback's share, and
             a lease's).
         leases: hold budget leases on busy tenants (when the ledger grants them).
-        clock, renew_in_background: the leases' (:class:`LeaseKeeper`; tests on a fake
-            clock renew by hand).
+        clock: seconds now (``time.monotonic`` by default): when the pause of
+            :data:`RETRY_SHARED_S` after a ledger that did not answer ends, and the leases'
+            (:class:`LeaseKeeper`); tests pass a fake.
+        renew_in_background: the leases' (tests on a fake clock renew by hand).
     """
 
     def __init__(self, shared=lambda: ledger_for(None), max_batch: int = MAX_BATCH,
@@ -109,6 +111,7 @@ class TenantLimiter:
                  clock: Callable[[], float] = time.monotonic,
                  renew_in_background: bool = True) -> None:
         self._max_batch = max_batch
+        self._clock = clock
         self._factory = shared if callable(shared) else None
         self._calls: _SharedCalls | None = None
         self._shared = None if callable(shared) else shared
@@ -191,7 +194,7 @@ class TenantLimiter:
         """Count the request with the ledger, or by the tenant's fail mode (see
         :meth:`acquire`)."""
         tokens = limits[2]
-        if time.monotonic() >= self._down_until:
+        if self._clock() >= self._down_until:
             counted = await self._acquire_shared(limits)
             if counted is not None:
                 return counted
@@ -252,10 +255,10 @@ class TenantLimiter:
         return CountedRequest(limits[0], shared, incarnation, limits[2], quota)
 
     def _unavailable(self, why: str) -> None:
-        if self._down_until <= time.monotonic():  # once per outage, not once per request
+        if self._down_until <= self._clock():  # once per outage, not once per request
             logger.warning("shared tenant counts unavailable (%s); each tenant's "
                            "limits_fail_mode applies for %.0f s", why, RETRY_SHARED_S)
-        self._down_until = time.monotonic() + RETRY_SHARED_S
+        self._down_until = self._clock() + RETRY_SHARED_S
         if self._factory is not None:
             self._shared = None  # look it up again next time: Ray may have replaced it
         return None

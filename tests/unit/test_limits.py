@@ -13,6 +13,7 @@ from serve_app.common.errors import MeshError
 from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.quota import Limits
+from tests.support.clocks import FakeClock
 from tests.support.fakes import FakeShared
 
 
@@ -57,7 +58,7 @@ def test_open_mode_and_unlimited_tenants_cost_no_call():
         for _ in range(100):
             assert await limiter.acquire(None) is None
             assert await limiter.acquire(tenant()) is None
-        assert limiter._down_until == 0.0  # never asked
+        assert shared.calls == 0  # never asked
     asyncio.run(main())
 
 
@@ -121,20 +122,32 @@ def test_open_mode_counts_from_this_routers_share_of_what_the_ledger_said_remain
     asyncio.run(main())
 
 
-def test_a_late_answer_gives_its_count_back_and_the_router_stops_asking(monkeypatch):
+def test_a_late_answer_gives_its_count_back_and_the_router_stops_asking_for_5_s(monkeypatch):
+    """After a ledger answer later than ``SHARED_TIMEOUT_S`` the router counts every limited
+    tenant from its share for 5 s (on its clock) without asking the ledger, then asks again.
+    The late answer's count is given back."""
     monkeypatch.setattr(limits, "SHARED_TIMEOUT_S", 0.05)
 
     async def main():
+        clock = FakeClock(100.0)
         shared, t = FakeShared(delay_s=0.2), tenant(max_concurrent_requests=1)
-        limiter = TenantLimiter(shared=shared)
+        limiter = TenantLimiter(shared=shared, clock=clock)
         lease = await limiter.acquire(t)  # timed out: counted locally (fail mode open)
-        assert lease.shared is None and limiter._down_until > 0
+        assert lease.shared is None and shared.calls == 1
         await asyncio.sleep(0.3)  # the late answer arrived and was given back
         assert shared.counts.in_flight("t") == 0
-        shared.delay_s = 0.0
-        assert (await limiter.acquire(tenant("u", max_concurrent_requests=1))).shared is None
-        limiter._down_until = 0.0  # RETRY_SHARED_S later
-        assert (await limiter.acquire(t)).shared is shared
+        limiter.release(lease)
+        shared.delay_s = 0.0  # the ledger answers at once from now on: still not asked
+        for after_s in (0.0, 2.5, 4.99):
+            clock.now = 100.0 + after_s
+            for who in (t, tenant("u", max_concurrent_requests=1)):
+                counted = await limiter.acquire(who)
+                assert counted.shared is None, after_s  # from this router's share
+                limiter.release(counted)
+        assert shared.calls == 1
+        clock.now = 105.0
+        assert (await limiter.acquire(t)).shared is shared  # 5 s later: asked again
+        assert shared.calls == 2
     asyncio.run(main())
 
 
