@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -85,14 +86,28 @@ def test_a_lost_reply_of_a_settlement_settles_once(url, monkeypatch):
 
 
 def test_watch_errors_are_retried_a_bounded_number_of_times_with_back_off(url, monkeypatch):
-    attempts = []
+    """Before retry ``n`` (1 to ``MAX_WATCH_RETRIES``) the ledger sleeps a jittered
+    ``uniform(0, min(BACKOFF_S * 2**n, MAX_BACKOFF_S))`` s: 2, 4, 8, 16 ms, then 32 ms
+    each, about 0.2 s in all. The jitter is pinned to its top so the sleeps are exact."""
+    attempts, bounds, slept = [], [], []
+    real_sleep = asyncio.sleep
 
     async def busy(self, raise_on_error: bool = True):
         attempts.append(time.monotonic())
         await self.reset()
         raise WatchError("Watched variable changed.")
 
+    def top_of(low: float, high: float) -> float:
+        bounds.append((low, high))
+        return high
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(seconds)
+
     monkeypatch.setattr(Pipeline, "execute", busy)
+    monkeypatch.setattr(redis_ledger, "random", SimpleNamespace(uniform=top_of))
+    monkeypatch.setattr(redis_ledger, "asyncio", SimpleNamespace(sleep=sleep))
 
     async def main():
         ledger = RedisLedger(url)
@@ -102,8 +117,16 @@ def test_watch_errors_are_retried_a_bounded_number_of_times_with_back_off(url, m
         return time.monotonic() - t0
 
     took = asyncio.run(main())
-    assert len(attempts) == redis_ledger.MAX_WATCH_RETRIES + 1
-    assert took < 1.0  # within the back-off's bound, far under the router's patience
+    assert (redis_ledger.MAX_WATCH_RETRIES, redis_ledger.BACKOFF_S,
+            redis_ledger.MAX_BACKOFF_S) == (10, 0.001, 0.032)
+    assert len(attempts) == 11  # the first attempt and 10 retries, then it gives up
+    assert [high for _, high in bounds] == [0.002, 0.004, 0.008, 0.016] + [0.032] * 6
+    assert {low for low, _ in bounds} == {0}  # jittered from 0
+    assert slept == [high for _, high in bounds]
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert all(gap >= delay for gap, delay in zip(gaps, slept)), (gaps, slept)
+    assert sum(slept) == pytest.approx(0.222)
+    assert 0.222 <= took < 1.0  # the back-offs' sum, far under the router's patience
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
