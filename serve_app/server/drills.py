@@ -17,10 +17,7 @@ production engine classes carry no drill methods and the replica carries one gen
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from serve_app.server.engine_protocol import Engine
+from typing import Any, Protocol
 
 
 class EngineDrills(Protocol):
@@ -38,8 +35,10 @@ class EngineDrills(Protocol):
         applies the new ``user_config`` (s); return at once when no such drill is set."""
 
 
-async def run_drill(engine: Engine, name: str, **kw: Any) -> Any:
+async def run_drill(engine: Any, name: str, **kw: Any) -> Any:
     """Run the drill ``name`` of ``engine``'s drills with ``kw``; returns what it returns.
+    ``engine``: an :class:`~serve_app.server.engine_protocol.Engine` (not imported here: that
+    module imports this one's :class:`EngineDrills`).
 
     Raises:
         ValueError: the engine has no drills, or none called ``name`` (the message lists

@@ -144,7 +144,7 @@ def test_ingresses_to_measure(monkeypatch):
     assert ingresses("both")[0] == DEFAULT_INGRESS
     monkeypatch.setenv(INGRESS_VAR, "haproxy")
     assert ingresses(None) == ["haproxy"]
-    with pytest.raises(ValueError, match="one of proxy, haproxy"):
+    with pytest.raises(ValueError, match="one of haproxy, proxy"):
         ingresses("nginx")
 
 
@@ -161,7 +161,7 @@ def test_serve_env_per_ingress(monkeypatch):
     monkeypatch.setenv(INGRESS_VAR, "haproxy")
     assert serve_env() == haproxy
     monkeypatch.setenv(INGRESS_VAR, "nginx")
-    with pytest.raises(ValueError, match="MESH_INGRESS='nginx'.*proxy, haproxy"):
+    with pytest.raises(ValueError, match="MESH_INGRESS='nginx'.*haproxy, proxy"):
         serve_env()
 
 
