@@ -74,16 +74,21 @@ MANIFEST_HEADER = """\
 # Fields of an entry:
 #   name            adapter name; requests address it as name@vN
 #   version         integer >= 1; a registered version never changes: new weights get a new one
-#   base_model      the model the adapter was trained on (variants serving another model refuse it)
+#   base_model      the model the adapter was trained on, named as its variants name it: a hub
+#                   id (with base_model_revision), a bucket folder, or a local folder's name
+#                   (variants serving another model refuse it)
+#   base_model_revision  the hub commit (40 hex) of a hub base_model; nothing else has one
 #   uri             where the adapter directory is: a repo-relative or absolute local path,
 #                   file:///abs/path, a Hugging Face id (hf://org/name, with revision), or a
 #                   bucket folder (s3://bucket/prefix, gs://bucket/prefix) (docs/gpu-fleet.md)
 #   revision        the hub commit (40 hex) of an adapter from the hub; nothing else has one
 #   rank            LoRA rank r (= adapter_config.json's r; must fit the engine's max_lora_rank)
 #   target_modules  modules the LoRA applies to (must be supported by the engine)
-#   sha256          SHA-256 of adapter_model.safetensors. A replica loads the adapter from a
-#                   private read-only copy (MESH_CACHE_DIR/adapters/<sha256>), made from the
-#                   uri on first use and hashed again right before every load into vLLM
+#   sha256          SHA-256 of adapter_model.safetensors
+#   config_sha256   SHA-256 of adapter_config.json. A replica loads the adapter from a private
+#                   read-only copy of these two files (MESH_CACHE_DIR/adapters/<digest>, keyed
+#                   by both hashes), made from the uri on first use and hashed again right
+#                   before every load into vLLM
 #   training        free-form record of how the adapter was made
 #
 # The directory must hold adapter_config.json + adapter_model.safetensors only: pickle-format
@@ -92,7 +97,8 @@ MANIFEST_HEADER = """\
 # To add an adapter: python scripts/train_adapter.py --name NAME --version N --behaviour B
 # (it trains, checks, and writes the entry here), or save your own peft LoRA with
 # save_pretrained(out, safe_serialization=True) and add an entry by hand with
-# sha256 = `sha256sum adapter_model.safetensors`. serve_app.common.adapters loads and verifies it.
+# sha256 = `sha256sum adapter_model.safetensors` and config_sha256 = `sha256sum
+# adapter_config.json`. serve_app.common.adapters loads and verifies it.
 """
 
 
@@ -250,6 +256,7 @@ def main() -> int:
     spec = AdapterSpec(
         name=args.name, version=args.version, base_model=args.base_model, uri=uri, rank=RANK,
         target_modules=TARGET_MODULES, sha256=sha256_file(out / WEIGHTS_FILE),
+        config_sha256=sha256_file(out / CONFIG_FILE),
         training={"behaviour": args.behaviour, "steps": args.steps, "examples": len(examples),
                   "lr": args.lr, "seed": args.seed, "final_loss": round(loss_value, 4),
                   "seconds": round(seconds, 1), "behaviour_check": f"{hits}/3"})

@@ -58,6 +58,7 @@ from serve_app.release.rollout_report import ReportError, fetch_rollouts, write_
 from serve_app.release.swap import InvalidPlan, apply_plan, parse_steps, plan_swap, write_plan
 from serve_app.tenancy.keys import hash_api_key
 from serve_app.release.engine_check import VLLM_IMPORT_TIME
+from serve_app.release.manifest_paths import deployable_copy, with_config_folder
 from serve_app.release.validate import config_warnings, validate_config
 
 #: Exit status of a command that cannot do its job: bad arguments, a file that cannot be
@@ -126,7 +127,7 @@ def _dashboard(address: str) -> dict[str, Any]:
 def _config_or_live(source: str, address: str) -> dict[str, Any]:
     """A config file, or ``live``: the config deployed now on the cluster at ``address``."""
     if source != "live":
-        return read_config(source)
+        return with_config_folder(read_config(source), source)
     _dashboard(address)
     try:
         return live_config(address)
@@ -172,7 +173,7 @@ def _validate(paths: list[str], *, engine: bool = True) -> int:
     code = 0
     for path in paths:
         try:
-            config = read_config(path)
+            config = with_config_folder(read_config(path), path)
         except UsageError as e:
             print(f"meshctl validate: {e}", file=sys.stderr)
             code = USAGE_EXIT
@@ -187,7 +188,7 @@ def _report(old: str, new: str, address: str, *, refuse_restart: bool,
     """Print the change report of ``new`` against ``old`` (a file or ``live``), after
     validating ``new`` (``validate``). Returns 1 when ``new`` is invalid, or when
     ``refuse_restart`` and a change restarts replicas (each one explained on stderr)."""
-    new_config = read_config(new)
+    new_config = with_config_folder(read_config(new), new)
     old_config = _config_or_live(old, address)
     if validate and not _print_verdict(new, *_problems(new_config, engine=engine)):
         print(f"meshctl: {new} is invalid: no change report (fix it first)", file=sys.stderr)
@@ -413,11 +414,11 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    config = read_config(args.config)
+    config = with_config_folder(read_config(args.config), args.config)
     _dashboard(args.address)
     if not _print_verdict(args.config, *_problems(config, engine=not args.skip_engine_check)):
         return REFUSED_EXIT
-    deploy(args.config, args.address, timeout_s=args.timeout_s)
+    deploy(deployable_copy(args.config), args.address, timeout_s=args.timeout_s)
     print("all applications RUNNING")
     return 0
 

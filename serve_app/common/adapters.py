@@ -1,13 +1,19 @@
 """The LoRA adapter registry (``adapters/manifest.yaml``) and the checks run before serving one.
 
 An adapter is registered once, as ``name`` + ``version``, with the SHA-256 of its weights and
-where it comes from (``uri``: a local folder, a Hugging Face id with a pinned ``revision``, or
+of its LoRA config (the two files vLLM loads), the base model it was trained for, and where
+it comes from (``uri``: a local folder, a Hugging Face id with a pinned ``revision``, or
 ``s3://`` / ``gs://``; :mod:`serve_app.common.sources`). :func:`verify_adapter` checks that it
 fits a variant (base model, LoRA rank) and, for a local folder, that the files are the
-registered ones (:func:`check_adapter_files`: no pickled weights, a LoRA config, the weights'
-SHA-256, target modules). What is loaded into vLLM is always a private copy, verified again
-right before every load (:mod:`serve_app.common.adapter_cache`). Every failure is an
-:class:`AdapterError` whose message names the adapter and says how to fix it.
+registered ones (:func:`check_adapter_files`: no pickled weights, a LoRA config, both files'
+SHA-256, target modules). What is loaded into vLLM is always a private copy of those two
+files, keyed by both hashes and verified again right before every load
+(:mod:`serve_app.common.adapter_cache`). Every failure is an :class:`AdapterError` whose
+message names the adapter and says how to fix it, with any credential redacted.
+
+The registry is one YAML file: ``adapters/manifest.yaml`` by default, or the variant's
+``user_config.adapters_manifest`` (:func:`manifest_source`): a local file, or a bucket object
+or a hub file fetched into the node's cache (:func:`~serve_app.common.fetch.fetch_file`).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from urllib.parse import unquote, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.common.paths import REPO_ROOT, model_identity, resolve_model_path, resolve_repo_path
-from serve_app.common.sources import LOCAL, Source, SourceError, parse_source
+from serve_app.common.paths import REPO_ROOT, resolve_model_path, resolve_repo_path
+from serve_app.common.redaction import redact
+from serve_app.common.sources import (LOCAL, Source, SourceError, model_key, parse_file_source,
+                                      parse_source)
 
 #: Default registry location.
 MANIFEST_PATH = REPO_ROOT / "adapters" / "manifest.yaml"
@@ -41,7 +49,11 @@ MODEL_STAMP = "mesh_model_stamp.json"
 
 
 class AdapterError(ValueError):
-    """An adapter or the manifest is unusable; the message names it and says how to fix it."""
+    """An adapter or the manifest is unusable; the message names it and says how to fix it,
+    with any credential in it redacted."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 class AdapterSpec(BaseModel):
@@ -51,7 +63,12 @@ class AdapterSpec(BaseModel):
 
     name: str = Field(min_length=1)
     version: int = Field(ge=1)
+    #: The model it was trained for, named as the variants that serve it name theirs: a hub
+    #: id (with ``base_model_revision``), a bucket folder, or a local folder's name
+    #: (:func:`~serve_app.common.sources.model_key`).
     base_model: str = Field(min_length=1)
+    #: The hub commit (40 hex) of a ``base_model`` from the hub; nothing else has one.
+    base_model_revision: str | None = None
     #: Where the adapter directory is: a local path (absolute or repo-relative), ``file://``,
     #: a Hugging Face id (``org/name`` or ``hf://org/name``, with ``revision``), or a bucket
     #: folder (``s3://bucket/prefix``, ``gs://bucket/prefix``).
@@ -62,6 +79,9 @@ class AdapterSpec(BaseModel):
     target_modules: list[str] = Field(min_length=1)
     #: Hex SHA-256 of ``adapter_model.safetensors``.
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    #: Hex SHA-256 of ``adapter_config.json`` (its ``lora_alpha``, ``r``, modules: they
+    #: change what the weights do).
+    config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     #: Free-form record of how the adapter was trained (behaviour, steps, loss, ...).
     training: dict = {}
 
@@ -69,6 +89,19 @@ class AdapterSpec(BaseModel):
     def key(self) -> str:
         """Registry key, ``name@vN``."""
         return adapter_key(self.name, self.version)
+
+    @property
+    def files(self) -> dict[str, str]:
+        """The files vLLM loads and their registered SHA-256: ``{file name: hex}``."""
+        return {CONFIG_FILE: self.config_sha256, WEIGHTS_FILE: self.sha256}
+
+    @property
+    def digest(self) -> str:
+        """Hex SHA-256 of everything that makes the adapter (each file's name and SHA-256):
+        what its private copy is keyed by, so two versions that differ in any file never
+        share one."""
+        listing = "".join(f"{name} {sha}\n" for name, sha in sorted(self.files.items()))
+        return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def adapter_key(name: str, version: int) -> str:
@@ -131,6 +164,39 @@ def load_manifest(path: Path | None = None) -> dict[str, AdapterSpec]:
     return specs
 
 
+def manifest_file(ref: str | None, *, config_dir: Path | None = None) -> Path:
+    """The local file of a variant's ``user_config.adapters_manifest``, fetched first when it
+    is remote. Blocking.
+
+    - None: ``<repo>/adapters/manifest.yaml``;
+    - a bucket object (``s3://bucket/key``, ``gs://bucket/key``) or a hub file
+      (``hf://org/name@<commit>/path``): fetched into the node's cache
+      (:func:`~serve_app.common.fetch.fetch_file`), the same file on every node;
+    - an absolute path or ``file:///abs/path``: that file;
+    - a relative path: from ``config_dir``, the folder of the config file that names it
+      (``meshctl`` knows it); without one (a replica: ``serve deploy`` gives it no file),
+      from the repository root.
+
+    Raises:
+        AdapterError: a malformed reference, or a remote file that could not be fetched.
+    """
+    if ref is None:
+        return MANIFEST_PATH
+    try:
+        source = parse_file_source(ref)
+    except SourceError as e:
+        raise AdapterError(f"adapter registry {e}") from None
+    if source.kind == LOCAL:
+        path = Path(source.location)
+        return path if path.is_absolute() else (config_dir or REPO_ROOT) / path
+    from serve_app.common.fetch import FetchError, fetch_file
+
+    try:
+        return fetch_file(source, what="adapter manifest")
+    except FetchError as e:
+        raise AdapterError(f"adapter registry: {e}") from None
+
+
 def resolve_uri(uri: str) -> Path:
     """Turn a local adapter ``uri`` into a directory path (existence is not checked).
 
@@ -170,24 +236,44 @@ def adapter_source(spec: "AdapterSpec") -> Source:
         raise AdapterError(f"adapter {spec.key}: {e}") from None
 
 
-def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> str | None:
+def base_model_problem(spec: AdapterSpec, *, base_model: str,
+                       base_revision: str | None = None) -> str | None:
+    """Why ``spec`` was not trained for a variant's model, or None: its ``base_model`` (and
+    ``base_model_revision``) and the variant's ``args.model`` (and ``args.revision``) name
+    the same model by :func:`~serve_app.common.sources.model_key`: the same hub id at the
+    same commit, the same bucket folder, or local folders of the same name."""
+    try:
+        wanted = model_key(spec.base_model, spec.base_model_revision,
+                           revision_field="base_model_revision")
+    except SourceError as e:
+        return f"its base_model {e}"
+    try:
+        served = model_key(base_model, base_revision)
+    except SourceError as e:
+        return f"the variant's model {e}"
+    if wanted == served:
+        return None
+    named = f" ({base_model})" if base_model != served else ""
+    return (f"trained for {wanted!r}, but this variant serves {served!r}{named}; declare it "
+            f"on a variant of {wanted!r}")
+
+
+def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
+                base_revision: str | None = None) -> str | None:
     """Why a variant's engine cannot serve ``spec``, or None when it fits. The one check of
     adapter against engine, used by ``meshctl validate`` (from the config), by
     :func:`verify_adapter` and by the replica (from the running engine).
 
     Args:
-        base_model: the variant's ``args.model``, compared with the adapter's by
-            :func:`~serve_app.common.paths.model_identity` (a path or a name).
+        base_model: the variant's ``args.model`` (:func:`base_model_problem`).
         max_lora_rank: the engine's ``max_lora_rank``; 0 when LoRA is off.
+        base_revision: the variant's ``args.revision`` (a hub model's commit).
     """
     if not max_lora_rank:
         return ("the variant's engine has LoRA off; set engine_args.enable_lora: true (an "
                 "args change: do it blue/green)")
-    served = model_identity(base_model)
-    if model_identity(spec.base_model) != served:
-        named = f" ({base_model})" if base_model != served else ""
-        return (f"trained for {spec.base_model!r}, but this variant serves {served!r}{named}; "
-                f"declare it on a variant of {spec.base_model!r}")
+    if problem := base_model_problem(spec, base_model=base_model, base_revision=base_revision):
+        return problem
     if spec.rank > max_lora_rank:
         return (f"rank {spec.rank} is over this variant's max_lora_rank={max_lora_rank}; raise "
                 f"max_lora_rank in the variant's engine args or retrain with "
@@ -196,7 +282,8 @@ def fit_problem(spec: AdapterSpec, *, base_model: str, max_lora_rank: int) -> st
 
 
 def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
-                   supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> Path | None:
+                   supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES,
+                   base_revision: str | None = None) -> Path | None:
     """Check that an adapter can be served by a variant; return its local directory (None
     for a remote source, whose files are checked when its private copy is made).
 
@@ -206,9 +293,10 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
 
     Args:
         spec: the manifest entry.
-        base_model: the model name the variant serves (e.g. ``smollm2-135m-instruct``).
+        base_model: the variant's ``args.model`` (e.g. ``smollm2-135m-instruct``).
         max_lora_rank: the variant engine's ``max_lora_rank``.
         supported_modules: module names the engine can apply a LoRA to.
+        base_revision: the variant's ``args.revision`` (a hub model's commit).
 
     Raises:
         AdapterError: the first failed check, with the reason and the fix.
@@ -218,7 +306,8 @@ def verify_adapter(spec: AdapterSpec, *, base_model: str, max_lora_rank: int,
     if source.kind == LOCAL:
         path = Path(source.location)
         check_adapter_files(spec, path, supported_modules)
-    if problem := fit_problem(spec, base_model=base_model, max_lora_rank=max_lora_rank):
+    if problem := fit_problem(spec, base_model=base_model, max_lora_rank=max_lora_rank,
+                              base_revision=base_revision):
         raise AdapterError(f"adapter {spec.key}: {problem}")
     return path
 
@@ -227,8 +316,9 @@ def check_adapter_files(spec: AdapterSpec, path: Path,
                         supported_modules: frozenset = DEFAULT_SUPPORTED_MODULES) -> None:
     """Check an adapter directory against its manifest entry: it exists; it holds no
     pickle-format weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.pkl``); ``adapter_config.json``
-    is valid JSON with ``peft_type: LORA``, the manifest's rank and supported target modules;
-    ``adapter_model.safetensors`` exists and its SHA-256 is the manifest's.
+    exists, its SHA-256 is the manifest's ``config_sha256``, and it is valid JSON with
+    ``peft_type: LORA``, the manifest's rank and supported target modules;
+    ``adapter_model.safetensors`` exists and its SHA-256 is the manifest's ``sha256``.
 
     Raises:
         AdapterError: the first failed check, with the reason and the fix.
@@ -240,16 +330,18 @@ def check_adapter_files(spec: AdapterSpec, path: Path,
         raise fail(f"directory {path} (uri {spec.uri!r}) does not exist; train it with "
                    "scripts/train_adapter.py or fix 'uri' in adapters/manifest.yaml")
 
-    pickled = sorted(str(p.relative_to(path)) for p in path.rglob("*")
-                     if p.is_file() and p.suffix in PICKLE_SUFFIXES)
-    if pickled:
-        raise fail(f"refusing pickle-format weights {pickled} in {path}: pickled weights can "
-                   "run code; save with safe_serialization=True and remove those files")
+    check_no_pickles(spec, path)
 
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise fail(f"{CONFIG_FILE} is missing from {path}; save the adapter with "
                    "peft's save_pretrained()")
+    actual = sha256_file(config_path)
+    if actual != spec.config_sha256:
+        raise fail(f"SHA-256 mismatch for {config_path}: manifest config_sha256 "
+                   f"{spec.config_sha256[:12]}..., file {actual[:12]}...; the config changed "
+                   "after registration (its lora_alpha, r or modules change what the weights "
+                   "do): restore it, or register it as a new version")
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
@@ -282,6 +374,21 @@ def check_adapter_files(spec: AdapterSpec, path: Path,
     if unsupported:
         raise fail(f"target modules {unsupported} are not supported (supported: "
                    f"{sorted(supported_modules)}); retrain targeting only supported modules")
+
+
+def check_no_pickles(spec: AdapterSpec, path: Path) -> None:
+    """Refuse a folder holding pickle-format weights (``*.bin``, ``*.pt``, ``*.pth``,
+    ``*.pkl``: loading them can run code).
+
+    Raises:
+        AdapterError: one is there; the message lists them.
+    """
+    pickled = sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                     if p.is_file() and p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise AdapterError(f"adapter {spec.key}: refusing pickle-format weights {pickled} in "
+                           f"{path}: pickled weights can run code; save with "
+                           "safe_serialization=True and remove those files")
 
 
 def merged_adapter(model: str) -> str | None:

@@ -205,8 +205,13 @@ class ReplicaConfig(Strict):
         adapters: LoRA adapters to serve (see :mod:`serve_app.server.lora`). Usually one version
             per name (a new version replaces the old one); two versions of a name serve an
             adapter version canary, split by the router's ``routes.<route>.adapters``.
-        adapters_manifest: the adapter registry file (repo-relative or absolute); default
-            ``adapters/manifest.yaml``.
+        adapters_manifest: the adapter registry file; default ``adapters/manifest.yaml``. A
+            bucket object (``s3://bucket/key``, ``gs://bucket/key``) or a hub file
+            (``hf://org/name@<commit>/path``), fetched by each replica into its node's cache,
+            the same file everywhere; an absolute path, on every node; a relative path, from
+            the config file's folder under ``meshctl`` (it deploys the absolute path), from
+            the repository root under plain ``serve deploy``
+            (:func:`~serve_app.common.adapters.manifest_file`).
         max_adapters_per_replica: adapter versions a replica keeps loaded (resident); the rest
             of the declared ones load on first use, evicting the least recently used idle one.
             Default (None): the engine's ``max_cpu_loras``, which is also its ceiling.
@@ -223,6 +228,18 @@ class ReplicaConfig(Strict):
     adapters_manifest: str | None = None
     max_adapters_per_replica: int | None = Field(default=None, ge=1, le=4096)
     fault_injection: FaultInjection | None = None
+
+    @field_validator("adapters_manifest")
+    @classmethod
+    def _manifest_source(cls, v: str | None) -> str | None:
+        from serve_app.common.sources import SourceError, parse_file_source
+
+        try:
+            if v is not None:
+                parse_file_source(v)
+        except SourceError as e:
+            raise PydanticCustomError("manifest_source", "{problem}", {"problem": str(e)})
+        return v
 
     @field_validator("adapters")
     @classmethod

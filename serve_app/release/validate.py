@@ -46,7 +46,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, fit_problem,
-                                       load_manifest, merged_adapter, verify_adapter)
+                                       load_manifest, manifest_file, merged_adapter,
+                                       verify_adapter)
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
 from serve_app.common.deployment_options import (SURGE_PERCENT, granted_gpus,
                                                  replica_resources)
@@ -59,7 +60,7 @@ from serve_app.common.serve_configs import (
     deployment,
     mesh_parts,
 )
-from serve_app.common.paths import models_dir, resolve_model_path, resolve_repo_path
+from serve_app.common.paths import models_dir, resolve_model_path
 from serve_app.common.sources import parse_source
 from serve_app.tenancy.token_budget import Reservation
 
@@ -425,9 +426,7 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
         return []
     engine = args.engine_args
     try:
-        manifest = resolve_repo_path(replica.adapters_manifest) if replica.adapters_manifest \
-            else None
-        registry = load_manifest(manifest)
+        registry = load_manifest(manifest_file(replica.adapters_manifest))
     except AdapterError as e:
         return [f"{at}.adapters_manifest: {e}"]
     problems = []
@@ -444,11 +443,13 @@ def _adapter_problems(replica: ReplicaConfig, args: VariantArgs, at: str) -> lis
         spec = registry.get(ref.key)
         if spec is None:
             problems.append(f"{at}.adapters[{i}]: {ref.key} is not in the adapter registry")
-        elif problem := fit_problem(spec, base_model=args.model, max_lora_rank=max_rank):
+        elif problem := fit_problem(spec, base_model=args.model, max_lora_rank=max_rank,
+                                    base_revision=args.revision):
             problems.append(f"{at}.adapters[{i}]: {spec.key} cannot be served: {problem}")
         else:  # the files, as the replica checks them before a load
             try:
-                verify_adapter(spec, base_model=args.model, max_lora_rank=max_rank)
+                verify_adapter(spec, base_model=args.model, max_lora_rank=max_rank,
+                               base_revision=args.revision)
             except AdapterError as e:
                 problems.append(f"{at}.adapters[{i}]: {e}")
     return problems

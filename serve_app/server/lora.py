@@ -126,7 +126,9 @@ class AdapterSet:
     Args:
         models: vLLM's ``OpenAIServingModels`` of the engine (loads/unloads LoRAs).
         engine: the ``AsyncLLM`` (frees a LoRA from its cache on unload).
-        base_model: the variant's model name (adapters must be trained for it).
+        base_model: the variant's ``args.model`` (adapters must be trained for it:
+            :func:`~serve_app.common.adapters.base_model_problem`).
+        base_revision: the variant's ``args.revision`` (a hub model's commit).
         max_lora_rank: the engine's ``max_lora_rank``.
         max_cpu_loras: the engine's ``max_cpu_loras``: the default and the ceiling of
             ``max_resident``.
@@ -135,11 +137,12 @@ class AdapterSet:
     """
 
     def __init__(self, models: Any, engine: Any, *, base_model: str, max_lora_rank: int,
-                 max_cpu_loras: int = 4,
+                 max_cpu_loras: int = 4, base_revision: str | None = None,
                  on_event: Callable[[str, str, float | None], None] = lambda *_: None) -> None:
         self.models = models
         self.engine = engine
         self.base_model = base_model
+        self.base_revision = base_revision
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.max_resident = max_cpu_loras
@@ -207,7 +210,8 @@ class AdapterSet:
                                            f"{manifest or 'adapters/manifest.yaml'}; add it there")
                     path = await asyncio.to_thread(verify_adapter, spec,
                                                    base_model=self.base_model,
-                                                   max_lora_rank=self.max_lora_rank)
+                                                   max_lora_rank=self.max_lora_rank,
+                                                   base_revision=self.base_revision)
                 except AdapterError as e:
                     refused_names.add(adapter_name(key))
                     self._refuse(key, str(e))

@@ -32,13 +32,12 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from serve_app.common.adapters import AdapterError, adapter_name
+from serve_app.common.adapters import AdapterError, adapter_name, manifest_file
 from serve_app.common.config import ReplicaConfig
 from serve_app.common.errors import (MeshError, error_body, format_validation_error,
                                      reject_user_config)
 from serve_app.common.failures import Failure, Verdict, replica_verdict, stream_error_verdict
 from serve_app.common.logs import get_logger
-from serve_app.common.paths import resolve_repo_path
 from serve_app.common.wire import (REPLICA_HEADER, Accepted, GenerateRequest, Head, ReplicaInfo,
                                    Tail, Usage, sse_error)
 from serve_app.control.resident_policy import EVICTED, IDLE_S, IN_FLIGHT
@@ -140,8 +139,9 @@ class ReplicaServer:
         except ValidationError as e:
             return reject_user_config(self.config, f"variant {self.variant}: invalid LLMReplica "
                                       f"user_config:\n{format_validation_error(e, 'user_config')}")
-        manifest = resolve_repo_path(new.adapters_manifest) if new.adapters_manifest else None
-        try:
+        try:  # a registry in a bucket or on the hub is fetched (again) now
+            manifest = await asyncio.to_thread(manifest_file, new.adapters_manifest) \
+                if new.adapters_manifest and new.adapters else None
             await self.adapters.reconcile([(a.name, a.version) for a in new.adapters], manifest,
                                           new.max_adapters_per_replica)
         except AdapterError as e:

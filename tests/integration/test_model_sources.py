@@ -40,7 +40,8 @@ def bucket_mesh(mesh, tmp_path_factory):
     adapter_uri = s3.upload(REPO_ROOT / acme.uri, "adapters", "acme-support/v1")
     manifest = tmp_path_factory.mktemp("registry") / "manifest.yaml"
     manifest.write_text(yaml.safe_dump(
-        {"adapters": [{**acme.model_dump(), "uri": adapter_uri}]}, sort_keys=False))
+        {"adapters": [{**acme.model_dump(), "uri": adapter_uri, "base_model": model_uri}]},
+        sort_keys=False))  # trained for the model, named as the variant names it
 
     cfg = mesh.config("local.yaml")
     base = cfg["applications"][1]
@@ -48,7 +49,7 @@ def bucket_mesh(mesh, tmp_path_factory):
     warm["name"] = FROM_BUCKET
     warm["args"].update(model=model_uri, served_model_name=FROM_BUCKET)
     warm["runtime_env"]["env_vars"].update(s3.env())  # as a user gives a replica its keys
-    # A node cache of its own: the adapter's private copy is addressed by its sha256, and
+    # A node cache of its own: the adapter's private copy is addressed by its files' hashes, and
     # other modules (or an earlier run) made the same copy from the local folder.
     warm["runtime_env"]["env_vars"]["MESH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     warm["deployments"][0]["user_config"] = {

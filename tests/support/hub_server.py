@@ -10,6 +10,8 @@ It answers what ``snapshot_download`` and ``hf_hub_download`` ask of a repo at a
 
 Anything else is 404 with the hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
 ``EntryNotFound``). ``requests`` counts the GETs of file contents, by path.
+:meth:`HubServer.list_also` is the fault of a hostile hub: its tree names a file the repo does
+not hold (a name that climbs out of the snapshot folder).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class HubServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+    def list_also(self, repo: str, path: str, size: int = 1) -> None:
+        """The tree of ``repo`` also lists a file ``path`` of ``size`` bytes (until
+        :meth:`stop`)."""
+        self.files(repo).append({"type": "file", "path": path, "size": size, "oid": "0" * 40})
 
     def files(self, repo: str) -> list[dict]:
         """The tree entries of ``repo`` (read once: a repo at a commit does not change)."""

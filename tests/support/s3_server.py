@@ -6,9 +6,14 @@ Ray replica) reach it through the standard variables :meth:`S3Server.env` return
 (``AWS_ENDPOINT_URL``, keys, region, ``AWS_ALLOW_HTTP``); the test fills buckets with boto3
 (:meth:`S3Server.client`).
 
-:meth:`S3Server.vanish_during` is the fault: the next GET of an object whose key ends with a
-given suffix sends half of its bytes and drops the connection, and from then on the server
-answers every request ``404 NoSuchBucket``, as if the bucket had been deleted mid-download.
+Faults:
+
+- :meth:`S3Server.vanish_during`: the next GET of an object whose key ends with a given
+  suffix sends half of its bytes and drops the connection, and from then on the server
+  answers every request ``404 NoSuchBucket``, as if the bucket had been deleted mid-download;
+- :meth:`S3Server.replace_during`: the next GET of an object whose key ends with a given
+  suffix finds it replaced by other bytes just before it is served, as a writer that
+  replaces it between a client's listing and its download would.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class S3Server(ThreadedMotoServer):
         super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
         self.gone = False
         self._vanish_on: str | None = None
+        self._replace_on: tuple[str, bytes] | None = None
         self.vanished = threading.Event()
         self.object_gets: list[str] = []
 
@@ -70,6 +76,11 @@ class S3Server(ThreadedMotoServer):
         self._vanish_on, self.gone = key_suffix, False
         self.vanished.clear()
 
+    def replace_during(self, key_suffix: str | None, data: bytes = b"") -> None:
+        """Replace the object of the next GET of a key ending with ``key_suffix`` with
+        ``data`` right before it is served (None: no fault)."""
+        self._replace_on = (key_suffix, data) if key_suffix else None
+
     def _server_entry(self) -> None:  # moto's, with the fault in front of its app
         self._server = make_server(self._ip_address, self._port,
                                    self._faults(DomainDispatcherApplication(create_backend_app)),
@@ -87,6 +98,10 @@ class S3Server(ThreadedMotoServer):
             is_get = environ["REQUEST_METHOD"] == "GET" and not environ.get("QUERY_STRING")
             if is_get:
                 self.object_gets.append(path)
+            if is_get and self._replace_on and path.endswith(self._replace_on[0]):
+                data, self._replace_on = self._replace_on[1], None
+                bucket, key = path.lstrip("/").split("/", 1)
+                self.client().put_object(Bucket=bucket, Key=key, Body=data)
             if not (is_get and self._vanish_on and path.endswith(self._vanish_on)):
                 return app(environ, start_response)
             body = b"".join(app(environ, start_response))

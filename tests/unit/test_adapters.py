@@ -86,7 +86,8 @@ def test_wrong_base_model_refused(acme):
 
 def test_a_base_model_named_by_its_path_is_the_same_model(acme):
     """Images and KubeRay pods name models by absolute path: the adapter still fits."""
-    for named in (str(models_dir() / BASE), f"{models_dir() / BASE}/", f"models/{BASE}"):
+    for named in (str(models_dir() / BASE), f"{models_dir() / BASE}/", f"./models/{BASE}",
+                  f"file://{models_dir() / BASE}"):
         assert fit_problem(acme, base_model=named, max_lora_rank=8) is None, named
     verify_adapter(acme, base_model=str(models_dir() / BASE), max_lora_rank=8)
 
