@@ -25,20 +25,21 @@ def tenant(**limits) -> Tenant:
     return Tenant(id="acme", api_keys_sha256=["0" * 64], limits_fail_mode="open", **limits)
 
 
-async def admitted(routers: list[TenantLimiter], t: Tenant, tokens: int) -> int:
-    """Requests of ``tokens`` each that the routers admit, in turn, until all refuse."""
-    total, refusing = 0, set()
+async def admitted(routers: list[TenantLimiter], t: Tenant, tokens: int) -> list[int]:
+    """Requests of ``tokens`` each that each router admits, asked in turn until all refuse
+    (each with a 429; none is released)."""
+    counts, refusing = [0] * len(routers), set()
     while len(refusing) < len(routers):
         for i, router in enumerate(routers):
             if i in refusing:
                 continue
             try:
                 await router.acquire(t, tokens)
-                total += 1
+                counts[i] += 1
             except MeshError as e:
                 assert e.status == 429, e
                 refusing.add(i)
-    return total
+    return counts
 
 
 def down_routers(shared: FakeShared | None = None) -> list[TenantLimiter]:
@@ -46,17 +47,19 @@ def down_routers(shared: FakeShared | None = None) -> list[TenantLimiter]:
     return [TenantLimiter(shared=shared, routers=lambda: ROUTERS) for _ in range(ROUTERS)]
 
 
-def test_fresh_routers_with_the_ledger_down_grant_at_most_the_budget_between_them():
+def test_fresh_routers_with_the_ledger_down_grant_their_share_of_the_budget_each():
+    """Each of 3 routers grants its share, 3,333 of 10,000 tokens: 33 requests of 100 (a
+    34th would pass it), 9,900 tokens between them, never more than the budget."""
     async def main():
         t = tenant(tokens_per_day=10_000)
-        assert await admitted(down_routers(), t, 100) * 100 <= 10_000
+        assert await admitted(down_routers(), t, 100) == [33, 33, 33]
     asyncio.run(main())
 
 
 def test_requests_per_minute_and_concurrency_are_shared_too():
     async def main():
-        assert await admitted(down_routers(), tenant(requests_per_minute=30), 0) <= 30
-        assert await admitted(down_routers(), tenant(max_concurrent_requests=6), 0) <= 6
+        assert await admitted(down_routers(), tenant(requests_per_minute=30), 0) == [10] * 3
+        assert await admitted(down_routers(), tenant(max_concurrent_requests=6), 0) == [2] * 3
     asyncio.run(main())
 
 
@@ -69,7 +72,7 @@ def test_a_tenant_s_first_request_during_an_outage_starts_from_the_share():
         for router in routers:
             router.release(await router.acquire(other, 10), used=10)  # the ledger answers
         shared.fail = True
-        assert await admitted(routers, tenant(tokens_per_day=10_000), 100) * 100 <= 10_000
+        assert await admitted(routers, tenant(tokens_per_day=10_000), 100) == [33, 33, 33]
     asyncio.run(main())
 
 
