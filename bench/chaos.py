@@ -354,3 +354,60 @@ def summary(windows: list[Window]) -> list[str]:
                  f"(allowed {sum(w.allowed for w in kills)}); "
                  f"{'every promise held' if all(w.held for w in windows) else 'NOT HELD'}")
     return lines
+
+
+def run(a) -> None:
+    """``scripts/bench.py --chaos``: start a local Ray cluster, deploy
+    ``serve_configs/tenants.yaml`` as :func:`chaos_config` on ``a.engine``, run
+    :func:`chaos_drill` for ``a.minutes`` (an event every ``a.period`` s), print each
+    window, write ``--json``, and exit 1 when a promise did not hold."""
+    import tempfile
+    from pathlib import Path
+
+    import ray
+    import yaml
+
+    from bench.router_throughput import wait_for_ingress
+    from bench.servers import start_local_ray
+    from serve_app.common.paths import REPO_ROOT
+    from serve_app.common.serve_configs import load_yaml, on_sim_engine
+    from serve_app.common.serve_env import serve_env
+    from serve_app.release.deploy import deploy
+
+    period = a.period or (12.0 if a.engine == "sim" else 75.0)
+    dashboard, http_port, _ = start_local_ray(serve_env())
+    workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    n = 0
+
+    def apply(cfg: dict[str, Any]) -> None:
+        nonlocal n
+        n += 1
+        path = workdir / f"chaos-{n}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        deploy(path, dashboard, log=lambda m: None)
+
+    try:
+        tenants = load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml")
+        if a.engine == "sim":
+            tenants = on_sim_engine(tenants, start_s=0)
+        cfg = chaos_config(tenants)
+        cfg["http_options"] = {"host": "127.0.0.1", "port": http_port}
+        print(f"[chaos] deploying a 90/10 canary with two router replicas on the {a.engine} "
+              f"engine; then {a.minutes:g} minutes, an event every {period:g} s", flush=True)
+        apply(cfg)
+        wait_for_ingress(f"http://127.0.0.1:{http_port}")
+        events = max(1, int(a.minutes * 60 // period))
+        windows = asyncio.run(chaos_drill(f"http://127.0.0.1:{http_port}", cfg, apply,
+                                          period_s=period, events=events))
+    finally:
+        ray.shutdown()
+    for line in summary(windows):
+        print(line)
+    if a.json:
+        Path(a.json).write_text(json.dumps([{
+            "event": w.event.kind, "detail": w.event.detail, "answered": w.answered,
+            "failed": len(w.failed), "in_flight": len(w.in_flight), "allowed": w.allowed,
+            "service_back_s": w.service_back_s, "problems": w.problems} for w in windows],
+            indent=1))
+    if not all(w.held for w in windows):
+        raise SystemExit(1)

@@ -1,6 +1,6 @@
 """The command line of ``scripts/bench.py``: one parser, and the benchmark module each mode
 runs (``--sim``, ``--sessions``, ``--adapters``, ``--router-throughput``, ``--limits``,
-``--direct-ingress``; none: the mesh against vLLM's own server)."""
+``--direct-ingress``, ``--chaos``; none: the mesh against vLLM's own server)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,16 @@ def build_parser(description: str | None, prog: str | None = None) -> ScriptPars
                         "under the same load and print where its CPU goes")
     parser.add_argument("--profile-s", type=float, default=20.0,
                         help="--router-throughput --profile: seconds py-spy records")
+    parser.add_argument("--chaos", action="store_true",
+                        help="the chaos drill: changes and kills in turn under steady load, "
+                        "each window judged (bench/chaos.py; starts its own Ray and mesh)")
+    parser.add_argument("--minutes", type=float, default=45.0,
+                        help="--chaos: how long the drill runs (default: %(default)s)")
+    parser.add_argument("--period", type=float,
+                        help="--chaos: seconds between events (default 75 on vLLM, 12 on "
+                        "the simulated engine)")
+    parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm",
+                        help="--chaos: the variants' engine (default: %(default)s)")
     from bench import scale  # --sim's options
 
     scale.add_arguments(parser)
@@ -109,6 +119,10 @@ def main(parser: ScriptParser, argv: list[str] | None = None) -> None:
     """Parse ``argv`` (None: the command line) with ``parser`` (:func:`build_parser`) and run
     the benchmark its options choose."""
     a = parser.parse_args(argv)
+    if a.chaos:
+        from bench import chaos
+
+        return chaos.run(a)
     if a.sim:
         from bench import scale
 
