@@ -315,13 +315,16 @@ if tp:  # a model whose 8 heads split across 2 GPUs, with the embedded model's t
 print("[gpu-smoke] wrote", ", ".join(sorted(p.name for p in work.glob("serve-*.yaml"))))
 EOF
 
-step validate "meshctl validate; meshctl diff: the adapter swap is in place"
+step validate "meshctl validate; meshctl diff: the canary's start and the swap are in place"
 configs=("$WORK"/serve-*.yaml)
 bounded .venv/bin/meshctl validate "${configs[@]}"
-# the swap must be in place: no replica restarts
-bounded .venv/bin/meshctl diff --skip-engine-check --fail-on-restart "$WORK/serve-v1.yaml" \
-  "$WORK/serve-v2.yaml" > "$WORK/diff.txt"
-cat "$WORK/diff.txt"
+# no replica restarts: not when the canary joins (v0 -> v1), not when the adapter swaps
+for pair in "serve-v0.yaml serve-v1.yaml" "serve-v1.yaml serve-v2.yaml"; do
+  read -r old new <<<"$pair"
+  bounded .venv/bin/meshctl diff --skip-engine-check --fail-on-restart "$WORK/$old" \
+    "$WORK/$new" > "$WORK/diff.txt"
+  cat "$WORK/diff.txt"
+done
 
 if [ "$DRY" = 1 ]; then
   STATUS=dry-run

@@ -176,6 +176,39 @@ def test_a_cuda_major_without_a_known_driver_is_refused(tmp_path):
     assert "no known driver minimum for CUDA 14" in r.stderr
 
 
+# -- gpu_smoke.sh's Python, the GPU steps' included --------------------------------------------
+
+def smoke_python() -> list[str]:
+    """Every Python program gpu_smoke.sh runs: its heredocs and its ``python -c`` strings."""
+    text = SCRIPT.read_text()
+    return (re.findall(r"<<'EOF'[^\n]*\n(.*?)\nEOF\n", text, re.S)
+            + re.findall(r"(?:python|\"\$PY\") -c '([^']*)'", text))
+
+
+def test_the_gpu_steps_python_compiles_and_imports_what_exists():
+    """The steps a dry run never reaches (canary, swap, bench, tp) run only on a GPU: their
+    Python must at least compile, and what it imports from the mesh must be there."""
+    import ast
+    import importlib
+    import importlib.util
+
+    programs = smoke_python()
+    assert len(programs) >= 10
+    for program in programs:
+        tree = ast.parse(compile(program, "gpu_smoke.sh", "exec", ast.PyCF_ONLY_AST))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert importlib.util.find_spec(alias.name), alias.name
+            elif isinstance(node, ast.ImportFrom):
+                if node.module.split(".")[0] in ("serve_app", "tests"):
+                    module = importlib.import_module(node.module)
+                    missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                    assert not missing, f"{node.module} has no {missing}"
+                else:
+                    assert importlib.util.find_spec(node.module), node.module
+
+
 # -- gpu_smoke.sh --dry-run ----------------------------------------------------------------------
 
 def smoke(*args, cwd=REPO_ROOT, timeout=420, **env) -> subprocess.CompletedProcess:
@@ -234,6 +267,7 @@ def test_dry_run_fetches_from_the_hub_and_writes_valid_configs_and_the_json(tmp_
 
     assert all(f"{p}: ok" in r.stdout for p in got["configs"].values())
     assert "IN PLACE" in r.stdout and "RESTART" not in r.stdout
+    assert "smollm-v2: ADDED" in r.stdout  # the canary joins; smollm-v1 is not touched
 
 
 def test_a_failed_step_writes_the_json_with_what_it_gathered(tmp_path):
