@@ -23,7 +23,8 @@ Rules, in order:
    An adapter with a merged variant (``routes.<route>.merged``) goes to it first, while it
    runs and its model holds the very version the request would get on the LoRA path (the
    version split's choice, else the first LoRA variant's default); the LoRA variants follow.
-5. ``priority`` in the body is the tenant's to set, through the config: 400 otherwise.
+5. ``priority`` is the tenant's, from the config: a ``priority`` in the body, whatever its
+   value (the tenant's own included), is refused with 400 ``priority_not_allowed``.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class RequestPlanner:
             raise MeshError(403, f"tenant {tenant.id!r} may not call model {route!r}",
                             param="model", code="model_not_allowed")
         priority = tenant.priority if tenant else 0
-        if "priority" in body and body["priority"] != priority:
+        if "priority" in body:  # even the tenant's own: the mesh sets it, one rule
             raise MeshError(400, "the request field `priority` is set by the mesh from your "
                             f"tenant's config (yours is {priority}); remove it from the "
                             "request", param="priority", code="priority_not_allowed")

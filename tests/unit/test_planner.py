@@ -182,12 +182,17 @@ def test_unknown_adapter_is_refreshed_once_before_404():
     assert p.availability.refreshes == 1
 
 
-def test_priority_is_the_tenants():
+def test_priority_is_the_tenants_and_no_body_may_set_it():
+    """A ``priority`` in the body is refused whatever its value, the tenant's own included
+    (docs/traffic-safety.md): a client need not know its tenant's value to obey the rule."""
     batch = plan({"model": "smollm"}, "batch")
-    assert batch.priority == 10 and not batch.top_priority
-    assert plan({"model": "smollm", "priority": 10}, "batch").priority == 10
-    e = refused({"model": "smollm", "priority": 0}, "batch")
-    assert (e.status, e.param) == (400, "priority")
+    assert (batch.priority, batch.request.priority, batch.top_priority) == (10, 10, False)
+    assert plan({"model": "smollm"}, None).priority == 0
+    for tenant_id, value in (("batch", 10), ("batch", 0), ("ops", 0), (None, 0),
+                             ("batch", None)):
+        e = refused({"model": "smollm", "priority": value}, tenant_id)
+        assert (e.status, e.param, e.code) == (400, "priority", "priority_not_allowed")
+        assert "remove it from the request" in e.message
 
 
 def test_labels_come_from_the_config_only():
@@ -246,10 +251,14 @@ def test_an_adapter_with_a_merged_variant_goes_there_first_with_the_lora_path_as
     got = plan({"model": "smollm:globex"}, "globex", p)
     assert got.candidates == ("g-merged", "v1")  # v2 does not serve globex
     assert got.request.adapter_version == "globex@v1"  # both paths serve the same version
-    # tenant isolation is unchanged: another tenant is refused before any variant is chosen
+    # tenant isolation is unchanged: another tenant is refused before any variant is chosen,
+    # with the answer an adapter no one owns gets (docs/tenants-and-adapters.md)
     with pytest.raises(MeshError) as e:
         plan({"model": "smollm:globex"}, "acme", p)
-    assert (e.value.status, e.value.code) == (404, "model_not_found")
+    no_one_s = refused({"model": "smollm:nope"}, "acme")
+    assert (e.value.status, e.value.code) == (no_one_s.status, no_one_s.code) == (
+        404, "model_not_found")
+    assert e.value.message == no_one_s.message.replace("smollm:nope", "smollm:globex")
     # base-model traffic never goes to the merged variant
     assert "g-merged" not in plan({"model": "smollm"}, "globex", p).candidates
 
