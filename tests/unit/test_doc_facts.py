@@ -75,3 +75,18 @@ def test_the_adapter_events_are_listed_once_and_whole():
             if "ray_mesh_adapter_events_total" in line:
                 listed = {e for e in EVENTS if f"`{e}`" in line}
                 assert len(listed) < 3, (page.name, line)  # a list of events: link the table
+
+
+def test_another_tenant_s_adapter_is_a_404_wherever_a_doc_says_what_it_gets():
+    """The planner answers a tenant that names another tenant's adapter as for one that does
+    not exist, 404 ``model_not_found`` (tests/unit/test_planner.py), so a caller cannot
+    learn which adapters exist: no page may promise it a 403."""
+    said = []
+    for page in [REPO_ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        if page.name == "history.md":  # dated notes: what was true then
+            continue
+        for m in re.finditer(r"\b(another tenant|other tenant|globex)\b[^.|;]{0,40}?\b(4\d\d)\b",
+                             page.read_text(), re.S | re.I):
+            said.append((page.name, m.group(0), int(m.group(2))))
+    assert said, "no page says what another tenant's adapter gets"
+    assert [s for s in said if s[2] != 404] == []
