@@ -19,19 +19,7 @@ from bench.servers import start_redis
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.redis_ledger import RedisLedger
-
-
-class FakeClock:
-    """Seconds that move only when told (:meth:`advance`); one for the ledger and routers."""
-
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.support.clocks import FakeClock
 
 
 class InProcessLedger:
@@ -132,7 +120,7 @@ def backend(request, tmp_path):
 @pytest.fixture(params=list(BACKENDS))
 def clocked(request, tmp_path):
     """Each backend in turn, on a :class:`FakeClock` (``clocked.clock``)."""
-    b = BACKENDS[request.param](tmp_path, FakeClock())
+    b = BACKENDS[request.param](tmp_path, FakeClock(1_000_000.0))
     yield b
     b.stop()
 

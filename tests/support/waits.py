@@ -1,8 +1,9 @@
-"""Waiting on a condition, never on a fixed sleep: a predicate, a metric's total, metrics that
-have stopped moving."""
+"""Waiting on a condition, never on a fixed sleep: a predicate (in a thread, or an answer in an
+event loop), a metric's total, metrics that have stopped moving."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from tests.support.metrics import metric_total
@@ -20,6 +21,15 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
             return
         time.sleep(every_s)
     raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+
+
+async def eventually(ask, within_s: float = 2.0, every_s: float = 0.02):
+    """``await ask()`` every ``every_s`` until it answers something other than None, for at
+    most ``within_s`` (real time): that answer, or the last None."""
+    deadline = time.monotonic() + within_s
+    while (answer := await ask()) is None and time.monotonic() < deadline:
+        await asyncio.sleep(every_s)
+    return answer
 
 
 def wait_for_metric(mesh, name: str, at_least: float, timeout_s: float = 60, **labels) -> float:

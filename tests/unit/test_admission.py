@@ -12,14 +12,7 @@ from serve_app.admission.fair_share import service_cost
 from serve_app.admission.service_time import PRIOR_SERVICE_S
 from serve_app.admission.refusals import Rejected
 from serve_app.admission.slots import Counted
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clocks import FakeClock
 
 
 def run(coro):
@@ -147,7 +140,7 @@ def test_queue_deadline_rejects_before_anything_is_sent():
 
 def test_better_priority_sheds_worse_requests_it_pushes_past_their_deadline():
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=3.75, clock=clock)
         q.set_capacity(1)
         q.service_time.s = 1.0
@@ -189,18 +182,18 @@ def test_client_leaving_while_queued_frees_its_place():
 
 def test_service_time_is_learned_while_full_and_starts_from_the_replicas_measure():
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, clock=clock, queue_timeout_s=30)
         q.set_capacity(2, full_batch_service_s=3.0)  # what the replicas measured at start-up
         assert q.service_time.s == 3.0 and q.max_queued == 20  # 30 s x 2 slots / 3 s
         for _ in range(30):  # one at a time: the variant is never full, nothing learned
             slot = await q.acquire(0, True)
-            clock.t += 0.5
+            clock.advance(0.5)
             q.release(slot, size=1.0)
         assert q.service_time.s == 3.0
         for _ in range(30):  # two at a time: full
             a, b = await q.acquire(0, True), await q.acquire(0, True)
-            clock.t += 4.0
+            clock.advance(4.0)
             q.release(a, size=1.0)
             q.release(b, size=1.0)
         assert q.service_time.s == pytest.approx(4.0, abs=0.05)
@@ -211,7 +204,7 @@ def test_service_time_is_learned_while_full_and_starts_from_the_replicas_measure
 
 def test_slower_service_sheds_queued_requests_before_their_deadline():
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=40, clock=clock)
         q.set_capacity(1)
         q.service_time.s = 1.0
@@ -219,7 +212,7 @@ def test_slower_service_sheds_queued_requests_before_their_deadline():
         queued = [asyncio.create_task(q.acquire(0, True)) for _ in range(4)]  # 1..4 s
         await settle()
         assert q.queued == 4
-        clock.t += 15  # the running request took 15 s, the first sample while full: it
+        clock.advance(15)  # the running request took 15 s, the first sample while full: it
         q.release(held, size=1.0)  # replaces the prior (1 s) at once: service_s is 15 s
         await settle()
         # The first queued request got the slot; the others would start 15, 30, 45 s from
@@ -503,7 +496,7 @@ def test_a_freed_slot_stays_its_less_served_tenants_for_anticipation_s():
     not come back holds it only that long, and one served more than those waiting keeps
     nothing."""
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=0,
                              anticipation_s=0.05, clock=clock)
         q.set_capacity(5, full_batch_service_s=1.0)
@@ -555,7 +548,7 @@ def test_a_light_tenants_freed_slot_is_kept_for_it_beside_the_newcomer_slots():
     for anticipation_s, kept in ((0.05, True), (0.0, False)):
         async def main():
             q = VariantAdmission("v", headroom=0, queue_timeout_s=300, newcomer_slots=1,
-                                 anticipation_s=anticipation_s, clock=Clock())
+                                 anticipation_s=anticipation_s, clock=FakeClock())
             q.set_capacity(6, full_batch_service_s=1.0)  # 5 for the busy tenants
             heavy = [await q.acquire(0, True, "heavy") for _ in range(5)]
             for slot in heavy:
@@ -586,7 +579,7 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
     assert request_size(16) == 1.0 and request_size(64) == 3.0  # (64 + 8) / (16 + 8)
 
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=12.5, clock=clock)  # admits 10 s
         q.set_capacity(1, full_batch_service_s=1.0)  # a 16-token request: 1 s while full
         held = await q.acquire(0, True, size=3.0)
@@ -601,7 +594,7 @@ def test_a_longer_request_counts_for_its_tokens_in_the_wait_estimate():
         assert q.queued == 4 and not short.done()
         # Learned while full, per unit of size: 6 s for a 3-unit request is 2 s per unit
         # (the first sample replaces the start-up measure).
-        clock.t += 6
+        clock.advance(6)
         q.release(held, size=3.0)
         assert q.service_time.s == pytest.approx(2.0)
         for t in long + [short]:
@@ -649,7 +642,7 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
     so far (else its whole run would be credit for the newcomer). Its usage replaces both
     at the end."""
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=300, max_queued_per_slot=100,
                              clock=clock)
         q.set_capacity(2, full_batch_service_s=1.0)  # a request of size 1 a second
@@ -657,9 +650,9 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
         busy = await q.acquire(0, False, "busy",
                                counts=Counted(service_cost(30, 0), service_cost(0, 100)))
         assert q.shares.served_so_far("busy") == 30  # its prompt (at its bound)
-        clock.t = 2.0
+        clock.now = 2.0
         assert q.shares.served_so_far("busy") == pytest.approx(30 + 2 * per_s)
-        clock.t = 60.0
+        clock.now = 60.0
         assert q.shares.served_so_far("busy") == 30 + service_cost(0, 100)  # max_tokens
         late = await q.acquire(0, False, "late")
         assert q.service["late"] == 30 + service_cost(0, 100)  # lifted to it
@@ -669,7 +662,7 @@ def test_a_running_request_counts_its_prompt_and_a_non_stream_the_time_it_has_ru
         left = await q.acquire(0, False, "busy",
                                counts=Counted(service_cost(30, 0), service_cost(0, 100)))
         at_start = q.shares.served_so_far("busy")  # lifted to late's, and its prompt
-        clock.t = 61.0
+        clock.now = 61.0
         q.release(left)
         assert q.shares.served_so_far("busy") == pytest.approx(at_start + per_s)
         q.release(late)
@@ -682,7 +675,7 @@ def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured
     held requests keep their places until their cold_start_timeout_s would have ended: a held
     stream has had its 200 and must not be shed in-band (full20's herd: 6 of 46 were)."""
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=2, clock=clock)
         q.set_capacity(0, full_batch_service_s=1.0)
         q.expect_start(2)  # 2 + 0.9 x 2 s x 2 / 1 s = 5.6: five of size 1 held
@@ -690,11 +683,11 @@ def test_a_held_request_is_not_shed_when_the_warm_engine_is_slower_than_measured
         with pytest.raises(Rejected):
             q.enter(0, True, hold_s=60)
         held = [asyncio.create_task(q.wait(t)) for t in tickets]
-        clock.t += 5  # the replica is warm 5 s later
+        clock.advance(5)  # the replica is warm 5 s later
         q.set_capacity(2, full_batch_service_s=1.0)
         await settle()
         assert [t.done() for t in held] == [True, True, False, False, False]
-        clock.t += 4  # the first request took 4 s while the variant was full: at 4 s each,
+        clock.advance(4)  # the first request took 4 s while the variant was full: at 4 s each,
         q.release(held[0].result(), size=1.0)  # the last two would start past warm + 2 s
         await settle()
         assert [t.done() for t in held] == [True, True, True, False, False]  # none shed

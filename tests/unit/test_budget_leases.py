@@ -9,7 +9,6 @@ their background task does every ``RENEW_S``). A router's ledger calls are count
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -22,12 +21,10 @@ from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.quota import Limits
 from tests.support.ledger_backends import (CountingLedger, backend,  # noqa: F401 - fixtures
                                            clocked, granted)
+from tests.support.tenants import tenant
+from tests.support.waits import eventually
 
 DAY = 86400.0
-
-
-def tenant(**limits) -> Tenant:
-    return Tenant(id="t", api_keys_sha256=["0" * 64], **limits)
 
 
 def router(backend, routers: int = 2, **kw) -> TenantLimiter:
@@ -50,14 +47,6 @@ async def busy(limiter: TenantLimiter, t: Tenant, tokens: int, clock) -> None:
     await asyncio.sleep(0.01)  # settlements go out in the background
     clock.advance(RENEW_S)
     await limiter.leases.renew()
-
-
-async def eventually(ask, within_s: float = 2.0):
-    """``await ask()`` until it answers something, for at most ``within_s`` (real time)."""
-    deadline = time.monotonic() + within_s
-    while (answer := await ask()) is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    return answer
 
 
 def lease_of(limiter: TenantLimiter, tenant_id: str = "t"):

@@ -17,12 +17,14 @@ from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.limits import TenantLimiter
 from tests.support.fakes import FakeShared
+from tests.support.tenants import tenant
 
 ROUTERS = 3
 
 
-def tenant(**limits) -> Tenant:
-    return Tenant(id="acme", api_keys_sha256=["0" * 64], limits_fail_mode="open", **limits)
+def acme(**limits) -> Tenant:
+    """Tenant ``acme``, ``limits_fail_mode: open``, with ``limits``."""
+    return tenant("acme", limits_fail_mode="open", **limits)
 
 
 async def admitted(routers: list[TenantLimiter], t: Tenant, tokens: int) -> list[int]:
@@ -51,15 +53,15 @@ def test_fresh_routers_with_the_ledger_down_grant_their_share_of_the_budget_each
     """Each of 3 routers grants its share, 3,333 of 10,000 tokens: 33 requests of 100 (a
     34th would pass it), 9,900 tokens between them, never more than the budget."""
     async def main():
-        t = tenant(tokens_per_day=10_000)
+        t = acme(tokens_per_day=10_000)
         assert await admitted(down_routers(), t, 100) == [33, 33, 33]
     asyncio.run(main())
 
 
 def test_requests_per_minute_and_concurrency_are_shared_too():
     async def main():
-        assert await admitted(down_routers(), tenant(requests_per_minute=30), 0) == [10] * 3
-        assert await admitted(down_routers(), tenant(max_concurrent_requests=6), 0) == [2] * 3
+        assert await admitted(down_routers(), acme(requests_per_minute=30), 0) == [10] * 3
+        assert await admitted(down_routers(), acme(max_concurrent_requests=6), 0) == [2] * 3
     asyncio.run(main())
 
 
@@ -68,11 +70,11 @@ def test_a_tenant_s_first_request_during_an_outage_starts_from_the_share():
     async def main():
         shared = FakeShared()
         routers = down_routers(shared)
-        other = Tenant(id="other", api_keys_sha256=["1" * 64], tokens_per_day=500)
+        other = tenant("other", tokens_per_day=500)
         for router in routers:
             router.release(await router.acquire(other, 10), used=10)  # the ledger answers
         shared.fail = True
-        assert await admitted(routers, tenant(tokens_per_day=10_000), 100) == [33, 33, 33]
+        assert await admitted(routers, acme(tokens_per_day=10_000), 100) == [33, 33, 33]
     asyncio.run(main())
 
 
@@ -82,10 +84,10 @@ def test_a_request_over_the_share_but_within_the_budget_is_503_not_400():
     async def main():
         router = down_routers()[0]
         with pytest.raises(MeshError) as e:
-            await router.acquire(tenant(tokens_per_day=10_000), 4_000)
+            await router.acquire(acme(tokens_per_day=10_000), 4_000)
         assert (e.value.status, e.value.code) == (503, "limits_unavailable")
         assert "Retry-After" in e.value.headers
         with pytest.raises(MeshError) as e:  # more than the whole budget: still the 400
-            await router.acquire(tenant(tokens_per_day=10_000), 20_000)
+            await router.acquire(acme(tokens_per_day=10_000), 20_000)
         assert (e.value.status, e.value.code) == (400, "reservation_exceeds_budget")
     asyncio.run(main())

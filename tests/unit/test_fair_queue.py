@@ -9,14 +9,7 @@ import asyncio
 from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.admission.fair_queue import FairQueue
 from serve_app.admission.slots import Waiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clocks import FakeClock
 
 
 def waiter(seq: int, tenant: str = "a", deadline: float = 10.0, size: float = 1.0,
@@ -99,17 +92,17 @@ def test_when_service_runs_late_only_the_requests_past_their_deadline_are_shed()
     then stop at the first late arrival (it and the one behind it start by 16 + 2 x 11 =
     38 < 45.9)."""
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         q = VariantAdmission("v", headroom=0, queue_timeout_s=30, clock=clock)
         q.set_capacity(1, full_batch_service_s=2.0)
         running = q.enter(0, True, "a")
         queued = []
         for k in range(11):  # the 12th would wait past 0.9 x 30 s: refused at arrival
-            clock.t = 0.5 * k
+            clock.now = 0.5 * k
             queued.append(q.enter(0, True, "a"))
-        clock.t = 15.9
+        clock.now = 15.9
         queued += [q.enter(0, True, "a"), q.enter(0, True, "a")]  # 24 s and 26 s <= 27 s
-        clock.t = 16.0
+        clock.now = 16.0
         q.release(running)
         await asyncio.sleep(0)
         outcomes = ["started" if w.future.done() and not w.future.exception() else

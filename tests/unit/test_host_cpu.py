@@ -18,6 +18,7 @@ from bench.host_cpu import (
                             cpu_seconds,
                             engine_workers,
                             )
+from tests.support.waits import wait_until
 
 WORKER = {"computing": "while True: pass", "idle": "import time; time.sleep(120)"}
 
@@ -34,13 +35,13 @@ def _engine(kind: str) -> subprocess.Popen:
 def engines():
     started = [_engine("computing"), _engine("idle")]
     try:
-        deadline = time.monotonic() + 60
-        # both workers started, and the computing one computing (past Python's start-up)
-        while (len(workers := engine_workers(only=[p.pid for p in started])) < 2
-               or sum(len(w) for w in workers.values()) < 2
-               or workers[started[0].pid][0].cpu_times().user < 0.2):
-            assert time.monotonic() < deadline, "the stand-in engines' workers did not start"
-            time.sleep(0.05)
+        def computing() -> bool:
+            """Both workers started, and the computing one computing (past Python's start-up)."""
+            workers = engine_workers(only=[p.pid for p in started])
+            return (len(workers) >= 2 and sum(len(w) for w in workers.values()) >= 2
+                    and workers[started[0].pid][0].cpu_times().user >= 0.2)
+
+        wait_until(computing, 60, "the stand-in engines' workers started", every_s=0.05)
         yield started
     finally:
         for p in started:

@@ -8,19 +8,15 @@ budget leases on, as routers run by default.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.limits import TenantLimiter
 from tests.support.ledger_backends import (RedisBackend, backend,  # noqa: F401 - a fixture
                                            granted)
-
-
-def tenant(**limits) -> Tenant:
-    return Tenant(id="t", api_keys_sha256=["0" * 64], **limits)
+from tests.support.tenants import tenant
+from tests.support.waits import eventually
 
 
 def two_routers(backend) -> tuple[TenantLimiter, TenantLimiter]:
@@ -133,10 +129,8 @@ def test_redis_leases_of_a_router_that_died_expire(tmp_path, monkeypatch):
             dead, alive = two_routers(backend)
             assert await dead.acquire(t) is not None  # never released
             assert await granted(alive, t, 0) is None
-            deadline = time.monotonic() + 5
-            while await granted(alive, t, 0) is None:
-                assert time.monotonic() < deadline, "the dead router's lease did not expire"
-                await asyncio.sleep(0.2)
+            assert await eventually(lambda: granted(alive, t, 0), within_s=5, every_s=0.2
+                                    ) is not None, "the dead router's lease did not expire"
 
         asyncio.run(main())
     finally:

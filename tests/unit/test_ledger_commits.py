@@ -14,10 +14,10 @@ import asyncio
 
 import pytest
 
-from serve_app.common.config import Tenant
 from serve_app.tenancy.ledger import KeptCounts
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.quota import Limits
+from tests.support.tenants import tenant
 
 ONE = Limits(max_concurrent_requests=1, tokens_per_day=1000)
 OVERFLOWING = Limits(tokens_per_day=10**400)  # float(limit) raises OverflowError
@@ -105,8 +105,7 @@ def test_through_a_router_the_failed_tenant_gets_its_fail_mode_and_no_phantom_42
     async def main():
         ledger, store = kept()
         limiter = TenantLimiter(shared=ActorHandle(ledger))
-        t = Tenant(id="t", api_keys_sha256=["0" * 64], max_concurrent_requests=1,
-                   limits_fail_mode=mode)
+        t = tenant(max_concurrent_requests=1, limits_fail_mode=mode)
         store.failing.add("t")
         if mode == "open":
             lease = await limiter.acquire(t)

@@ -8,17 +8,13 @@ import asyncio
 import pytest
 
 import serve_app.tenancy.limits as limits
-from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.quota import Limits
 from tests.support.clocks import FakeClock
 from tests.support.fakes import FakeShared
-
-
-def tenant(id: str = "t", **kw) -> Tenant:
-    return Tenant(id=id, api_keys_sha256=["0" * 64], **kw)
+from tests.support.tenants import tenant
 
 
 def test_concurrency_limit_and_release():

@@ -21,12 +21,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
 import serve_app.tenancy.redis_ledger as redis_ledger
-from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.quota import Limits
 from serve_app.tenancy.redis_ledger import KEY_PREFIX, RedisLedger
 from bench.servers import start_redis
+from tests.support.tenants import tenant
 
 ONE = Limits(max_concurrent_requests=1, tokens_per_day=1000)
 
@@ -140,8 +140,7 @@ def test_a_key_that_stays_busy_gives_the_tenant_its_fail_mode(url, monkeypatch, 
 
     async def main():
         limiter = TenantLimiter(shared=RedisLedger(url))
-        t = Tenant(id="t", api_keys_sha256=["0" * 64], max_concurrent_requests=1,
-                   limits_fail_mode=mode)
+        t = tenant(max_concurrent_requests=1, limits_fail_mode=mode)
         t0 = time.monotonic()
         if mode == "open":
             assert (await limiter.acquire(t)).shared is None  # counted on this router

@@ -17,6 +17,7 @@ from serve_app.release import rollout_watch
 from serve_app.release.rollout_watch import (ABORTED, IN_PROGRESS, PROMOTED, ROLLED_BACK,
                                              TIMEOUT, UNREACHABLE, USAGE, Unreachable,
                                              Watcher, decision_line, watch)
+from tests.support.clocks import FakeClock
 
 POLICY = RolloutPolicy(id="release-7", steps=[50, 100], min_requests=2, min_step_s=10,
                        gates=RolloutGates(max_error_rate_increase=0.1))
@@ -44,17 +45,6 @@ def promoted_run() -> list[dict]:
     r.evaluate(1020)
     snaps.append(snapshot(r))
     return snaps
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
 
 
 def run(snaps, **kw):

@@ -16,13 +16,13 @@ import json
 
 import pytest
 
-from serve_app.common.config import Tenant
 from serve_app.common.wire import GenerateRequest, Head, Tail, Usage
 from serve_app.dispatch.relay import RelayResponse
 from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from tests.support.fake_engine import FakeEngine, replica_server
+from tests.support.tenants import tenant
 
 PROMPT = 25  # what vLLM counted
 BUDGET = 10_000
@@ -131,11 +131,11 @@ def test_a_cut_stream_is_charged_its_tokens_not_its_events(spec):
     items = replica_items()  # one piece per event
 
     async def main():
-        tenant = Tenant(id="acme", api_keys_sha256=["0" * 64], tokens_per_day=BUDGET)
+        acme = tenant("acme", tokens_per_day=BUDGET)
         limiter = TenantLimiter(shared=None)
         account = RequestAccount(Metrics(), lambda *a, **k: None, {
             "route": "smollm", "variant": "v1", "tenant": "acme", "adapter": ""}, "id-1")
-        await account.hold_tenant_slot(limiter, tenant, Reservation(75, 400))
+        await account.hold_tenant_slot(limiter, acme, Reservation(75, 400))
         response = RelayResponse(cut_after_three_events(items), "v1", account, {})
         bodies = []
 

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from serve_app.common.config import Tenant
 from serve_app.common.errors import MeshError
 from serve_app.tenancy.counts import TenantCounts
 from serve_app.tenancy.limits import TenantLimiter
@@ -16,6 +15,7 @@ from serve_app.tenancy.token_budget import (CHAT_TEMPLATE_TOKENS, DEFAULT_MAX_TO
                                             Reservation, TokenBucket, completion_reservation,
                                             duration_header, prompt_bound)
 from tests.support.fakes import FakeShared
+from tests.support.tenants import tenant
 
 TPM = Limits(tokens_per_minute=600)
 
@@ -141,10 +141,6 @@ def test_a_lower_limit_after_a_config_change_keeps_what_was_left_up_to_it():
     assert counts.remaining("t") == {"tokens_per_minute": 500}
     counts.acquire("t", Limits(tokens_per_minute=2000), 0)
     assert counts.remaining("t") == {"tokens_per_minute": 500}  # no free credit from a raise
-
-
-def tenant(**kw) -> Tenant:
-    return Tenant(id="t", api_keys_sha256=["0" * 64], **kw)
 
 
 def test_two_routers_share_one_budget_and_settle_it():
