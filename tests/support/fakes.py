@@ -1,6 +1,6 @@
 """Fakes at the router's edges, for unit tests without Ray: the replicas' answers through
 Serve's handles (:class:`FakeStream`, :class:`FakeHandles`), the availability view, the
-router's metrics, Serve's status, and the tenant ledger."""
+router's metrics (recorded, or :class:`NullMetrics`), Serve's status, and the tenant ledger."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from ray.exceptions import RayActorError
 
-from serve_app.common.wire import GenerateRequest, ReplicaInfo
+from serve_app.common.wire import GenerateRequest, ReplicaInfo, Usage
 from serve_app.request.planner import RequestPlan
 from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.counts import TenantCounts
@@ -95,23 +95,38 @@ def registry_of(handle_for, availability=None, admissions: dict | None = None
 
 
 class FakeRouterMetrics:
-    """The router metrics a RequestAccount records to."""
+    """The router metrics a RequestAccount records to: each finished request in ``recorded``
+    as ``(variant, status, error_kind)`` and in ``finished`` as ``(status, ttft_s, usage,
+    error_kind)``; each failover's variant in ``failovers``."""
 
     def __init__(self):
-        self.recorded, self.failovers = [], []
+        self.recorded, self.finished, self.failovers = [], [], []
         self.queue_time = SimpleNamespace(observe=lambda *a: None)
         self.rejected = SimpleNamespace(inc=lambda *a: None)
         self.failovers_counter = SimpleNamespace(
             inc=lambda n, tags: self.failovers.append(tags["variant"]))
 
-    def record(self, tags, status, latency_s, **kw):
-        self.recorded.append((tags["variant"], status, kw.get("error_kind")))
+    def record(self, tags, status, latency_s, *, ttft_s=None, prompt_tokens=0,
+               completion_tokens=0, error_kind=None, **kw):
+        self.recorded.append((tags["variant"], status, error_kind))
+        self.finished.append((status, ttft_s, Usage(prompt_tokens, completion_tokens),
+                              error_kind))
 
     def account(self, observe, tenant: str = "") -> RequestAccount:
         metrics = SimpleNamespace(queue_time=self.queue_time, rejected=self.rejected,
                                   failovers=self.failovers_counter, record=self.record)
         return RequestAccount(metrics, observe, {"route": "r", "variant": "", "tenant": tenant,
                                                  "adapter": ""}, "req-1")
+
+
+class NullMetrics:
+    """Router metrics that record nothing: every attribute, and every call, is a no-op."""
+
+    def __getattr__(self, name):
+        return NullMetrics()
+
+    def __call__(self, *args, **kwargs):
+        return None
 
 
 def plan_of(candidates, queue_timeout_s=5.0, top_priority=True) -> RequestPlan:

@@ -21,22 +21,14 @@ from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
+from tests.support.bodies import chat_body
+from tests.support.fakes import NullMetrics
 
 KEY = "sk-acme"
 CONFIG = RouterConfig.model_validate({
     "routes": {"smollm": {"variants": [{"application": "v1", "weight": 1}]}},
     "tenants": [{"id": "acme", "api_keys_sha256": [hash_api_key(KEY)], "adapters": ["acme"],
                  "tokens_per_day": 10_000, "max_concurrent_requests": 100}]})
-
-
-class Metrics:
-    """Router metrics that record nothing (every call and every series is a no-op)."""
-
-    def __getattr__(self, name):
-        return Metrics()
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 class Availability:
@@ -85,7 +77,7 @@ async def front(req: Request, endpoint: str = "chat") -> None:
     tenants = CONFIG.tenant_by_key_digest()
     planner = RequestPlanner(CONFIG, splits_of(CONFIG), lambda key, split: split.weighted,
                              Availability())
-    account = RequestAccount(Metrics(), lambda *a, **k: None, planner.labels(None, None),
+    account = RequestAccount(NullMetrics(), lambda *a, **k: None, planner.labels(None, None),
                              "id-1")
     tenant = authenticate(tenants, req.headers.get("authorization"))
     body = await read_json_body(req)
@@ -111,8 +103,8 @@ def outcome(raw: bytes, headers: dict[str, str] | None = None, endpoint: str = "
 
 
 def chat(**fields) -> bytes:
-    return json.dumps({"model": "smollm", "messages": [{"role": "user", "content": "hi"}],
-                       **fields}).encode()
+    """A chat body with ``fields``, as the client sends it."""
+    return json.dumps(chat_body(**fields)).encode()
 
 
 BIG = 10**4000  # within Python's int-string limit (4300 digits): a valid JSON number

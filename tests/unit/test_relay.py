@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.dispatch.account import RequestAccount
 from serve_app.dispatch.relay import RelayResponse
 from serve_app.common.failures import Failure
 from serve_app.common.wire import Tail, Usage
+from tests.support.fakes import FakeRouterMetrics
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
          "path": "/v1/chat/completions", "headers": []}
@@ -32,24 +32,11 @@ def run(response: RelayResponse, receive) -> list[dict]:
     return sent
 
 
-class Metrics:
-    """Records what a RequestAccount records, as (ttft_s, usage, error_kind)."""
-
-    def __init__(self) -> None:
-        self.calls = []
-
-    def record(self, tags, status, latency_s, *, ttft_s=None, prompt_tokens=0,
-               completion_tokens=0, error_kind=None) -> None:
-        assert status == 200
-        self.calls.append((ttft_s, Usage(prompt_tokens, completion_tokens), error_kind))
-
-
 def finishes():
-    """A real RequestAccount over fake metrics: the calls it records, and the account."""
-    metrics = Metrics()
-    account = RequestAccount(metrics, lambda *a, **k: None,
-                             {"route": "r", "variant": "v1", "tenant": "", "adapter": ""}, "id-1")
-    return metrics.calls, account
+    """A real RequestAccount over fake metrics: what it records, ``(status, ttft_s, usage,
+    error_kind)`` a finish, and the account."""
+    metrics = FakeRouterMetrics()
+    return metrics.finished, metrics.account(lambda *a, **k: None)
 
 
 async def never_disconnects():
@@ -66,8 +53,8 @@ def test_full_stream_finishes_once_with_usage():
                never_disconnects)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert body.endswith(b"data: [DONE]\n\n") and b"Usage" not in body
-    [(ttft, usage, kind)] = calls
-    assert kind is None and usage == Usage(5, 1) and ttft is not None
+    [(status, ttft, usage, kind)] = calls
+    assert (status, kind, usage) == (200, None, Usage(5, 1)) and ttft is not None
 
 
 def test_failure_mid_stream_ends_with_an_error_event():
@@ -77,7 +64,7 @@ def test_failure_mid_stream_ends_with_an_error_event():
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"variant v1 failed mid-stream; retry the request" in body
     assert body.endswith(b"data: [DONE]\n\n")
-    assert [c[2] for c in calls] == ["stream_failed"]
+    assert [(c[0], c[3]) for c in calls] == [(200, "stream_failed")]
 
 
 async def in_band_error_stream(failure: Failure):
@@ -97,7 +84,7 @@ def test_in_band_error_event_is_a_failed_stream_of_its_kind():
                    never_disconnects)
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n")
-        assert [c[2] for c in calls] == [kind]
+        assert [(c[0], c[3]) for c in calls] == [(200, kind)]
 
 
 def test_client_gone_before_the_body_starts_still_finishes_once():
@@ -111,7 +98,7 @@ def test_client_gone_before_the_body_starts_still_finishes_once():
         await asyncio.sleep(3600)
 
     asyncio.run(response(old_spec, disconnected, stalled_send))
-    assert calls == [(None, Usage(), "client_disconnected")]
+    assert calls == [(200, None, Usage(), "client_disconnected")]
 
     # ASGI >= 2.4: sending the response start fails because the client is gone.
     calls, finish = finishes()
@@ -124,4 +111,4 @@ def test_client_gone_before_the_body_starts_still_finishes_once():
         asyncio.run(response(SCOPE, never_disconnects, broken_send))
     except Exception as e:
         assert type(e).__name__ == "ClientDisconnect"
-    assert calls == [(None, Usage(), "client_disconnected")]
+    assert calls == [(200, None, Usage(), "client_disconnected")]

@@ -20,6 +20,7 @@ from serve_app.common.wire import (ADAPTER_HEADER, REPLICA_HEADER, Accepted, Gen
                                    Head, Tail, Usage)
 from serve_app.server.lora import AdapterSet
 from serve_app.server.serving import EngineAnswer, EngineError, ReplicaServer
+from tests.support.bodies import chat_body
 from tests.support.fake_engine import FakeEngine, FakeLoRAModels, noop, replica_server
 
 SERVED_BY = {REPLICA_HEADER: "r1"}  # every head names the replica
@@ -35,10 +36,9 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def chat(**body) -> GenerateRequest:
-    return GenerateRequest("chat", {"model": "smollm",
-                                    "messages": [{"role": "user", "content": "hi"}], **body},
-                           priority=3, request_id="req-9")
+def chat(**fields) -> GenerateRequest:
+    """A chat request with ``fields``, as the router sends it (priority 3, id ``req-9``)."""
+    return GenerateRequest("chat", chat_body(**fields), priority=3, request_id="req-9")
 
 
 def test_whole_answer_body_rewrites_and_usage():

@@ -19,6 +19,7 @@ from serve_app.sim.answers import AnswerBook
 from serve_app.sim.prefix_cache import PrefixCache
 from serve_app.common.sim_profile import SimProfile, load_profile, profile_names
 from serve_app.sim.scheduler import LENGTH, STOP, SimRequest, SimScheduler
+from tests.support.bodies import chat_body
 
 PROFILE = SimProfile(name="t", description="test", source="this test",
                      prefill_tokens_per_s=1000, decode_step_s={1: 0.01, 9: 0.05},
@@ -278,21 +279,17 @@ def engine():
     loop.close()
 
 
-def chat(content: str, **kw) -> dict:
-    return {"model": "smollm", "messages": [{"role": "user", "content": content}], **kw}
-
-
 def test_engine_answers_deterministically_with_exact_usage(engine):
     run = engine.loop.run_until_complete
-    a = run(engine.run("chat", chat("hi", max_tokens=7, ignore_eos=True)))
-    b = run(engine.run("chat", chat("hi", max_tokens=7, ignore_eos=True)))
-    c = run(engine.run("chat", chat("ho", max_tokens=7, ignore_eos=True)))
+    a = run(engine.run("chat", chat_body("hi", max_tokens=7, ignore_eos=True)))
+    b = run(engine.run("chat", chat_body("hi", max_tokens=7, ignore_eos=True)))
+    c = run(engine.run("chat", chat_body("ho", max_tokens=7, ignore_eos=True)))
     text = [json.loads(x.body)["choices"][0]["message"]["content"] for x in (a, b, c)]
     assert text[0] == text[1] != text[2]
     assert a.usage.completion_tokens == 7 and a.usage.prompt_tokens == c.usage.prompt_tokens
 
     async def stream():
-        lines = [line async for line in await engine.run("chat", chat(
+        lines = [line async for line in await engine.run("chat", chat_body(
             "hi", max_tokens=7, ignore_eos=True, stream=True,
             stream_options={"include_usage": True}))]
         return "".join(lines)
@@ -311,7 +308,7 @@ def test_engine_errors_are_vllms(engine):
 
     run = engine.loop.run_until_complete
     with pytest.raises(VLLMValidationError, match="cannot be greater than max_model_len=256"):
-        run(engine.run("chat", chat("hi", max_tokens=1000)))
+        run(engine.run("chat", chat_body("hi", max_tokens=1000)))
     with pytest.raises(VLLMValidationError, match="maximum context length is 256 tokens"):
         run(engine.run("completion", {"model": "smollm", "prompt": "word " * 400,
                                       "max_tokens": 1}))
@@ -331,12 +328,12 @@ def test_engine_runs_max_num_seqs_at_once_and_loads_adapters(engine):
     assert not isinstance(bad, str)
 
     async def three():
-        tasks = [asyncio.ensure_future(engine.run("chat", chat(f"q{i}", max_tokens=20,
+        tasks = [asyncio.ensure_future(engine.run("chat", chat_body(f"q{i}", max_tokens=20,
                                                                ignore_eos=True)))
                  for i in range(3)]
         await asyncio.sleep(0.3)
         during = engine.engine_state()
-        adapter = await engine.run("chat", chat("a", max_tokens=20, model="acme-support@v1"))
+        adapter = await engine.run("chat", chat_body("a", max_tokens=20, model="acme-support@v1"))
         return during, adapter, await asyncio.gather(*tasks)
     during, adapter, answers = run(three())
     assert (during["running"], during["waiting"]) == (2, 1)  # max_num_seqs 2
@@ -354,4 +351,4 @@ def test_a_killed_engine_fails_as_a_dead_vllm_engine(engine):
     engine.drills.kill_engine()
     assert engine.errored
     with pytest.raises(EngineDeadError):
-        engine.loop.run_until_complete(engine.run("chat", chat("hi", max_tokens=2)))
+        engine.loop.run_until_complete(engine.run("chat", chat_body("hi", max_tokens=2)))

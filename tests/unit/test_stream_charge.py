@@ -22,20 +22,11 @@ from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from tests.support.fake_engine import FakeEngine, replica_server
+from tests.support.fakes import NullMetrics
 from tests.support.tenants import tenant
 
 PROMPT = 25  # what vLLM counted
 BUDGET = 10_000
-
-
-class Metrics:
-    """Router metrics that record nothing."""
-
-    def __getattr__(self, name):
-        return Metrics()
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 def chunk(index: int, content: str, completion: int, usage: bool = True) -> str:
@@ -133,7 +124,7 @@ def test_a_cut_stream_is_charged_its_tokens_not_its_events(spec):
     async def main():
         acme = tenant("acme", tokens_per_day=BUDGET)
         limiter = TenantLimiter(shared=None)
-        account = RequestAccount(Metrics(), lambda *a, **k: None, {
+        account = RequestAccount(NullMetrics(), lambda *a, **k: None, {
             "route": "smollm", "variant": "v1", "tenant": "acme", "adapter": ""}, "id-1")
         await account.hold_tenant_slot(limiter, acme, Reservation(75, 400))
         response = RelayResponse(cut_after_three_events(items), "v1", account, {})
