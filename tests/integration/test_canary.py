@@ -30,9 +30,20 @@ def with_weights(cfg, v1: int, v2: int):
     return cfg
 
 
+#: On the simulated engine, smollm-v2's replica takes this long to start, as a real engine's
+#: does (~30-60 s here): a request that waited behind a killed replica's restart would be
+#: served by smollm-v2, so the failover test can tell (s).
+RESTART_S = 20
+
+
 @pytest.fixture(scope="module")
 def canary(mesh):
-    mesh.canary_cfg = mesh.deploy_shipped("canary.yaml")
+    cfg = mesh.config("canary.yaml")
+    if mesh.engine == "sim":
+        v2 = next(a for a in cfg["applications"] if a["name"] == "smollm-v2")
+        v2["args"] = {**v2["args"], "sim": {**v2["args"]["sim"], "start_s": RESTART_S}}
+    mesh.deploy(cfg)
+    mesh.canary_cfg = cfg
     return mesh
 
 
@@ -95,7 +106,7 @@ def test_pinning_is_admin_only(canary):
     from serve_app.tenancy.keys import hash_api_key
     cfg["applications"][0]["deployments"][0]["user_config"]["tenants"].append(
         {"id": "dev", "api_keys_sha256": [hash_api_key("sk-dev")]})
-    canary.deploy(cfg)
+    canary.deploy(cfg, in_place=True)
     try:
         with canary.http() as http:
             r = chat(http, key="sk-dev", pin="smollm-v2")
@@ -106,30 +117,31 @@ def test_pinning_is_admin_only(canary):
             r = chat(http, pin="smollm-v9")
             assert r.status_code == 400 and "smollm-v9" in r.json()["error"]["message"]
     finally:
-        canary.deploy(canary.canary_cfg)
+        canary.deploy(canary.canary_cfg, in_place=True)
 
 
 def test_weight_change_applies_in_place(canary):
     before = canary.all_replica_ids()
-    canary.deploy(with_weights(canary.canary_cfg, 50, 50))
+    canary.deploy(with_weights(canary.canary_cfg, 50, 50), in_place=True)
     try:
         with canary.http() as http:
             assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 50,
                                                                       "smollm-v2": 50}
         assert canary.all_replica_ids() == before
     finally:
-        canary.deploy(canary.canary_cfg)
+        canary.deploy(canary.canary_cfg, in_place=True)
 
 
 def test_invalid_config_deployed_live_keeps_last_good(canary):
     before = canary.all_replica_ids()
-    canary.deploy(with_weights(canary.canary_cfg, 70, -30))  # serve accepts it; the router must not
+    # serve accepts it; the router must not
+    canary.deploy(with_weights(canary.canary_cfg, 70, -30), in_place=True)
     with canary.http() as http:
         assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 90,
                                                                   "smollm-v2": 10}
         assert chat(http).status_code == 200
     assert canary.all_replica_ids() == before
-    canary.deploy(canary.canary_cfg)
+    canary.deploy(canary.canary_cfg, in_place=True)
 
 
 def test_metrics_per_route_and_variant(canary):
@@ -155,10 +167,10 @@ def test_metrics_per_route_and_variant(canary):
     assert any('status="401"' in line for line in lines), lines
 
 
-@pytest.mark.slow  # a replica killed: test_traffic_safety kills an engine mid-stream and its
-# callers fail over; test_dispatcher holds the failover rules
 def test_failover_before_first_byte_when_replica_dies(canary):
-    """All traffic to smollm-v2, then its replica is killed: requests fail over to smollm-v1."""
+    """All traffic to smollm-v2, then its replica is killed: once the router has seen it
+    dead, every request fails over to smollm-v1 before any byte, none waits behind the
+    restart (which takes RESTART_S on the simulated engine, longer on vLLM)."""
     import ray
 
     canary.deploy(with_weights(canary.canary_cfg, 0, 100))
@@ -167,6 +179,7 @@ def test_failover_before_first_byte_when_replica_dies(canary):
         actor = ray.get_actor(f"SERVE_REPLICA::smollm-v2#LLMReplica#{replica_id}",
                               namespace="serve")
         ray.kill(actor, no_restart=True)
+        killed_at = time.monotonic()
         # Once the controller has noticed (its health check) and the router has polled it,
         # the router must stop choosing smollm-v2 rather than queue behind its restart.
         deadline = time.monotonic() + 60
@@ -180,6 +193,11 @@ def test_failover_before_first_byte_when_replica_dies(canary):
                 r = chat(http, user=f"failover-{i}")
                 assert r.status_code == 200, r.text
                 served.append(r.headers["x-mesh-variant"])
+            # smollm-v2 still down when the six are done: any of them it answered would have
+            # waited behind its restart
+            still_down = not http.get("/health", headers=ADMIN).json()["available"]["smollm-v2"]
+        assert still_down, f"smollm-v2 was back {time.monotonic() - killed_at:.0f} s after " \
+            "the kill, before the six were done: the test proves nothing"
         assert served == ["smollm-v1"] * 6, served
     finally:
         canary.deploy(canary.canary_cfg, timeout_s=600)  # waits for smollm-v2 to come back
@@ -188,13 +206,13 @@ def test_failover_before_first_byte_when_replica_dies(canary):
 def test_zero_drops_through_ramp_and_retirement(canary):
     """>= 4 concurrent streams run while the serve CLI applies 100/0 -> 90/10 -> 50/50 -> 0/100
     and then a config without smollm-v1. Every stream must complete in full."""
-    canary.deploy(with_weights(canary.canary_cfg, 100, 0))
+    canary.deploy(with_weights(canary.canary_cfg, 100, 0), in_place=True)
     spec = LoadSpec(base_url=f"{canary.base_url}/v1", model="smollm", concurrency=4,
                     max_tokens=24, api_key=OPS_KEY, duration_s=600)
     with background_load(spec) as results:
         wait_for_results(results, 4)
         for v1, v2 in ((90, 10), (50, 50), (0, 100)):
-            canary.deploy(with_weights(canary.canary_cfg, v1, v2))
+            canary.deploy(with_weights(canary.canary_cfg, v1, v2), in_place=True)
             wait_for_results(results, len(results) + 4)
         retired = with_weights(canary.canary_cfg, 0, 100)
         del retired["applications"][1]  # smollm-v1's application

@@ -117,12 +117,12 @@ def tenants(mesh):
 def test_token_fair_admission_starts_a_light_tenant_at_once_and_gives_it_its_share(
         tenants):
     mesh, cfg = tenants
-    mesh.deploy(fairness(cfg, "tokens"))
+    mesh.deploy(fairness(cfg, "tokens"), in_place=True)
     with background_load(light(mesh, requests=IDLE_SAMPLES)) as idle_results:
         wait_for_results(idle_results, IDLE_SAMPLES)
     idle_p95 = percentile([r.ttft_s for r in idle_results], 95)
     fair = contention(mesh, 10, backlog_s=6)
-    mesh.deploy(fairness(cfg, "fifo"))
+    mesh.deploy(fairness(cfg, "fifo"), in_place=True)
     fifo = contention(mesh, 3, backlog_s=8)
     for label, f in (("token-fair", fair), ("FIFO", fifo)):
         print(f"\n{label}: light TTFT p95 {f['light_ttft_p95_s'] * 1000:.0f} ms (idle "

@@ -58,9 +58,9 @@ def test_a_burst_of_400_gets_what_the_engines_can_do_and_fast_refusals(tenants):
     probe): what admission alone makes of it. With priorities the probe also jumps the
     queue and sheds some of the burst late (0.80 measured against 0.93 without, with
     ADMIT_MARGIN 0.9); how priorities change the order is the next test's."""
-    tenants.deploy(without_priorities(tenants.tenants_cfg))
+    tenants.deploy(without_priorities(tenants.tenants_cfg), in_place=True)
     off = drill(tenants)
-    tenants.deploy(tenants.tenants_cfg)
+    tenants.deploy(tenants.tenants_cfg, in_place=True)
     print("\n" + "\n".join(format_figures("priority off", off)))
     for f in (off,):
         assert f["timeouts"] == 0 and f["other_errors"] == 0, f
@@ -86,12 +86,12 @@ def test_refusals_at_arrival_come_within_a_second_at_ci_size(tenants):
     short = copy.deepcopy(tenants.tenants_cfg)
     route = short["applications"][0]["deployments"][0]["user_config"]["routes"]["smollm"]
     route["admission"] = {**route.get("admission", {}), "queue_timeout_s": 5}
-    tenants.deploy(short)
+    tenants.deploy(short, in_place=True)
     prefix = f"ci-burst-{uuid.uuid4().hex[:8]}"
     f = asyncio.run(overload_drill(f"{tenants.base_url}/v1", flood_key="sk-batch-demo",
                                    probe_key="sk-acme-demo", requests=CI_BURST, probes=5,
                                    queue_timeout_s=5, request_id_prefix=prefix))
-    tenants.deploy(tenants.tenants_cfg)
+    tenants.deploy(tenants.tenants_cfg, in_place=True)
     arrival = sum(n for code, n in f["refused_by_code"].items() if code in ARRIVAL_CODES)
     decided = [e["latency_ms"] for e in tenants.router_access(
         prefix, arrival, where=lambda e: e["error"] in ARRIVAL_CODES)]
@@ -124,9 +124,9 @@ def test_priorities_on_and_off_give_different_orders(tenants):
     turns: acme's wait about as long as batch's."""
     url = f"{tenants.base_url}/v1"
     batch_on, acme_on = asyncio.run(_arrive_behind(url))
-    tenants.deploy(without_priorities(tenants.tenants_cfg))
+    tenants.deploy(without_priorities(tenants.tenants_cfg), in_place=True)
     batch_off, acme_off = asyncio.run(_arrive_behind(url))
-    tenants.deploy(tenants.tenants_cfg)
+    tenants.deploy(tenants.tenants_cfg, in_place=True)
     for answers in (batch_on, acme_on, batch_off, acme_off):
         assert all(a.status == 200 for a in answers), [(a.status, a.code) for a in answers]
 

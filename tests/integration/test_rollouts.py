@@ -55,7 +55,8 @@ def print_history(state: dict) -> None:
 
 
 def test_healthy_canary_is_promoted_step_by_step(rollouts):
-    rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "promote", "steps": [25, 50, 100]}))
+    rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "promote", "steps": [25, 50, 100]}),
+                    in_place=True)
     with rollouts.http() as http:
         assert rollout_state(http)["weights"] == {"smollm-v1": 75, "smollm-v2": 25}
         assert http.get("/health", headers=ADMIN).json()["routes"]["smollm"] == {"smollm-v1": 75,
@@ -87,7 +88,7 @@ def test_healthy_canary_is_promoted_step_by_step(rollouts):
 
 def test_canary_with_injected_errors_is_rolled_back_within_one_step(rollouts):
     rollouts.deploy(with_rollout(rollouts.base_cfg, {"id": "drill", "steps": [25, 50, 100]},
-                                 {"fault_injection": {"error_rate": 1.0}}))
+                                 {"fault_injection": {"error_rate": 1.0}}), in_place=True)
     with rollouts.http() as http:
         with background_load(load(rollouts)) as results:
             state = wait_for_state(http, {"promoted", "rolled_back"})

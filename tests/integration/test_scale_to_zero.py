@@ -62,11 +62,15 @@ def chat(http: httpx.Client, *, pin: str | None = None, user: str | None = None,
     return http.post("/v1/chat/completions", json=body, headers=headers, timeout=300)
 
 
-def stream_lines(base_url: str, pin: str, max_tokens: int = 8) -> dict:
-    """One streamed chat: its status, SSE comment lines, data lines, and seconds taken."""
+def stream_lines(base_url: str, pin: str, max_tokens: int = 8,
+                 include_usage: bool = False) -> dict:
+    """One streamed chat: its status, SSE comment lines, data lines, and seconds taken.
+    ``include_usage``: ask for the usage chunk at the end (``stream_options``)."""
     t0 = time.monotonic()
     body = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
             "temperature": 0, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
     out = {"comments": [], "data": []}
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=300,
                       headers={**AUTH, "x-mesh-variant": pin}) as r:
@@ -211,7 +215,7 @@ def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy
     wait_until(lambda: running(sleepy), 180, "the canary runs")
     before = {r["replica_id"] for r in running(sleepy)}
     tokens = 400  # ~20 s or more here: longer than look_back_period_s + downscale_delay_s
-    s = stream_lines(sleepy.base_url, CANARY, max_tokens=tokens)
+    s = stream_lines(sleepy.base_url, CANARY, max_tokens=tokens, include_usage=True)
     assert s["seconds"] > SHORT["look_back_period_s"] + SHORT["downscale_delay_s"], s["seconds"]
     assert s["status"] == 200 and s["data"][-1] == "[DONE]"
     usage = [json.loads(d)["usage"] for d in s["data"][:-1] if '"usage"' in d
@@ -219,8 +223,7 @@ def test_a_stream_in_flight_keeps_its_variant_up_past_the_downscale_delay(sleepy
     chunks = [d for d in s["data"][:-1] if json.loads(d).get("choices")]
     assert not any("error" in d for d in s["data"]) and len(chunks) >= 1
     assert {r["replica_id"] for r in running(sleepy)} == before
-    if usage:
-        assert usage[-1]["completion_tokens"] == tokens
+    assert usage and usage[-1]["completion_tokens"] == tokens, usage  # it ran to its end
 
 
 BROKEN = "smollm-broken"  # a variant whose engine fails to start (sim.fail_start)

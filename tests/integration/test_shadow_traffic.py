@@ -118,7 +118,7 @@ def test_identical_shadow_agrees_and_a_french_one_does_not(shadowed):
     assert same["agreement"] >= 0.95 and same["similarity"] >= 0.95
     assert same["shadow_errors"] == 0 and same["latency_ratio_p50"] is not None
 
-    shadowed.deploy(configured(shadowed.base_cfg, shadow={}, v2=FRENCH))
+    shadowed.deploy(configured(shadowed.base_cfg, shadow={}, v2=FRENCH), in_place=True)
     results = traffic(shadowed, 10)
     assert all(s == 200 for s, _, _ in results)
     french = delta(same, settled(shadowed, same["compared"] + 10))
@@ -130,7 +130,7 @@ def test_identical_shadow_agrees_and_a_french_one_does_not(shadowed):
 
 
 def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
-    shadowed.deploy(configured(shadowed.base_cfg))  # shadow off
+    shadowed.deploy(configured(shadowed.base_cfg), in_place=True)  # shadow off
     off = traffic(shadowed, 8)
     assert all(s == 200 for s, _, _ in off)
     before = book(shadowed)
@@ -142,7 +142,7 @@ def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
     for v2, label in (({"fault_injection": {"error_rate": 1.0}}, "errors"),
                       ({"fault_injection": {"delay_rate": 1.0, "delay_ms": delay_s * 1000}},
                        f"{delay_s} s delay")):
-        shadowed.deploy(configured(shadowed.base_cfg, shadow={}, v2=v2))
+        shadowed.deploy(configured(shadowed.base_cfg, shadow={}, v2=v2), in_place=True)
         on = traffic(shadowed, 8)
         print(f"\nshadow with {label}: client latencies "
               f"{sorted(round(t, 2) for _, _, t in on)} (shadow off: "
@@ -160,7 +160,8 @@ def test_a_failing_or_slow_shadow_never_touches_the_client(shadowed):
 
 def test_max_in_flight_caps_the_mirrors(shadowed):
     shadowed.deploy(configured(shadowed.base_cfg, shadow={"max_in_flight": 1},
-                               v2={"fault_injection": {"delay_rate": 1.0, "delay_ms": 3000}}))
+                               v2={"fault_injection": {"delay_rate": 1.0, "delay_ms": 3000}}),
+                    in_place=True)
     before = book(shadowed)
     results = traffic(shadowed, 8, concurrency=4)
     assert all(s == 200 for s, _, _ in results)
@@ -177,7 +178,8 @@ def test_rollout_shadow_phase_promotes_a_good_canary_and_stops_a_bad_one(shadowe
                "shadow": {"min_requests": 6, "max_latency_ratio": None}}
     for rid, v2, outcome in (("shadow-good", {}, "promoted"),
                              ("shadow-bad", FRENCH, "rolled_back")):
-        shadowed.deploy(configured(shadowed.base_cfg, v2=v2, rollout={"id": rid, **rollout}))
+        shadowed.deploy(configured(shadowed.base_cfg, v2=v2, rollout={"id": rid, **rollout}),
+                        in_place=True)
         served, deadline = [], time.monotonic() + 240
         with shadowed.http() as http:
             while (state := http.get("/admin/rollouts", headers=OPS).json()["smollm"])[

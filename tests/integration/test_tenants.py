@@ -131,7 +131,7 @@ def test_removal_under_load_then_hot_add(tenants):
     before = tenants.all_replica_ids()
     with streams(tenants, "globex", "smollm:globex-report") as results:
         time.sleep(4)
-        tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 1)]))
+        tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 1)]), in_place=True)
         with tenants.http() as http:
             r = ask(http, "globex", "smollm:globex-report")
             assert r.status_code == 404, r.text
@@ -143,7 +143,7 @@ def test_removal_under_load_then_hot_add(tenants):
     assert served_before_removal and not failed, [(r.error) for r in failed[:3]]
     assert all(r.status in (200, 404) for r in results)
     # Hot add: the adapter comes back by config, without any replica restart.
-    tenants.deploy(tenants.tenants_cfg)
+    tenants.deploy(tenants.tenants_cfg, in_place=True)
     with tenants.http() as http:
         assert text(ask(http, "globex", "smollm:globex-report")).startswith(sig(tenants, GLOBEX))
     assert tenants.all_replica_ids() == before
@@ -154,7 +154,7 @@ def test_zero_drop_upgrade_v1_to_v2(tenants):
     with streams(tenants, "acme", "smollm:acme-support") as results:
         wait_for_results(results, 4)
         tenants.deploy(with_adapters(tenants.tenants_cfg, [("acme-support", 2),
-                                                           ("globex-report", 1)]))
+                                                           ("globex-report", 1)]), in_place=True)
         deployed_at = time.monotonic()
         wait_for_results(results, 4, started_after=deployed_at)
     failed = [r for r in results if not r.ok]
@@ -165,7 +165,7 @@ def test_zero_drop_upgrade_v1_to_v2(tenants):
     assert after and all(r.text.startswith(sig(tenants, ACME_V2)) for r in after), [r.text for r in after]
     assert any(r.text.startswith(sig(tenants, ACME_V1)) for r in results if r.started_at < deployed_at)
     assert tenants.all_replica_ids() == before
-    tenants.deploy(tenants.tenants_cfg)
+    tenants.deploy(tenants.tenants_cfg, in_place=True)
 
 
 def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
@@ -191,7 +191,7 @@ def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
 
     tenants.deploy(with_adapters(tenants.tenants_cfg, [
         ("acme-support", 1), ("globex-report", 1), ("acme-tampered", 1), ("acme-pickled", 1)],
-        manifest=manifest))
+        manifest=manifest), in_place=True)
     try:
         with tenants.http() as http:
             status = http.get("/admin/adapters",
@@ -206,11 +206,11 @@ def test_broken_adapters_refused_others_keep_serving(tenants, tmp_path):
             assert http.get("/admin/adapters", headers={
                 "authorization": f"Bearer {KEYS['acme']}"}).status_code == 403
     finally:
-        tenants.deploy(tenants.tenants_cfg)
+        tenants.deploy(tenants.tenants_cfg, in_place=True)
 
 
 def test_adapter_version_canary_split_is_sticky(tenants):
-    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 90), (2, 10)]))
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 90), (2, 10)]), in_place=True)
     try:
         callers = [f"acme-user-{i}" for i in range(100)]
         with tenants.http() as http, ThreadPoolExecutor(8) as pool:
@@ -239,7 +239,7 @@ def test_adapter_version_canary_split_is_sticky(tenants):
         assert text(v2).startswith(sig(tenants, ACME_V2)), text(v2)
         assert v2.json()["model"] == "smollm:acme-support"
     finally:
-        tenants.deploy(tenants.tenants_cfg)
+        tenants.deploy(tenants.tenants_cfg, in_place=True)
 
 
 def test_promoting_a_v1_v2_split_to_v2_only_under_sticky_v1_traffic_gives_no_404(tenants):
@@ -248,7 +248,7 @@ def test_promoting_a_v1_v2_split_to_v2_only_under_sticky_v1_traffic_gives_no_404
     at once). The router's view of the replica is a moment old, so requests for v1 may still
     come: the replica serves them for RETIRED_GRACE_S. Every request gets 200; new callers
     get v2 after."""
-    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 50), (2, 50)]))
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 50), (2, 50)]), in_place=True)
     v2_only = with_adapters(tenants.tenants_cfg, [("acme-support", 2), ("globex-report", 1)])
     spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model="smollm:acme-support",
                     concurrency=4, max_tokens=4, api_key=KEYS["acme"], duration_s=600,
@@ -257,7 +257,7 @@ def test_promoting_a_v1_v2_split_to_v2_only_under_sticky_v1_traffic_gives_no_404
         with background_load(spec) as results:
             wait_for_results(results, 8)
             t_change = time.monotonic()
-            tenants.deploy(v2_only)
+            tenants.deploy(v2_only, in_place=True)
             wait_for_results(results, 8, started_after=time.monotonic())
         after = [r for r in results if r.started_at >= t_change]
         failed = [(r.status, r.error) for r in results if not r.ok]
@@ -269,13 +269,14 @@ def test_promoting_a_v1_v2_split_to_v2_only_under_sticky_v1_traffic_gives_no_404
             assert r.headers["x-mesh-adapter"] == "acme-support@v2"
             assert text(r).startswith(sig(tenants, ACME_V2))
     finally:
-        tenants.deploy(tenants.tenants_cfg)
+        tenants.deploy(tenants.tenants_cfg, in_place=True)
 
 
 def test_adapter_version_rollout_is_promoted(tenants):
     rollout = {"id": "acme-v2", "steps": [50, 100], "min_requests": 3, "min_step_s": 1,
                "gates": {"max_ttft_p95_ratio": 3.0, "max_latency_p95_ratio": 3.0}}
-    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 100), (2, 0)], rollout))
+    tenants.deploy(with_acme_split(tenants.tenants_cfg, [(1, 100), (2, 0)], rollout),
+                   in_place=True)
     spec = LoadSpec(base_url=f"{tenants.base_url}/v1", model="smollm:acme-support",
                     concurrency=4, max_tokens=8, api_key=KEYS["acme"], duration_s=600,
                     user_prefix="acme-caller-")
@@ -295,7 +296,7 @@ def test_adapter_version_rollout_is_promoted(tenants):
         with tenants.http() as http:
             assert text(ask(http, "acme", "smollm:acme-support", user="new")).startswith(sig(tenants, ACME_V2))
     finally:
-        tenants.deploy(tenants.tenants_cfg)
+        tenants.deploy(tenants.tenants_cfg, in_place=True)
 
 
 MERGED_QUESTIONS = ["What is the largest ocean on Earth?", "Name a primary colour.",
@@ -352,4 +353,4 @@ def test_a_merged_variant_serves_its_adapter_as_the_lora_path_does(tenants):
         # adapter's delta at run time: measured here, every greedy answer came out the same.
         assert all(a == b for a, b in pairs), pairs
     finally:
-        tenants.deploy(tenants.tenants_cfg)
+        tenants.deploy(tenants.tenants_cfg, in_place=True)

@@ -36,7 +36,7 @@ def safety(mesh):
 def test_request_catalog_gets_4xx_or_answers_and_never_a_variant_failure(safety):
     """Every catalog case, sent by callers on both arms of a running rollout: no status >=
     500, every error an OpenAI error body, no failover, no error observation for either arm."""
-    safety.deploy(with_rollout(safety.base_cfg, {"id": "catalog", **SLOW}))
+    safety.deploy(with_rollout(safety.base_cfg, {"id": "catalog", **SLOW}), in_place=True)
     assert len(CASES) >= 40
     before_failovers = metric_total(safety, "ray_mesh_failovers_total")
     before_requests = metric_total(safety, "ray_mesh_requests_total")
@@ -83,7 +83,8 @@ def _count(values) -> dict:
 def test_a_tenant_sending_only_bad_requests_cannot_roll_back_a_healthy_canary(safety):
     """Good traffic flows while another caller sends only catalog requests that fail (each
     to whichever arm its session lands on): the rollout still promotes the canary."""
-    safety.deploy(with_rollout(safety.base_cfg, {"id": "bad-tenant", "steps": [50, 100]}))
+    safety.deploy(with_rollout(safety.base_cfg, {"id": "bad-tenant", "steps": [50, 100]}),
+                  in_place=True)
     bad = [c for c in CASES if c.expect == "4xx"]
     stop = threading.Event()
     bad_statuses: list[int] = []

@@ -179,8 +179,8 @@ def adapter_contention_loops() -> list[Loop]:
 def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]],
          answered_between: bool = False, clients: list[Loop] | None = None,
          answers_before: int = 1) -> list[Loop]:
-    """Apply ``changes`` one after another with ``serve deploy`` (each waits for RUNNING)
-    while the client loops run (default: :func:`loops`); returns the loops (their answers
+    """Apply ``changes`` one after another with ``serve deploy`` (each waits for RUNNING, and
+    fails if it replaced a replica: every change here is in place) while the client loops run (default: :func:`loops`); returns the loops (their answers
     and failures). Every loop is answered ``answers_before`` times before the first change.
     ``answered_between``: after each change, wait until every loop has had an answer since
     (a slow engine's loops would otherwise see several changes within one request)."""
@@ -197,7 +197,7 @@ def soak(mesh, cfg: dict, changes: list[tuple[str, Callable[[dict], None]]],
         for i, (kind, change) in enumerate(changes, 1):
             change(cfg)
             t0 = time.monotonic()
-            mesh.deploy(cfg)
+            mesh.deploy(cfg, in_place=True)  # an engine restart fails the soak
             print(f"  change {i:2}: {kind:<28} applied in {time.monotonic() - t0:4.1f} s; "
                   f"answers so far {sum(c.answers for c in clients)}", flush=True)
             if answered_between:

@@ -81,18 +81,28 @@ class Mesh:
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
 
-    def deploy(self, cfg: dict[str, Any], **kw) -> Path:
+    def deploy(self, cfg: dict[str, Any], *, in_place: bool = False, **kw) -> Path:
         """Write ``cfg`` to a file and apply it with the ``serve deploy`` CLI; wait for RUNNING.
         Prints every deployment whose replicas the deploy replaced (``[restart]``): each is
-        an engine start, the suite's main cost."""
+        an engine start, the suite's main cost.
+
+        Args:
+            in_place: the change is one the mesh applies in place (docs/in-place-changes.md):
+                fail (AssertionError) when any replica that ran before it was replaced, its
+                actor (and with it its engine) started anew."""
         before = self.all_replica_ids()
         path = self.write(cfg)
         deploy(path, self.dashboard, **kw)
         after = self.all_replica_ids()
+        replaced = {name: sorted(ids - after.get(name, set()))
+                    for name, ids in before.items()
+                    if name in after and ids - after.get(name, set())}
         for name, ids in after.items():
             if before.get(name) and ids and not ids & before[name]:
                 RESTARTS.append(f"{name}: every replica replaced by {path.name} "
                                 f"({os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]})")
+        assert not (in_place and replaced), (
+            f"an in-place change ({path.name}) replaced replicas: {replaced}")
         return path
 
     def client(self, **kw) -> openai.OpenAI:
