@@ -74,6 +74,12 @@ def manifest_with(**changes) -> Callable[[dict, Path], None]:
     return mutate
 
 
+def registry_file(ref: str) -> Callable[[dict, Path], None]:
+    """The variant's ``adapters_manifest`` set to ``ref``."""
+    return lambda cfg, tmp: cfg["applications"][1]["deployments"][0]["user_config"].update(
+        adapters_manifest=ref)
+
+
 def model(name: str) -> Callable[[dict, Path], None]:
     return lambda cfg, tmp: variant_args(cfg).update(model=name)
 
@@ -81,6 +87,13 @@ def model(name: str) -> Callable[[dict, Path], None]:
 def models_here() -> str:
     return ", ".join(sorted(p.parent.name for p in models_dir().glob("*/config.json")))
 
+
+#: A hub commit, for the cases that pin one.
+COMMIT = "0e9e39f249a16976918f6564b8830bc894c89659"
+#: How a source that would climb out of the node's cache is refused (after ``'<uri>': ``).
+CLIMB = ("it has a path part {part}; each part of a bucket folder is a name (not empty, '.' "
+         "or '..', also percent-encoded), since the folder is fetched under the node's cache: "
+         "write {bucket}/<folder>")
 
 BUDGET = ("is below the smallest request (57 tokens: a chat of one empty message reserves a "
           "prompt bound of 56, plus max_tokens 1), so tenant {tenant!r} would get 400 "
@@ -117,6 +130,20 @@ CASES: list[Case] = [
     Case("a bucket name S3 refuses", "local.yaml", model("gs://My_Models/llama"),
          f"{VARIANT}.args.model: 'gs://My_Models/llama': 'My_Models' is not a bucket name "
          "(3-63 lowercase letters, digits, '-', '.'); write gs://<bucket>/<prefix>"),
+    Case("a bucket URI that climbs out of the cache", "local.yaml",
+         model("s3://models/../../../../tmp/victim"),
+         f"{VARIANT}.args.model: 's3://models/../../../../tmp/victim': "
+         + CLIMB.format(part="'..'", bucket="s3://models")),
+    Case("a bucket URI that climbs, percent-encoded", "local.yaml",
+         model("gs://models/a/%2e%2e/%2e%2e/etc"),
+         f"{VARIANT}.args.model: 'gs://models/a/%2e%2e/%2e%2e/etc': "
+         + CLIMB.format(part="'%2e%2e' (percent-encoded '..')", bucket="gs://models")),
+    Case("credentials written into a bucket URI", "local.yaml",
+         model("s3://AKIAEXAMPLE:wJalrSECRETKEY@my-bucket/llama"),
+         f"{VARIANT}.args.model: 's3://***@my-bucket/llama': a URI carries no credentials "
+         "(they would show in the config, the dashboard and the logs): remove the "
+         "'user:secret@' part and give them in the nodes' environment (AWS_ACCESS_KEY_ID and "
+         "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN)"),
     Case("tensor parallelism over the GPUs a replica is granted", "local.yaml",
          lambda cfg, tmp: (engine_args(tensor_parallel_size=3)(cfg, tmp), cfg["applications"][1][
              "deployments"][0].update(ray_actor_options={"num_cpus": 1, "num_gpus": 1})),
@@ -158,6 +185,31 @@ CASES: list[Case] = [
          "Hugging Face id with no revision: pin the commit every replica downloads with "
          "`revision: <40-hex commit hash>` (the hub's 'main' moves; HfApi().model_info(id).sha "
          "gives today's)"),
+    Case("an adapter uri that climbs out of the cache", "tenants.yaml",
+         manifest_with(uri="s3://adapters/../../home/ray/.ssh"),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: "
+         "'s3://adapters/../../home/ray/.ssh': "
+         + CLIMB.format(part="'..'", bucket="s3://adapters")),
+    Case("an adapter trained for another org's model of the same name", "tenants.yaml",
+         manifest_with(base_model="other-org/smollm2-135m-instruct", base_model_revision=COMMIT),
+         f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: trained for "
+         f"'hf://other-org/smollm2-135m-instruct@{COMMIT}', but this variant serves "
+         f"'smollm2-135m-instruct'; declare it on a variant of "
+         f"'hf://other-org/smollm2-135m-instruct@{COMMIT}'"),
+    Case("an adapter config that is not the registered one", "tenants.yaml",
+         manifest_with(config_sha256="0" * 64),
+         f"{REPLICA_UC}.adapters[0]: adapter acme-support@v1: SHA-256 mismatch for "
+         "{repo}/adapters/acme-support/v1/adapter_config.json: manifest config_sha256 "
+         "000000000000..., file ..."),
+    Case("an adapter registry URI that climbs out of the cache", "tenants.yaml",
+         registry_file("s3://adapters/../../etc/manifest.yaml"),
+         f"{REPLICA_UC}.adapters_manifest: 's3://adapters/../../etc/manifest.yaml': "
+         + CLIMB.format(part="'..'", bucket="s3://adapters")),
+    Case("an adapter registry on the hub with no commit", "tenants.yaml",
+         registry_file("hf://acme/registry/manifest.yaml"),
+         f"{REPLICA_UC}.adapters_manifest: 'hf://acme/registry/manifest.yaml': a file on the "
+         "hub is written hf://org/name@<40-hex commit>/path/in/repo, pinned to the commit "
+         "every replica reads (a branch or a tag moves)"),
     # -- engine args: vLLM's verdict --------------------------------------------------------
     Case("a misspelled engine arg", "local.yaml", engine_args(max_num_seqz=4),
          f"{VARIANT}.args.engine_args.max_num_seqz: vLLM has no engine argument "

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.common.adapters import (AdapterError, AdapterSpec, fit_problem, load_manifest,
-                                       resolve_uri, sha256_file, verify_adapter)
+from serve_app.common.adapters import (MANIFEST_PATH, AdapterError, AdapterSpec,
+                                       base_model_problem, fit_problem, load_manifest,
+                                       manifest_file, resolve_uri, sha256_file, verify_adapter)
 from serve_app.common.paths import REPO_ROOT, models_dir
 
 BASE = "smollm2-135m-instruct"
@@ -159,3 +160,73 @@ def test_schema_error_names_entry_and_field(acme, tmp_path):
     path.write_text(yaml.safe_dump({"adapters": [dict(acme.model_dump(), colour="red")]}))
     with pytest.raises(AdapterError, match=r"adapters\[0\] is invalid: field 'colour'"):
         load_manifest(path)
+
+
+COMMIT = "0e9e39f249a16976918f6564b8830bc894c89659"
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("base_model, base_revision, variant_model, variant_revision, problem", [
+    (LLAMA, COMMIT, LLAMA, COMMIT, None),
+    (LLAMA, COMMIT, f"hf://{LLAMA}", COMMIT, None),
+    (LLAMA, COMMIT, "other-org/Llama-3.1-8B-Instruct", COMMIT,
+     f"trained for 'hf://{LLAMA}@{COMMIT}', but this variant serves "
+     f"'hf://other-org/Llama-3.1-8B-Instruct@{COMMIT}' (other-org/Llama-3.1-8B-Instruct); "
+     f"declare it on a variant of 'hf://{LLAMA}@{COMMIT}'"),
+    (LLAMA, COMMIT, LLAMA, "f" * 40, f"but this variant serves 'hf://{LLAMA}@{'f' * 40}'"),
+    (LLAMA, COMMIT, "s3://models/Llama-3.1-8B-Instruct", None,
+     "but this variant serves 's3://models/Llama-3.1-8B-Instruct'"),
+    ("Llama-3.1-8B-Instruct", None, "s3://models/Llama-3.1-8B-Instruct", None,
+     "trained for 'Llama-3.1-8B-Instruct', but this variant serves "
+     "'s3://models/Llama-3.1-8B-Instruct'"),
+    ("s3://models/llama/", None, "s3://models/llama", None, None),
+    ("s3://models/llama", None, "gs://models/llama", None, "serves 'gs://models/llama'"),
+    ("Llama-3.1-8B-Instruct", None, "/srv/models/Llama-3.1-8B-Instruct/", None, None),
+    (LLAMA, None, LLAMA, COMMIT,
+     f"its base_model '{LLAMA}' is a Hugging Face id with no revision: pin the commit every "
+     "replica downloads with `base_model_revision: <40-hex commit hash>`"),
+    ("Llama-3.1-8B-Instruct", COMMIT, "Llama-3.1-8B-Instruct", None,
+     "'Llama-3.1-8B-Instruct' is a local source: 'base_model_revision' pins a Hugging Face id "
+     "only; remove it"),
+])
+def test_an_adapter_fits_only_its_base_model(acme, base_model, base_revision, variant_model,
+                                             variant_revision, problem):
+    """The issue: matched by the last path part, other-org/<same name>, at any revision,
+    counted as the same model."""
+    spec = acme.model_copy(update={"base_model": base_model,
+                                   "base_model_revision": base_revision})
+    found = base_model_problem(spec, base_model=variant_model, base_revision=variant_revision)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found, found
+        assert fit_problem(spec, base_model=variant_model, max_lora_rank=16,
+                           base_revision=variant_revision) == found
+
+
+def test_the_registry_file_a_variant_names(tmp_path, monkeypatch):
+    assert manifest_file(None) == MANIFEST_PATH
+    assert manifest_file("/srv/registry/manifest.yaml") == Path("/srv/registry/manifest.yaml")
+    assert manifest_file("file:///srv/registry/m.yaml") == Path("/srv/registry/m.yaml")
+    # relative: from the config's folder where meshctl knows it, else the repository root
+    assert manifest_file("registry/m.yaml", config_dir=tmp_path) == tmp_path / "registry/m.yaml"
+    assert manifest_file("registry/m.yaml") == REPO_ROOT / "registry" / "m.yaml"
+    with pytest.raises(AdapterError, match=r"^adapter registry 's3://acme/\.\./\.\./m\.yaml': "
+                                           r"it has a path part '\.\.'"):
+        manifest_file("s3://acme/../../m.yaml")
+    with pytest.raises(AdapterError) as refusal:
+        manifest_file("s3://AKIAEXAMPLE:wJalrSECRETKEY@acme/m.yaml")
+    assert "wJalrSECRETKEY" not in str(refusal.value) and "s3://***@acme" in str(refusal.value)
+    monkeypatch.setenv("MESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing answers
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_SKIP_SIGNATURE", "true")
+    with pytest.raises(AdapterError, match=r"^adapter registry: could not read "
+                                           r"s3://acme-registry/m\.yaml: "):
+        manifest_file("s3://acme-registry/m.yaml")
+
+
+def test_an_adapter_error_carries_no_credential():
+    e = AdapterError("adapter a@v1: could not fetch hf://hf_TOKEN99@org/x: 401 "
+                     "https://cdn/x?X-Amz-Signature=SIG99")
+    assert "TOKEN99" not in str(e) and "SIG99" not in str(e) and "adapter a@v1" in str(e)
