@@ -7,17 +7,14 @@ import copy
 
 import httpx
 
+from tests.support.serve_config import router_uc
+
 #: The admin tenant of serve_configs/canary.yaml.
 ADMIN = {"authorization": "Bearer sk-mesh-ops-demo"}
 
 #: A rollout that stays on its first step for the length of a test (no gates).
 SLOW = {"steps": [50, 100], "min_requests": 100_000, "min_step_s": 3600,
         "gates": {"max_ttft_p95_ratio": None, "max_latency_p95_ratio": None}}
-
-
-def router_uc(cfg):
-    """The router's ``user_config`` (application ``mesh``, its one deployment)."""
-    return cfg["applications"][0]["deployments"][0]["user_config"]
 
 
 def with_rollout(base, rollout: dict, canary_user_config: dict | None = None):

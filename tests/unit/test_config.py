@@ -15,13 +15,10 @@ from serve_app.common.serve_configs import load_yaml
 from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.common.errors import MeshError
 from serve_app.release.validate import config_warnings, validate_config
+from tests.support.serve_config import router_uc
 
 CANARY = load_yaml(REPO_ROOT / "serve_configs" / "canary.yaml")
 ROUTER = "applications[0].deployments[MeshRouter].user_config"
-
-
-def router_cfg(cfg):
-    return cfg["applications"][0]["deployments"][0]["user_config"]
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "canary.yaml", "rollout.yaml", "tenants.yaml",
@@ -37,14 +34,14 @@ def mutate(fn):
 
 
 def test_negative_weight():
-    problems = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(weight=-1))
+    problems = mutate(lambda c: router_uc(c)["routes"]["smollm"]["variants"][1].update(weight=-1))
     assert problems == [f"{ROUTER}.routes.smollm.variants.1.weight: "
                         "Input should be greater than or equal to 0"]
 
 
 def test_weights_sum_to_zero():
     def zero(c):
-        for v in router_cfg(c)["routes"]["smollm"]["variants"]:
+        for v in router_uc(c)["routes"]["smollm"]["variants"]:
             v["weight"] = 0
     [problem] = mutate(zero)
     assert problem.startswith(f"{ROUTER}.routes.smollm.variants: ")
@@ -52,7 +49,7 @@ def test_weights_sum_to_zero():
 
 
 def test_variant_missing_from_config():
-    [problem] = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(
+    [problem] = mutate(lambda c: router_uc(c)["routes"]["smollm"]["variants"][1].update(
         application="smollm-v3"))
     assert problem == ("applications[0].deployments[MeshRouter].user_config.routes.smollm."
                        "variants[1].application: no variant application named 'smollm-v3' in "
@@ -60,7 +57,7 @@ def test_variant_missing_from_config():
 
 
 def test_duplicate_variant_in_route():
-    [problem] = mutate(lambda c: router_cfg(c)["routes"]["smollm"]["variants"][1].update(
+    [problem] = mutate(lambda c: router_uc(c)["routes"]["smollm"]["variants"][1].update(
         application="smollm-v1"))
     assert "variant listed twice: smollm-v1" in problem
 
@@ -104,18 +101,18 @@ def test_served_model_name_must_match_route():
 
 
 def test_unknown_field_in_router_config():
-    [problem] = mutate(lambda c: router_cfg(c).update(weights={"smollm-v1": 1}))
+    [problem] = mutate(lambda c: router_uc(c).update(weights={"smollm-v1": 1}))
     assert problem == f"{ROUTER}.weights: Extra inputs are not permitted"
 
 
 def test_plaintext_key_refused():
-    [problem] = mutate(lambda c: router_cfg(c)["tenants"][0].update(
+    [problem] = mutate(lambda c: router_uc(c)["tenants"][0].update(
         api_keys_sha256=["sk-mesh-ops-demo"]))
     assert "is not a SHA-256 hex digest" in problem and "meshctl hash-key" in problem
 
 
 def test_tenant_unknown_route_and_shared_key():
-    base = router_cfg(CANARY)
+    base = router_uc(CANARY)
     bad = {**base, "tenants": [{"id": "a", "api_keys_sha256": [hash_api_key("k")],
                                 "routes": ["nope"]}]}
     with pytest.raises(ValueError, match="tenant 'a' names unknown route 'nope'"):
@@ -127,7 +124,7 @@ def test_tenant_unknown_route_and_shared_key():
 
 
 def test_authenticate():
-    cfg = RouterConfig.model_validate(router_cfg(CANARY))
+    cfg = RouterConfig.model_validate(router_uc(CANARY))
     by_digest = cfg.tenant_by_key_digest()
     assert authenticate(by_digest, "Bearer sk-mesh-ops-demo").id == "ops"
     for header in (None, "Bearer ", "Basic sk-mesh-ops-demo", "Bearer wrong"):
@@ -139,7 +136,7 @@ def test_authenticate():
 
 def test_cli_validate_exit_codes(tmp_path):
     bad = copy.deepcopy(CANARY)
-    router_cfg(bad)["routes"]["smollm"]["variants"][0]["weight"] = -5
+    router_uc(bad)["routes"]["smollm"]["variants"][0]["weight"] = -5
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
     cli = [sys.executable, "-m", "serve_app.cli", "validate"]
@@ -166,14 +163,14 @@ def test_every_shipped_variant_runs_with_surge_and_validate_warns_without():
 
 def test_tenant_priority_and_route_admission():
     cfg = copy.deepcopy(CANARY)
-    router_cfg(cfg)["tenants"][0]["priority"] = -3
-    router_cfg(cfg)["routes"]["smollm"]["admission"] = {"queue_timeout_s": 5,
+    router_uc(cfg)["tenants"][0]["priority"] = -3
+    router_uc(cfg)["routes"]["smollm"]["admission"] = {"queue_timeout_s": 5,
                                                         "reserved_slots": 2}
     assert validate_config(cfg) == []
-    rc = RouterConfig.model_validate(router_cfg(cfg))
+    rc = RouterConfig.model_validate(router_uc(cfg))
     assert rc.top_priority() == -3
     assert rc.routes["smollm"].admission.max_queued_per_slot is None  # from service time
-    router_cfg(cfg)["routes"]["smollm"]["admission"]["queue_timeout_s"] = 0
+    router_uc(cfg)["routes"]["smollm"]["admission"]["queue_timeout_s"] = 0
     assert validate_config(cfg) == [f"{ROUTER}.routes.smollm.admission.queue_timeout_s: "
                                     "Input should be greater than 0"]
 
@@ -236,7 +233,7 @@ def test_adapter_listed_twice_and_owned_twice():
     [problem] = validate_config(cfg)
     assert "adapter version listed twice: acme-support@v1" in problem
     cfg = copy.deepcopy(TENANTS)
-    router_cfg(cfg)["tenants"][2]["adapters"].append("acme-support")
+    router_uc(cfg)["tenants"][2]["adapters"].append("acme-support")
     [problem] = validate_config(cfg)
     assert "adapter 'acme-support' is owned by both 'acme' and 'globex'" in problem
 
@@ -248,7 +245,7 @@ def test_adapter_of_the_instruct_base_refused_on_the_acme_base():
     app = cfg["applications"][1]
     app["args"] = {**app["args"], "model": "smollm2-135m-acme"}
     app["deployments"][0]["user_config"]["adapters"] = [{"name": "acme-support", "version": 1}]
-    router_cfg(cfg)["tenants"][2]["adapters"] = []  # globex-report is no longer served
+    router_uc(cfg)["tenants"][2]["adapters"] = []  # globex-report is no longer served
     assert validate_config(cfg) == [
         f"{REPLICA_UC}.adapters[0]: acme-support@v1 cannot be served: trained for "
         "'smollm2-135m-instruct', but this variant serves 'smollm2-135m-acme'; declare it on a "
@@ -257,7 +254,7 @@ def test_adapter_of_the_instruct_base_refused_on_the_acme_base():
 
 def test_adapter_split_version_must_be_served_by_a_variant():
     cfg = copy.deepcopy(TENANTS)
-    router_cfg(cfg)["routes"]["smollm"]["adapters"] = {"acme-support": {"versions": [
+    router_uc(cfg)["routes"]["smollm"]["adapters"] = {"acme-support": {"versions": [
         {"version": 1, "weight": 90}, {"version": 2, "weight": 10}]}}
     assert validate_config(cfg) == [
         f"{ROUTER}.routes.smollm.adapters.acme-support.versions[1]: acme-support@v2 is not "
@@ -273,7 +270,7 @@ SHADOW = load_yaml(REPO_ROOT / "serve_configs" / "shadow.yaml")
 
 def test_shadow_must_be_a_variant_that_serves_the_route():
     cfg = copy.deepcopy(SHADOW)
-    router_cfg(cfg)["routes"]["smollm"]["shadow"]["application"] = "nope"
+    router_uc(cfg)["routes"]["smollm"]["shadow"]["application"] = "nope"
     assert validate_config(cfg) == [
         f"{ROUTER}.routes.smollm.shadow.application: no variant application named 'nope' in "
         "this config; add it (it may serve no traffic: weight 0 or no route) or remove the "
@@ -287,7 +284,7 @@ def test_shadow_must_be_a_variant_that_serves_the_route():
 
 def test_one_shadow_per_route_and_none_for_adapter_rollouts():
     cfg = copy.deepcopy(SHADOW)
-    route = router_cfg(cfg)["routes"]["smollm"]
+    route = router_uc(cfg)["routes"]["smollm"]
     route["variants"] = [{"application": "smollm-v1", "weight": 100},
                          {"application": "smollm-v2", "weight": 0}]
     route["rollout"] = {"shadow": {"min_requests": 5}}
@@ -369,7 +366,7 @@ TENANTS = load_yaml(REPO_ROOT / "serve_configs" / "tenants.yaml")
 
 def with_initech(**budget):
     cfg = copy.deepcopy(TENANTS)
-    initech = next(t for t in router_cfg(cfg)["tenants"] if t["id"] == "initech")
+    initech = next(t for t in router_uc(cfg)["tenants"] if t["id"] == "initech")
     initech.update(budget)
     return cfg
 
