@@ -82,6 +82,39 @@ class FakeAvailability:
         return True
 
 
+class FakePlannerAvailability:
+    """The availability view as the RequestPlanner asks it: the adapter versions each variant
+    serves (``adapters``: application -> ``{"name@vN"}``); ``down``: asleep; ``stale``:
+    asleep, but the view says warm until it is refreshed (``refreshes`` counts them)."""
+
+    def __init__(self, adapters: dict[str, set[str]], down: set[str] = frozenset(),
+                 stale: set[str] = frozenset()) -> None:
+        self.adapters = adapters
+        self.down = set(down)
+        self.stale = set(stale)
+        self.refreshes = 0
+
+    def serves(self, application, adapter):
+        versions = self.adapters.get(application, ())
+        return adapter in versions if "@" in adapter else any(
+            v.partition("@")[0] == adapter for v in versions)
+
+    def prefer_available(self, candidates):
+        return [c for c in candidates if c not in self.down] + [c for c in candidates
+                                                                 if c in self.down]
+
+    async def refresh(self, max_age_s=0.0):
+        self.refreshes += 1
+        self.down |= self.stale
+        self.stale = set()
+
+    def is_asleep(self, application):
+        return application in self.down
+
+    def may_be_asleep(self, application):
+        return application in self.stale
+
+
 def registry_of(handle_for, availability=None, admissions: dict | None = None
                 ) -> VariantRegistry:
     """A real :class:`VariantRegistry` over fake handles and availability

@@ -22,36 +22,13 @@ from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.tenancy.limits import TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from tests.support.bodies import chat_body
-from tests.support.fakes import NullMetrics
+from tests.support.fakes import FakePlannerAvailability, NullMetrics
 
 KEY = "sk-acme"
 CONFIG = RouterConfig.model_validate({
     "routes": {"smollm": {"variants": [{"application": "v1", "weight": 1}]}},
     "tenants": [{"id": "acme", "api_keys_sha256": [hash_api_key(KEY)], "adapters": ["acme"],
                  "tokens_per_day": 10_000, "max_concurrent_requests": 100}]})
-
-
-class Availability:
-    adapters = {"v1": {"acme@v1"}}
-
-    def serves(self, application, adapter):
-        return any(v.partition("@")[0] == adapter or v == adapter
-                   for v in self.adapters.get(application, ()))
-
-    def prefer_available(self, candidates):
-        return list(candidates)
-
-    async def refresh(self, max_age_s=0.0):
-        pass
-
-    def is_asleep(self, application):
-        return False
-
-    def may_be_asleep(self, application):
-        return False
-
-    def is_available(self, application):
-        return True
 
 
 def request(raw: bytes, headers: dict[str, str] | None = None,
@@ -76,7 +53,7 @@ async def front(req: Request, endpoint: str = "chat") -> None:
     """What ``MeshRouter._serve`` runs before dispatch, in its order."""
     tenants = CONFIG.tenant_by_key_digest()
     planner = RequestPlanner(CONFIG, splits_of(CONFIG), lambda key, split: split.weighted,
-                             Availability())
+                             FakePlannerAvailability({"v1": {"acme@v1"}}))
     account = RequestAccount(NullMetrics(), lambda *a, **k: None, planner.labels(None, None),
                              "id-1")
     tenant = authenticate(tenants, req.headers.get("authorization"))

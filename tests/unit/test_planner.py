@@ -12,6 +12,7 @@ from serve_app.common.errors import MeshError
 from serve_app.common.wire import GenerateRequest
 from serve_app.request.planner import UNKNOWN, RequestPlanner, session_key
 from serve_app.request.split import pick_variant, splits_of
+from tests.support.fakes import FakePlannerAvailability
 
 
 
@@ -38,41 +39,10 @@ CONFIG = RouterConfig.model_validate({
 TENANTS = {t.id: t for t in CONFIG.tenants}
 
 
-class FakeAvailability:
-    """``down``: asleep; ``stale``: asleep, but the view says warm until it is refreshed."""
-
-    def __init__(self, adapters: dict[str, set[str]], down: set[str] = frozenset(),
-                 stale: set[str] = frozenset()) -> None:
-        self.adapters = adapters
-        self.down = set(down)
-        self.stale = set(stale)
-        self.refreshes = 0
-
-    def serves(self, application, adapter):
-        versions = self.adapters.get(application, ())
-        return adapter in versions if "@" in adapter else any(
-            v.partition("@")[0] == adapter for v in versions)
-
-    def prefer_available(self, candidates):
-        return [c for c in candidates if c not in self.down] + [c for c in candidates
-                                                                 if c in self.down]
-
-    async def refresh(self, max_age_s=0.0):
-        self.refreshes += 1
-        self.down |= self.stale
-        self.stale = set()
-
-    def is_asleep(self, application):
-        return application in self.down
-
-    def may_be_asleep(self, application):
-        return application in self.stale
-
-
 def planner(adapters=None, down=frozenset(), stale=frozenset()):
     splits = splits_of(CONFIG)
     return RequestPlanner(CONFIG, splits, lambda key, split: split.weighted,
-                          FakeAvailability(adapters if adapters is not None else {
+                          FakePlannerAvailability(adapters if adapters is not None else {
                               "v1": {"acme@v1", "acme@v2", "globex@v1"},
                               "v2": {"acme@v1"}}, down, stale))
 
@@ -169,7 +139,7 @@ def test_a_plan_under_the_last_config_reads_its_own_splits_while_the_next_is_app
     client.splits = splits_of(RouterConfig.model_validate({"routes": {"smollm": {
         "variants": [{"application": "v1", "weight": 90}, {"application": "v2",
                                                             "weight": 10}]}}}))
-    p = RequestPlanner(CONFIG, splits_of(CONFIG), client.weighted, FakeAvailability(
+    p = RequestPlanner(CONFIG, splits_of(CONFIG), client.weighted, FakePlannerAvailability(
         {"v1": {"acme@v1", "acme@v2"}, "v2": {"acme@v1"}}))
     assert plan({"model": "smollm:acme"}, "acme", p=p, session_id="s1").version in (
         "acme@v1", "acme@v2")
@@ -215,7 +185,7 @@ def test_model_ids_per_tenant():
     assert p.model_ids(None) == ["smollm", "smollm:acme", "smollm:globex", "other"]
 
 
-class MergedAvailability(FakeAvailability):
+class MergedAvailability(FakePlannerAvailability):
     """v1 serves globex@v1 (its default) and globex@v2 by LoRA; g-merged's model holds
     globex@v1 merged in."""
 
