@@ -35,11 +35,12 @@ def cache_root() -> Path:
 
 
 def model_identity(model: str) -> str:
-    """What a base model is, whatever the config calls it or wherever it comes from: the last
-    part of its path, hub id or bucket prefix. ``smollm2-135m-instruct``,
+    """A base model's short name, whatever the config calls it or wherever it comes from: the
+    last part of its path, hub id or bucket prefix (``smollm2-135m-instruct`` for
     ``/srv/models/smollm2-135m-instruct/``, ``org/smollm2-135m-instruct`` and
-    ``s3://bucket/models/smollm2-135m-instruct`` are one model (images and KubeRay pods name
-    models by absolute path). Adapters and variants are matched by it."""
+    ``s3://bucket/models/smollm2-135m-instruct``), for labels and the names of models made
+    from it. An adapter's ``base_model`` is matched by the full id and revision instead
+    (:func:`~serve_app.common.sources.model_key`)."""
     from serve_app.common.sources import identity_of
 
     return identity_of(model)
