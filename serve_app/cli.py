@@ -1,7 +1,10 @@
 """``meshctl``: the mesh's command line (also ``python -m serve_app.cli``).
 
-    meshctl validate CONFIG...        check Serve configs before `serve deploy`: the mesh's
+    meshctl validate CONFIG... [--offline]
+                                      check Serve configs before `serve deploy`: the mesh's
                                       checks, files on this host, vLLM's verdict on engine args
+                                      (against each model's config.json, read from the hub or
+                                      the bucket unless --offline)
     meshctl validate NEW --against OLD|live [--allow-restart]
                                       also refuse NEW if it would restart replicas of OLD
     meshctl diff OLD|live NEW [--fail-on-restart]
@@ -26,7 +29,7 @@
                                       config that serves the top N from merged weights
     meshctl kuberay CONFIG [-o FILE] [--name NAME] [--image IMAGE] [--head-cpus N]
                     [--head-memory Q] [--worker-memory Q] [--spare-workers N]
-                    [--ingress proxy|haproxy]
+                    [--ingress proxy|haproxy] [--overlay FLEET_FILE]
                                       KubeRay RayService manifest of CONFIG
 
 Exit status (all but ``rollout status``): 0 done; 1 refused (an invalid config, a refused
@@ -135,9 +138,11 @@ def _config_or_live(source: str, address: str) -> dict[str, Any]:
         raise UsageError(f"live: {_one_line(e)}") from None
 
 
-def _problems(config: dict[str, Any], *, engine: bool) -> tuple[list[str], list[str]]:
+def _problems(config: dict[str, Any], *, engine: bool,
+              offline: bool | None = None) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a config: the mesh's checks, then vLLM's of the engine args
-    (``engine``) when the rest is valid."""
+    (``engine``) when the rest is valid; ``offline``: read no model's config over the
+    network (None: only under ``HF_HUB_OFFLINE``)."""
     problems = validate_config(config)
     if problems:
         return problems, []
@@ -149,7 +154,7 @@ def _problems(config: dict[str, Any], *, engine: bool) -> tuple[list[str], list[
             print(f"meshctl: asking vLLM about the engine args (importing it takes "
                   f"{VLLM_IMPORT_TIME}; --skip-engine-check skips this)", file=sys.stderr,
                   flush=True)
-        engine_found, engine_warnings = engine_problems(config)
+        engine_found, engine_warnings = engine_problems(config, offline=offline)
         problems += engine_found
         warnings += engine_warnings
     return problems, warnings
@@ -168,7 +173,7 @@ def _print_verdict(path: str, problems: list[str], warnings: list[str]) -> bool:
     return True
 
 
-def _validate(paths: list[str], *, engine: bool = True) -> int:
+def _validate(paths: list[str], *, engine: bool = True, offline: bool | None = None) -> int:
     """``meshctl validate``: 0 all valid, 1 one is invalid, 2 one cannot be read."""
     code = 0
     for path in paths:
@@ -178,19 +183,20 @@ def _validate(paths: list[str], *, engine: bool = True) -> int:
             print(f"meshctl validate: {e}", file=sys.stderr)
             code = USAGE_EXIT
             continue
-        if not _print_verdict(path, *_problems(config, engine=engine)):
+        if not _print_verdict(path, *_problems(config, engine=engine, offline=offline)):
             code = code or REFUSED_EXIT
     return code
 
 
 def _report(old: str, new: str, address: str, *, refuse_restart: bool,
-            validate: bool = True, engine: bool = True) -> int:
+            validate: bool = True, engine: bool = True, offline: bool | None = None) -> int:
     """Print the change report of ``new`` against ``old`` (a file or ``live``), after
     validating ``new`` (``validate``). Returns 1 when ``new`` is invalid, or when
     ``refuse_restart`` and a change restarts replicas (each one explained on stderr)."""
     new_config = with_config_folder(read_config(new), new)
     old_config = _config_or_live(old, address)
-    if validate and not _print_verdict(new, *_problems(new_config, engine=engine)):
+    if validate and not _print_verdict(new, *_problems(new_config, engine=engine,
+                                                       offline=offline)):
         print(f"meshctl: {new} is invalid: no change report (fix it first)", file=sys.stderr)
         return REFUSED_EXIT
     report = diff_configs(old_config, new_config)
@@ -246,6 +252,10 @@ def _add_engine_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-engine-check", action="store_true",
                    help="skip vLLM's checks of the variants' engine args (they import vLLM: "
                         f"{VLLM_IMPORT_TIME}); the replica still runs them when it starts")
+    p.add_argument("--offline", action="store_true",
+                   help="read no model's config.json from the hub or a bucket (also under "
+                        "HF_HUB_OFFLINE=1): engine args are checked without the models not "
+                        "on this host, and a warning names the checks left out")
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -283,7 +293,7 @@ def _swap(args: argparse.Namespace) -> int:
     if not args.skip_engine_check:
         from serve_app.release.engine_check import engine_problems
 
-        problems, _ = engine_problems(plan[-1].config)
+        problems, _ = engine_problems(plan[-1].config, offline=args.offline or None)
         if problems:
             print(f"meshctl swap: the new variant's engine args are invalid; nothing was "
                   "written or applied:", file=sys.stderr)
@@ -327,20 +337,24 @@ def _rollout_report(args: argparse.Namespace) -> int:
 
 def _kuberay(args: argparse.Namespace) -> int:
     config = read_config(args.config)
+    overlay = _read_yaml(args.overlay) if args.overlay else None
     try:
         manifest = kuberay.rayservice_manifest(
             config, name=args.name, image=args.image, namespace=args.namespace,
             head_cpus=args.head_cpus, head_memory=args.head_memory,
             worker_memory=args.worker_memory, spare_workers=args.spare_workers,
-            ingress=args.ingress)
+            ingress=args.ingress, overlay=overlay)
     except kuberay.ManifestError as e:
         print(f"{args.config}: INVALID (no manifest written)", file=sys.stderr)
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return REFUSED_EXIT
-    for w in kuberay.manifest_warnings(config, manifest):
+    for w in kuberay.manifest_warnings(config, manifest, overlay=overlay,
+                                       worker_memory=args.worker_memory):
         print(f"{args.config}: WARNING {w}", file=sys.stderr)
-    text = kuberay.manifest_yaml(manifest, source=args.config)
+    source = args.config + (f" --overlay {args.overlay}" if args.overlay else "")
+    text = kuberay.manifest_yaml(manifest, source=source, sizing=kuberay.pod_sizing(
+        config, worker_memory=args.worker_memory))
     if args.output:
         try:
             Path(args.output).write_text(text)
@@ -348,11 +362,32 @@ def _kuberay(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {args.output}: {e.strerror or e}") from None
         groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
         print(f"wrote {args.output}: RayService {args.name}, worker groups "
-              + (", ".join(f"{g['groupName']} ({g['replicas']} pods)" for g in groups)
-                 or "none"))
+              + (", ".join(f"{g['groupName']} ({g['replicas']} pods of "
+                           + _pod_figures(g) + ")" for g in groups) or "none"))
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _pod_figures(group: dict[str, Any]) -> str:
+    """``4 CPUs, 30Gi, 2 GPUs``: a worker group's pod limits."""
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    return (f"{limits['cpu']} CPUs, {limits['memory']}"
+            + (f", {limits['nvidia.com/gpu']} GPUs" if "nvidia.com/gpu" in limits else ""))
+
+
+def _read_yaml(path: str) -> Any:
+    """A YAML file's content (None for an empty one).
+
+    Raises:
+        UsageError: the file is missing, unreadable or not YAML.
+    """
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path} is not YAML: {_one_line(e)}") from None
 
 
 def _top_adapters(args: argparse.Namespace) -> int:
@@ -416,7 +451,8 @@ def _hash_key(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     config = with_config_folder(read_config(args.config), args.config)
     _dashboard(args.address)
-    if not _print_verdict(args.config, *_problems(config, engine=not args.skip_engine_check)):
+    if not _print_verdict(args.config, *_problems(config, engine=not args.skip_engine_check,
+                                                  offline=args.offline or None)):
         return REFUSED_EXIT
     deploy(deployable_copy(args.config), args.address, timeout_s=args.timeout_s)
     print("all applications RUNNING")
@@ -527,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how clients reach the router on each pod: Serve's HTTP proxy or "
                         "Ray's HAProxy (default: $MESH_INGRESS, else "
                         f"{DEFAULT_INGRESS}); its Serve settings go in every pod's env")
+    p.add_argument("--overlay", metavar="FLEET_FILE",
+                   help="the fleet file merged into the pods: secrets, the cache volume, node "
+                        "selectors and tolerations, per accelerator type too "
+                        "(docs/gpu-fleet.md, \"The fleet file\"); default: an optional "
+                        "Secret NAME-credentials and an emptyDir cache")
     p = sub.add_parser("top-adapters", help="adapters by tokens, and the config change that "
                        "serves the top ones from merged weights")
     p.add_argument("config", help="the Serve config deployed now")
@@ -551,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.allow_restart and not args.against:
                 raise UsageError("--allow-restart needs --against OLD")
             engine = not args.skip_engine_check
-            code = _validate(args.configs, engine=engine)
+            code = _validate(args.configs, engine=engine, offline=args.offline or None)
             if code == 0 and args.against:
                 codes = [_report(args.against, c, args.address, validate=False,
                                  refuse_restart=not args.allow_restart) for c in args.configs]
@@ -560,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "diff":
             return _report(args.old, args.new, args.address,
                            refuse_restart=args.fail_on_restart,
-                           engine=not args.skip_engine_check)
+                           engine=not args.skip_engine_check,
+                           offline=args.offline or None)
         return commands[args.command](args)
     except UsageError as e:
         print(f"meshctl {args.command}: {e}", file=sys.stderr)

@@ -112,6 +112,13 @@ class VariantArgs(Strict):
             on a simulated engine core whose time follows a profile (tests and scale
             benchmarks; ``meshctl validate`` flags it).
         sim: the simulated engine's settings (only with ``engine: sim``).
+        accelerator_type: the GPU the variant's replicas need, by Ray's name for it (``H100``,
+            ``A100-80G``, ``L4``: :func:`gpu_accelerator_types`), as Ray Serve LLM's
+            ``LLMConfig.accelerator_type``. It makes the variant a GPU variant (a replica on
+            one GPU gets one without ``ray_actor_options``), Ray places its replicas only on
+            nodes of that type (each GPU bundle and the actor ask for a share of Ray's
+            ``accelerator_type:<type>`` resource), and ``meshctl kuberay`` gives their pods
+            the node selector the fleet file names for it.
     """
 
     revision: str | None = None  # before model: the model's check reads it
@@ -120,6 +127,21 @@ class VariantArgs(Strict):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     engine: Literal["vllm", "sim"] = "vllm"
     sim: SimArgs | None = None
+    accelerator_type: str | None = None
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _known_accelerator(cls, v: str | None) -> str | None:
+        if v is not None and v not in gpu_accelerator_types():
+            import difflib
+
+            close = difflib.get_close_matches(v, gpu_accelerator_types(), n=1, cutoff=0.6)
+            raise ValueError(
+                f"accelerator_type {v!r} is not a GPU type Ray knows; "
+                + (f"did you mean {close[0]!r}? " if close else "")
+                + f"use one of {', '.join(gpu_accelerator_types())} (Ray's names, "
+                  "ray.util.accelerators), or remove it")
+        return v
 
     @model_validator(mode="after")
     def _sim_settings_need_sim(self) -> "VariantArgs":
@@ -166,6 +188,15 @@ class VariantArgs(Strict):
                 raise ValueError(f"engine_args.{key} must be a whole number >= 1, "
                                  f"got {v[key]!r}")
         return v
+
+
+def gpu_accelerator_types() -> list[str]:
+    """The ``accelerator_type`` values a variant may name: the NVIDIA GPU types Ray knows
+    (``ray.util.accelerators``; Ray detects a node's type and gives the node 1 of resource
+    ``accelerator_type:<type>``). The GPU lock is a CUDA build, so only NVIDIA's."""
+    import ray.util.accelerators.accelerators as known
+
+    return [v for k, v in vars(known).items() if k.startswith("NVIDIA_")]
 
 
 class AdapterRef(Strict):

@@ -75,48 +75,95 @@ CONTROLLER_OPTIONS: dict[str, Any] = dict(
 
 
 #: Ray resources of the actor of a replica that spans GPUs: Ray Serve LLM's replica actor
-#: (one CPU, no GPU: its engine's workers hold the GPUs, one bundle each).
+#: (one CPU, no GPU: its engine's workers hold the GPUs, one bundle each). The first bundle
+#: holds more than it asks for: its engine core's CPU and both processes' memory.
 SPANNING_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 1}
 #: Placement strategy of a spanning replica's bundles, Ray Serve LLM's default: on one node
 #: when it fits, else across nodes.
 PLACEMENT_STRATEGY = "PACK"
 
 
-def replica_placement(gpus: int, actor: dict[str, Any]) -> dict[str, Any]:
+def replica_placement(need, actor: dict[str, Any],
+                      accelerator_type: str | None = None) -> dict[str, Any]:
     """``placement_group_bundles`` and ``placement_group_strategy`` of a replica whose engine
-    spans ``gpus`` GPUs, as Ray Serve LLM builds them (Ray 2.60,
+    spans ``need.gpus`` GPUs, as Ray Serve LLM builds them (Ray 2.60,
     ``ray/llm/_internal/serve/core/server/llm_server.py``: ``get_deployment_options`` and
-    ``_merge_replica_actor_and_child_actor_bundles``, over the GPU accelerator's
-    ``default_bundles``): one ``{"GPU": 1}`` bundle per GPU, the first one also holding the
-    replica actor's resources (``actor``: its ``ray_actor_options``), since Serve places the
-    actor in the first bundle. vLLM's Ray executor puts one worker on each GPU bundle.
+    ``_merge_replica_actor_and_child_actor_bundles``): one bundle per GPU worker
+    (:meth:`~serve_app.common.engine_resources.EngineNeed.worker_bundle`: its GPU, its CPU,
+    its memory and the accelerator's resource), the first one also holding the replica
+    actor, since Serve places the actor in the first bundle: what its ``ray_actor_options``
+    ask for (``actor``), and at least what the actor and vLLM's engine core use
+    (:meth:`~serve_app.common.engine_resources.EngineNeed.actor_share`). vLLM's Ray
+    executor puts one worker on each GPU bundle.
 
     Args:
-        gpus: ``tensor_parallel_size`` x ``pipeline_parallel_size``.
+        need: the replica's :class:`~serve_app.common.engine_resources.EngineNeed`.
         actor: the replica actor's ``ray_actor_options`` (``num_cpus``, ``num_gpus``,
-            ``resources``, ``memory``).
+            ``memory``, ``resources``, ``accelerator_type``).
+        accelerator_type: the variant's ``args.accelerator_type``.
     """
-    own = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0),
-           **(actor.get("resources") or {})}
-    if "memory" in actor:
-        own["memory"] = actor["memory"]
-    bundles = [{"GPU": 1} for _ in range(gpus)]
-    first = {k: bundles[0].get(k, 0) + own.get(k, 0) for k in [*bundles[0], *own]}
-    bundles[0] = {k: v for k, v in first.items() if v or k == "GPU"}
+    bundles = [need.worker_bundle(accelerator_type) for _ in range(need.gpus)]
+    asks, share = actor_resources(actor), need.actor_share()
+    bundles[0] = merge_bundle(bundles[0], {k: max(asks.get(k, 0), share.get(k, 0))
+                                           for k in [*asks, *share]})
     return {"placement_group_bundles": bundles, "placement_group_strategy": PLACEMENT_STRATEGY}
+
+
+def actor_resources(actor: dict[str, Any]) -> dict[str, float]:
+    """The Ray resources a replica actor's ``ray_actor_options`` ask for, as bundle keys:
+    ``CPU`` (Serve's default 1 when ``num_cpus`` is absent), ``GPU``, ``memory``, custom
+    ``resources`` and the ``accelerator_type:<type>`` share an ``accelerator_type`` takes
+    (Ray's rule, ``ray._private.utils.resources_from_ray_options``). Values must be numbers
+    (``meshctl validate`` checks them first)."""
+    from serve_app.common.engine_resources import ACCELERATOR_RESOURCE, ACCELERATOR_SHARE
+
+    own = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus") or 0,
+           **(actor.get("resources") or {})}
+    if actor.get("memory"):
+        own["memory"] = actor["memory"]
+    if actor.get("accelerator_type"):
+        own[ACCELERATOR_RESOURCE.format(actor["accelerator_type"])] = ACCELERATOR_SHARE
+    return {k: v for k, v in own.items() if v}
+
+
+def merge_bundle(bundle: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """``bundle`` plus ``more``, key by key (whole numbers kept whole)."""
+    merged = {k: bundle.get(k, 0) + more.get(k, 0) for k in [*bundle, *more]}
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in merged.items()
+            if v or k == "GPU"}
 
 
 def replica_options(args) -> dict[str, Any]:
     """The Serve options ``build_app`` deploys a variant's ``LLMReplica`` with
-    (:data:`REPLICA_OPTIONS`), for its :class:`~serve_app.common.config.VariantArgs`: a
-    replica whose engine spans GPUs (``args.gpus_per_replica`` > 1) gets the actor options
-    :data:`SPANNING_ACTOR_OPTIONS` and a placement group of one bundle per GPU
-    (:func:`replica_placement`). A Serve config's ``deployments:`` entry still overrides
-    any of them (``meshctl validate`` checks the result: :func:`replica_resources`)."""
+    (:data:`REPLICA_OPTIONS`), for its :class:`~serve_app.common.config.VariantArgs`:
+
+    - a replica whose engine spans GPUs (``args.gpus_per_replica`` > 1): the actor options
+      :data:`SPANNING_ACTOR_OPTIONS`, and a placement group of one bundle per GPU worker,
+      the first also holding the actor and its engine core (:func:`replica_placement`),
+      sized by :func:`~serve_app.common.engine_resources.engine_need`;
+    - a replica on one GPU of a variant with an ``accelerator_type``: ``num_gpus: 1``, that
+      ``accelerator_type``, and the CPUs and memory its engine needs;
+    - else (CPUs; or a GPU the config's ``ray_actor_options`` give): :data:`REPLICA_OPTIONS`.
+
+    The memory counts the weights' bytes as a local folder or the model's name give them
+    (``cached=False``), so every node that builds the application gets the same options. A
+    Serve config's ``deployments:`` entry still overrides any of them (``meshctl validate``
+    checks the result: :func:`replica_resources`)."""
+    from serve_app.common.engine_resources import engine_need
+
     opts = options(REPLICA_OPTIONS)
-    if args.gpus_per_replica > 1:
+    gpus = args.gpus_per_replica
+    if gpus > 1:
+        need = engine_need(args, gpus, cached=False)
         opts["ray_actor_options"] = dict(SPANNING_ACTOR_OPTIONS)
-        opts.update(replica_placement(args.gpus_per_replica, SPANNING_ACTOR_OPTIONS))
+        opts.update(replica_placement(need, SPANNING_ACTOR_OPTIONS, args.accelerator_type))
+    elif args.accelerator_type:
+        need = engine_need(args, 1, cached=False)
+        actor: dict[str, Any] = {"num_cpus": need.cpus, "num_gpus": 1}
+        if need.memory:
+            actor["memory"] = need.memory
+        actor["accelerator_type"] = args.accelerator_type
+        opts["ray_actor_options"] = actor
     return opts
 
 
@@ -139,8 +186,16 @@ def granted_gpus(resources: dict[str, Any]) -> float:
     actor = resources.get("ray_actor_options") or {}
     bundles = resources.get("placement_group_bundles")
     if bundles:
-        return sum(b.get("GPU", 0) for b in bundles) - (actor.get("num_gpus") or 0)
-    return actor.get("num_gpus") or 0
+        return sum(_number(b.get("GPU")) for b in bundles) - _number(actor.get("num_gpus"))
+    return _number(actor.get("num_gpus"))
+
+
+def _number(value: Any) -> float:
+    """A resource quantity as Ray reads it; 0 for one that is absent or not a number (which
+    ``meshctl validate`` refuses, naming it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return value
 
 
 def options(table: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,9 @@ import yaml
 
 from serve_app.common.serve_configs import applications, mesh_parts
 from serve_app.common.serve_env import serve_env
+from serve_app.common.engine_resources import ACCELERATOR_RESOURCE
+from serve_app.release.kuberay_fleet import (Fleet, head_pod_additions, load_fleet,
+                                            worker_pod_additions)
 from serve_app.release.kuberay_workers import (WorkerGroup, autoscales, format_quantity,
                                               parse_quantity, whole, worker_groups)
 
@@ -47,8 +50,9 @@ DEFAULT_NAME = "model-mesh"
 DEFAULT_IMAGE = "model-mesh:latest"
 DEFAULT_HEAD_CPUS = 2
 DEFAULT_HEAD_MEMORY = "8Gi"
-#: Memory of a worker pod whose replica's ray_actor_options states none: vLLM needs far more
-#: than Ray reserves by default (nothing), for the weights, the KV cache and CUDA/torch.
+#: Memory of a worker pod when nothing sizes it: a CPU replica whose ray_actor_options state
+#: none, or a GPU replica whose model's size is not known here (no weights fetched, no
+#: parameter count in its name).
 DEFAULT_WORKER_MEMORY = "8Gi"
 #: Where Serve's proxy listens on a pod: every address of the pod.
 POD_HOST = "0.0.0.0"
@@ -100,7 +104,8 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                         head_cpus: int = DEFAULT_HEAD_CPUS,
                         head_memory: str = DEFAULT_HEAD_MEMORY,
                         worker_memory: str = DEFAULT_WORKER_MEMORY,
-                        spare_workers: int = 0, ingress: str | None = None) -> dict[str, Any]:
+                        spare_workers: int = 0, ingress: str | None = None,
+                        overlay: Any = None) -> dict[str, Any]:
     """The KubeRay ``RayService`` for a Serve config of the mesh, as a dict (dump it with
     :func:`manifest_yaml`).
 
@@ -112,23 +117,31 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
         namespace: ``metadata.namespace``; None leaves it to ``kubectl``.
         head_cpus: CPUs of the head pod (whole), which runs the router, the rollout controller,
             Serve's controller and the GCS.
-        head_memory, worker_memory: Kubernetes quantities (``8Gi``, ``512Mi``, bytes). A
-            worker pod's memory is its replica's ``ray_actor_options.memory`` (bytes), or
-            ``worker_memory`` when that is absent. KubeRay passes a pod's memory limit to Ray
-            as the node's ``memory``, so a replica that asks for memory fits its pod.
+        head_memory, worker_memory: Kubernetes quantities (``8Gi``, ``512Mi``, bytes).
+            ``worker_memory`` is a worker pod's memory when nothing sizes it (see Worker
+            groups). KubeRay passes a pod's memory limit to Ray as the node's ``memory``, so
+            a replica that asks for memory fits its pod.
         spare_workers: pods each worker group may add past its engines' maximum (for Serve's
             surge replacements and blue/green variants); > 0 turns on the Ray autoscaler.
         ingress: ``proxy`` or ``haproxy``; None: ``$MESH_INGRESS``, else the mesh's default
             (:mod:`serve_app.common.serve_env`). Its settings are every container's ``env``.
+        overlay: a fleet file's content, parsed (:mod:`serve_app.release.kuberay_fleet`):
+            secrets, the cache volume, node selectors and tolerations; None: the defaults.
 
     Worker groups: the ``LLMReplica`` of each variant application, with the config's
     ``ray_actor_options`` when it has some (they replace the code's whole, as in Serve; a
     missing ``num_cpus`` is Serve's default 1) and else those of ``REPLICA_OPTIONS``
     (:mod:`serve_app.common.deployment_options`). Variants of one shape (GPUs per pod,
-    custom resource names) share a group, in the order of the applications, so a variant of a new shape adds a group at
-    the end. Per pod: ``cpu = max(1, ceil(num_cpus))``, ``nvidia.com/gpu = ceil(num_gpus)``
-    (and the ``num-gpus`` ray start parameter), custom ``resources`` through the
-    ``resources`` ray start parameter; the largest variant of a group sizes its pods. Counts:
+    accelerator type, custom resource names) share a group, in the order of the
+    applications, so a variant of a new shape adds a group at the end. Per pod
+    (:func:`~serve_app.release.kuberay_workers.pod_size`): ``cpu`` the CPUs Ray asks for
+    (``num_cpus`` or the bundles', rounded up, at least 1), ``memory`` the memory it asks for,
+    ``nvidia.com/gpu`` its GPUs rounded up (and the ``num-gpus`` ray start parameter); for a
+    GPU replica at least what its engine runs
+    (:func:`~serve_app.common.engine_resources.engine_need`: CPUs for the actor, the engine
+    core and each GPU worker, memory for them and the weights), else ``worker_memory``;
+    custom ``resources`` and the accelerator type's resource through the ``resources`` ray
+    start parameter; the largest variant of a group sizes its pods. Counts:
     ``replicas`` = the sum of ``num_replicas`` (Serve's default 1), or of
     ``autoscaling_config`` ``initial_replicas`` (default ``min_replicas``);
     ``minReplicas`` = the sum of ``num_replicas`` or ``min_replicas``; ``maxReplicas`` = the
@@ -145,6 +158,11 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
 
     problems = _option_problems(name=name, image=image, head_cpus=head_cpus,
                                 spare_workers=spare_workers)
+    fleet = Fleet()
+    try:
+        fleet = overlay if isinstance(overlay, Fleet) else load_fleet(overlay)
+    except ValueError as e:
+        problems += str(e).splitlines()
     try:
         env = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
     except ValueError as e:
@@ -183,7 +201,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                 "enableInTreeAutoscaling": autoscaling,
                 "headGroupSpec": {
                     "rayStartParams": {"dashboard-host": "0.0.0.0"},
-                    "template": {"spec": {"containers": [{
+                    "template": {"spec": {**head_pod_additions(fleet), "containers": [{
                         "name": "ray-head",
                         "image": image,
                         "env": env,
@@ -198,7 +216,7 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
                         ],
                     }]}},
                 },
-                "workerGroupSpecs": [_group_spec(g, image, env) for g in groups],
+                "workerGroupSpecs": [_group_spec(g, image, env, fleet, name) for g in groups],
             },
         },
     }
@@ -228,10 +246,33 @@ def serve_config_problems(serve_config: dict[str, Any]) -> list[str]:
             for line in p.splitlines()]
 
 
-def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any], *,
+                      overlay: Any = None,
+                      worker_memory: str = DEFAULT_WORKER_MEMORY) -> list[str]:
     """What is valid but works poorly on Kubernetes, one line each (printed, not refused).
-    ``serve_config``: the config the manifest was made from."""
+    ``serve_config``, ``overlay``, ``worker_memory``: what the manifest was made from."""
     warnings = []
+    fleet = overlay if isinstance(overlay, Fleet) else load_fleet(overlay)
+    for g in worker_groups(pod_serve_config(serve_config),
+                           worker_memory=parse_quantity(worker_memory)):
+        if g.gpus and g.unsized:
+            warnings.append(
+                f"workerGroupSpecs[{g.name}]: the host memory of {', '.join(g.unsized)} is not "
+                f"known here (no weights fetched on this host, no parameter count such as 8B "
+                f"in the model's name), so its pods get --worker-memory ({worker_memory}); "
+                "vLLM reads the weights through host memory: set ray_actor_options.memory "
+                "(bytes), or --worker-memory, to the weights' size + 6Gi (docs/gpu-fleet.md, "
+                "\"Pod sizing\")")
+        accelerator = fleet.accelerators.get(g.accelerator_type or "")
+        if g.accelerator_type and not (fleet.workers.node_selector
+                                       or (accelerator and accelerator.node_selector)):
+            warnings.append(
+                f"workerGroupSpecs[{g.name}]: its variants need {g.accelerator_type} GPUs, and "
+                "no node selector keeps its pods on such nodes (Ray would wait for a "
+                f"{g.accelerator_type} node forever if one landed elsewhere): name the node "
+                f"label in the fleet file, accelerators: {{{g.accelerator_type}: "
+                "{node_selector: {nvidia.com/gpu.product: ...}}} (meshctl kuberay --overlay; "
+                "docs/gpu-fleet.md, \"The fleet file\")")
     location = serve_config.get("proxy_location", "EveryNode")
     if location != "EveryNode":
         warnings.append(
@@ -252,9 +293,20 @@ def manifest_warnings(serve_config: dict[str, Any], manifest: dict[str, Any]) ->
     return warnings
 
 
-def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str:
+def pod_sizing(serve_config: dict[str, Any], *,
+               worker_memory: str = DEFAULT_WORKER_MEMORY) -> list[str]:
+    """How each worker group's pods were sized, one line per variant
+    (``workerGroupSpecs[engines-gpu2-h100]: llama-v2: 4 CPUs, 31Gi, 2 GPU(s) (its engine on
+    2 GPU(s): ...)``), for the manifest's comment. ``serve_config``: a valid config."""
+    groups = worker_groups(pod_serve_config(serve_config),
+                           worker_memory=parse_quantity(worker_memory))
+    return [f"workerGroupSpecs[{g.name}]: {line}" for g in groups for line in g.sizing]
+
+
+def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None,
+                  sizing: list[str] | None = None) -> str:
     """The manifest as YAML text, ``serveConfigV2`` as a literal block, after a comment that
-    says where it came from."""
+    says where it came from (and ``sizing``: :func:`pod_sizing`'s lines)."""
     command = f"meshctl kuberay {source}" if source else "meshctl kuberay"
     head = (f"# KubeRay RayService written by `{command}`: edit the Serve config, regenerate.\n"
             "# serveConfigV2: the Serve config with http_options.host 0.0.0.0 (the proxy "
@@ -263,7 +315,8 @@ def manifest_yaml(manifest: dict[str, Any], *, source: str | None = None) -> str
             "(python -m serve_app.common.serve_env).\n"
             "# KubeRay applies serveConfigV2 edits in place; a rayClusterConfig edit builds a "
             "new cluster,\n"
-            "# then switches traffic to it (docs/past-one-machine.md, \"Kubernetes with KubeRay\").\n")
+            "# then switches traffic to it (docs/past-one-machine.md, \"Kubernetes with KubeRay\").\n"
+            + "".join(f"# sized: {line}\n" for line in sizing or []))
     body = copy.deepcopy(manifest)
     body["spec"]["serveConfigV2"] = _Literal(body["spec"]["serveConfigV2"])
     return head + yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=4096)
@@ -285,29 +338,38 @@ def _option_problems(*, name: str, image: str, head_cpus: int, spare_workers: in
     return problems
 
 
-def _group_spec(g: WorkerGroup, image: str, env: list[dict[str, str]]) -> dict[str, Any]:
+def _group_spec(g: WorkerGroup, image: str, env: list[dict[str, str]], fleet: Fleet,
+                name: str) -> dict[str, Any]:
     params: dict[str, str] = {}
     limits = {"cpu": str(g.cpus), "memory": format_quantity(g.memory)}
     if g.gpus:
         params["num-gpus"] = str(g.gpus)
         limits["nvidia.com/gpu"] = str(g.gpus)
-    if g.resources:
+    resources = dict(g.resources)
+    if g.accelerator_type:  # Ray detects it on the pod; the autoscaler needs it said here
+        resources[ACCELERATOR_RESOURCE.format(g.accelerator_type)] = 1
+    if resources:
         # KubeRay's documented form: the JSON with its quotes escaped, inside double quotes,
         # e.g. '"{\"mesh_engine\": 1}"' (the backslashes are characters of the value).
-        params["resources"] = '"' + json.dumps(whole(g.resources)).replace('"', '\\"') + '"'
+        params["resources"] = '"' + json.dumps(whole(resources)).replace('"', '\\"') + '"'
+    pod = worker_pod_additions(fleet, name=name, gpus=g.gpus,
+                               accelerator_type=g.accelerator_type)
+    container = {
+        "name": "ray-worker",
+        "image": image,
+        "env": [dict(e) for e in env] + pod.pop("env"),
+        "envFrom": pod.pop("envFrom"),
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
+        "volumeMounts": pod.pop("volumeMounts"),
+    }
     return {
         "groupName": g.name,
         "replicas": g.replicas,
         "minReplicas": g.min_replicas,
         "maxReplicas": g.max_replicas,
         "rayStartParams": params,
-        "template": {"spec": {"containers": [{
-            "name": "ray-worker",
-            "image": image,
-            "env": [dict(e) for e in env],
-            "resources": {"requests": dict(limits), "limits": dict(limits)},
-            "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
-        }]}},
+        "template": {"spec": {**pod, "containers": [container]}},
     }
 
 

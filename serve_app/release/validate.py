@@ -27,10 +27,12 @@ Checks, each reported as ``<path.of.field>: <problem>``:
    refused. :func:`config_warnings` also warns about a budget below one chat without
    ``max_tokens`` on a route the tenant may call, sized from the route's ``max_model_len``
    (:func:`context_length`): every such chat would be refused.
-7. GPUs: a replica whose engine spans GPUs (``tensor_parallel_size`` x
-   ``pipeline_parallel_size`` > 1) is granted at least that many
-   (:func:`~serve_app.common.deployment_options.granted_gpus` of the options Serve will run
-   it with), and its actor fits the first bundle of its placement group.
+7. Where a replica runs (:mod:`serve_app.release.placement_check`): its
+   ``ray_actor_options`` and ``placement_group_bundles`` are numbers Ray takes; a replica
+   whose engine spans GPUs (``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1) has
+   that many GPU bundles, one on one GPU holds one (or a share with the memory to match);
+   its actor fits the first bundle of its placement group (CPUs, GPUs, memory, custom
+   resources); an ``accelerator_type`` is Ray's, on a replica with GPUs, and asked for.
 
 vLLM's own checks of the engine args (names and values) are in
 :mod:`serve_app.release.engine_check` (slower: it imports vLLM); ``meshctl validate`` runs both.
@@ -49,8 +51,7 @@ from serve_app.common.adapters import (AdapterError, adapter_key, adapter_name, 
                                        load_manifest, manifest_file, merged_adapter,
                                        verify_adapter)
 from serve_app.common.config import ReplicaConfig, RouterConfig, VariantArgs
-from serve_app.common.deployment_options import (SURGE_PERCENT, granted_gpus,
-                                                 replica_resources)
+from serve_app.common.deployment_options import SURGE_PERCENT
 from serve_app.common.errors import format_validation_error
 from serve_app.common.serve_configs import (
     REPLICA_DEPLOYMENT,
@@ -62,6 +63,7 @@ from serve_app.common.serve_configs import (
 )
 from serve_app.common.paths import models_dir, resolve_model_path
 from serve_app.common.sources import parse_source
+from serve_app.release.placement_check import config_resource_problems, placement_problems
 from serve_app.tenancy.token_budget import Reservation
 
 #: The keys of a model's ``config.json`` (or its ``text_config``) that vLLM derives
@@ -169,6 +171,8 @@ def validate_config(config: dict[str, Any]) -> list[str]:
     judge: :func:`serve_app.release.engine_check.engine_problems`."""
     from ray.serve.schema import ServeDeploySchema
 
+    if typed := config_resource_problems(config):  # before Ray's schema coerces them
+        return typed
     try:
         ServeDeploySchema.model_validate(config)
     except ValidationError as e:
@@ -205,7 +209,7 @@ def validate_config(config: dict[str, Any]) -> list[str]:
             variant_args[name] = args
         dep = deployment(app, REPLICA_DEPLOYMENT)
         if args:
-            problems += _gpu_problems(args, dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}]")
+            problems += placement_problems(args, dep, f"{at}.deployments[{REPLICA_DEPLOYMENT}]")
         if dep and dep.get("user_config") is not None:
             uc_at = f"{at}.deployments[{REPLICA_DEPLOYMENT}].user_config"
             replica = _check(problems, ReplicaConfig, dep["user_config"], uc_at)
@@ -277,48 +281,6 @@ def _model_problem(args: VariantArgs) -> str | None:
         here = sorted(p.parent.name for p in models_dir().glob("*/config.json"))
         return f"{e} Models in {models_dir()}: {', '.join(here) or 'none'}."
     return None
-
-
-def _gpu_problems(args: VariantArgs, dep: dict[str, Any] | None, at: str) -> list[str]:
-    """A replica that spans GPUs must be granted them, and its actor must fit the first
-    bundle of its placement group (Serve refuses the deploy otherwise)."""
-    need = args.gpus_per_replica
-    if need <= 1:
-        return []
-    resources = replica_resources(args, dep)
-    actor = resources.get("ray_actor_options") or {}
-    bundles = resources.get("placement_group_bundles") or []
-    granted = granted_gpus(resources)
-    why = (f"tensor_parallel_size x pipeline_parallel_size = {need}: the engine spans {need} "
-           "GPUs")
-    problems = []
-    if granted < need:
-        if bundles:
-            held = sum(b.get("GPU", 0) for b in bundles)
-            taken = actor.get("num_gpus") or 0
-            has = (f"{held:g} GPU(s) in its placement_group_bundles"
-                   + (f", less the {taken:g} its actor takes (ray_actor_options.num_gpus)"
-                      if taken else ""))
-        else:
-            has = f"ray_actor_options.num_gpus: {granted:g}"
-        problems.append(
-            f"{at}: {why}, and the replica is granted {granted:g} ({has}). The mesh gives a "
-            "replica that spans GPUs a placement group of one GPU bundle each "
-            "(docs/gpu-fleet.md): leave num_gpus out of its ray_actor_options and "
-            "placement_group_bundles out of the deployment, or lower the parallel sizes")
-    if bundles:
-        first = bundles[0]
-        wants = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus") or 0,
-                 **(actor.get("resources") or {})}
-        over = sorted(k for k, v in wants.items() if v and v > first.get(k, 0))
-        if over:
-            problems.append(
-                f"{at}.ray_actor_options: the replica actor asks for "
-                f"{', '.join(f'{k} {wants[k]:g}' for k in over)}, over the first bundle of "
-                f"its placement group {first} (Serve places the actor there and refuses the "
-                "deploy); ask for less, or remove ray_actor_options to take the mesh's "
-                "(num_cpus: 1)")
-    return problems
 
 
 def _tenant_problems(router: RouterConfig, variant_adapters: dict[str, set[str]] | None,

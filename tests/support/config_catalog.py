@@ -227,7 +227,7 @@ CASES: list[Case] = [
          "16, 32, 64, 128, 256, 320 or 512", engine=True),
     Case("a max_model_len longer than the model's", "local.yaml",
          engine_args(max_model_len=99_999),
-         f"{VARIANT}.args.engine_args.max_model_len: vLLM refuses 99999: Value error, "
+         f"{VARIANT}.args.engine_args.max_model_len: vLLM refuses 99999: "
          "User-specified max_model_len (99999) is greater than the derived max_model_len...",
          engine=True),
     # -- tenants -------------------------------------------------------------------------

@@ -363,7 +363,7 @@ def test_the_engine_check_says_how_long_it_takes_once(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     calls = []
 
-    def check(config):
+    def check(config, offline=None):
         calls.append(config)
         monkeypatch.setitem(sys.modules, "vllm", object())  # what a real check leaves
         return [], []

@@ -123,8 +123,9 @@ def test_gpu_variant_with_custom_resources_gets_its_own_group():
     cpu, gpu = groups(manifest).values()
     assert (cpu["replicas"], cpu["maxReplicas"]) == (1, 1)  # smollm-v1 alone
     assert (gpu["replicas"], gpu["minReplicas"], gpu["maxReplicas"]) == (2, 2, 2)
+    # the 24 GiB asked for, + 1 GiB for Ray's own processes on the pod
     assert container(gpu)["resources"]["limits"] == {
-        "cpu": "4", "memory": "24Gi", "nvidia.com/gpu": "1"}
+        "cpu": "4", "memory": "25Gi", "nvidia.com/gpu": "1"}
     assert gpu["rayStartParams"]["num-gpus"] == "1"
     # KubeRay's documented form, backslashes included; `ray start` gets the JSON after the
     # shell removes the outer quotes.
@@ -138,12 +139,19 @@ def test_gpu_variant_with_custom_resources_gets_its_own_group():
 
 
 def test_config_actor_options_replace_the_code_defaults_whole():
-    """As in Serve: ray_actor_options without num_cpus means Serve's default 1, not 0.5."""
+    """As in Serve: ray_actor_options without num_cpus means Serve's default 1, not 0.5;
+    a GPU pod is then raised to what its engine runs: 2 CPUs (the actor, the engine core on
+    the GPU), 2 + 4 GiB and the 269 MB of weights, + 1 GiB for Ray's processes."""
     config = load_yaml(REPO_ROOT / "serve_configs/local.yaml")
-    deployment(app(config, "smollm-v1"), "LLMReplica")["ray_actor_options"] = {"num_gpus": 2}
+    deployment(app(config, "smollm-v1"), "LLMReplica")["ray_actor_options"] = {"num_gpus": 1}
     manifest, _ = generate(config)
-    assert container(groups(manifest)["engines-gpu2"])["resources"]["limits"] == {
-        "cpu": "1", "memory": "8Gi", "nvidia.com/gpu": "2"}
+    assert container(groups(manifest)["engines-gpu1"])["resources"]["limits"] == {
+        "cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1"}
+    deployment(app(config, "smollm-v1"), "LLMReplica")["ray_actor_options"] = {
+        "num_gpus": 1, "num_cpus": 6, "memory": 12 * GiB}  # more than it needs: kept
+    manifest, _ = generate(config)
+    assert container(groups(manifest)["engines-gpu1"])["resources"]["limits"] == {
+        "cpu": "6", "memory": "13Gi", "nvidia.com/gpu": "1"}
 
 
 def test_autoscaling_is_kept_and_sizes_the_group():
@@ -247,7 +255,8 @@ def test_cli_writes_the_manifest_to_a_file(tmp_path, capsys):
     assert rc == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == (
-        f"wrote {out}: RayService mesh-canary, worker groups engines-cpu (2 pods)")
+        f"wrote {out}: RayService mesh-canary, worker groups engines-cpu (2 pods of 1 CPUs, "
+        "6Gi)")
     # Both warnings the shipped configs earn on Kubernetes.
     assert "WARNING proxy_location: HeadOnly" in captured.err
     assert "WARNING workerGroupSpecs[engines-cpu]: its engines ask Ray only for CPUs" in \
@@ -317,7 +326,9 @@ def test_every_pod_gets_the_meshs_serve_settings_for_the_ingress(ingress, monkey
     manifest, _ = generate(load_yaml(REPO_ROOT / "serve_configs/canary.yaml"), ingress=ingress)
     expected = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
     pods = [cluster(manifest)["headGroupSpec"], *cluster(manifest)["workerGroupSpecs"]]
-    assert [container(p)["env"] for p in pods] == [expected] * len(pods)
+    # the engine pods also point the node cache at their cache volume
+    assert [container(p)["env"][:len(expected)] for p in pods] == [expected] * len(pods)
+    assert container(pods[0])["env"] == expected
     env = {e["name"]: e["value"] for e in expected}
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0")
     # HAProxy takes the same serve port KubeRay's Service and health checks use
