@@ -59,9 +59,10 @@ def private_copy(spec: AdapterSpec) -> Path:
     """The private copy of ``spec``, made from its source if this node has none.
 
     Raises:
-        AdapterError: the source could not be fetched, or its files fail
+        AdapterError: the source could not be fetched, its files fail
             :func:`~serve_app.common.adapters.check_adapter_files` (SHA-256 mismatch,
-            pickled weights, ...); nothing is left in the cache.
+            pickled weights, ...), or the copy could not be written (a full disk); nothing
+            is left in the cache.
     """
     dest = copy_path(spec)
     if dest.is_dir():
@@ -86,6 +87,10 @@ def private_copy(spec: AdapterSpec) -> Path:
             check_adapter_files(spec, partial)
             _read_only(partial)
             partial.rename(dest)
+        except OSError as e:  # a full disk, a permission: this adapter's failure alone
+            _remove(partial)
+            raise AdapterError(f"adapter {spec.key}: could not make its private copy in "
+                               f"{dest.parent}: {e}") from None
         except BaseException:
             _remove(partial)
             raise

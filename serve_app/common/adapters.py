@@ -59,7 +59,7 @@ class AdapterError(ValueError):
 class AdapterSpec(BaseModel):
     """One manifest entry: an immutable, checksummed adapter version."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     name: str = Field(min_length=1)
     version: int = Field(ge=1)

@@ -10,9 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 class Strict(BaseModel):
     """A config schema: unknown fields refused, frozen, and no ``inf`` or ``nan`` in any
-    number (``.inf`` in YAML would pass every ``ge=`` bound)."""
+    number (``.inf`` in YAML would pass every ``ge=`` bound). A refused value is not echoed
+    in the error's text (a model URI may carry a credential that Serve would log with it);
+    :func:`~serve_app.common.errors.format_validation_error` says what was wrong."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,
+                              hide_input_in_errors=True)
 
 
 class Admission(Strict):

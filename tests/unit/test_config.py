@@ -416,3 +416,19 @@ def test_the_smallest_budget_follows_the_routes_max_model_len():
                       served_model_name="llama")
     assert context_length(hub) == 0  # fetched at start: not known here, not checked
 
+
+
+def test_a_refused_model_uri_is_not_echoed_where_serve_logs_it():
+    """``serve deploy`` without meshctl: the replica's VariantArgs check raises, and Serve
+    logs the error's text; pydantic's default text repeats the input, credentials and all."""
+    from pydantic import ValidationError
+
+    from serve_app.common.config import ReplicaConfig, VariantArgs
+
+    with pytest.raises(ValidationError) as refusal:
+        VariantArgs.model_validate({"model": "s3://AKIAEXAMPLE:wJalrSECRETKEY@my-bucket/llama",
+                                    "served_model_name": "llama"})
+    with pytest.raises(ValidationError) as registry:
+        ReplicaConfig.model_validate({"adapters_manifest": "s3://k:wJalrSECRETKEY@b/m.yaml"})
+    for text in (str(refusal.value), str(registry.value)):
+        assert "wJalrSECRETKEY" not in text and "a URI carries no credentials" in text, text

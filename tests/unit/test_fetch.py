@@ -530,3 +530,16 @@ def test_an_adapter_serves_only_on_its_base_model_at_its_revision(node):
         f"adapter globex-report@v1: trained for 'hf://other-org/{DEFAULT_MODEL_NAME}@{COMMIT}', "
         f"but this variant serves 'hf://{HUB_MODEL}@{COMMIT}' ({HUB_MODEL})")
     assert f"trained for 'hf://{HUB_MODEL}@{'f' * 40}'" in adapters.refused["acme-support@v2"]
+
+
+def test_a_copy_that_cannot_be_written_is_that_adapter_s_refusal(node, monkeypatch):
+    """A full disk while copying is an AdapterError (503 adapter_load_failed for that
+    adapter), not an unexpected error; nothing half-made stays."""
+    def full(src, dst, *a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(adapter_cache.shutil, "copyfile", full)
+    spec = ACME.model_copy(update={"uri": str(REPO_ROOT / ACME.uri)})
+    with pytest.raises(AdapterError, match=r"adapter acme-support@v1: could not make its "
+                                           r"private copy in .*No space left on device"):
+        adapter_cache.verified_copy(spec)
+    assert not list(adapter_cache.copies_dir().iterdir())
