@@ -381,9 +381,12 @@ def test_a_budget_of_one_swaps_two_routes_used_alternately(budget):
                         variant=app, outcome="stopped")
 
 
-@pytest.mark.slow  # the resident budget's swaps: 3 engine starts (test_resident_budget
-# holds its rules without Ray)
 def test_a_variant_with_a_request_in_flight_is_never_evicted(budget):
+    """With a budget of one resident variant, smollm-v1 streaming: a request for smollm-fr
+    gets 503 ``resident_budget_full`` at once, and the stream ends whole on the same
+    replica (no eviction under a request)."""
+    with budget.http() as http:  # wakes smollm-v1 if the deploy left it at zero
+        assert chat(http, model="smollm").status_code == 200
     wait_until(lambda: running(budget, "smollm-v1"), 180, "smollm-v1 runs")
     before = {r["replica_id"] for r in running(budget, "smollm-v1")}
     body = {"model": "smollm", "messages": [{"role": "user", "content": "Count to 100."}],
