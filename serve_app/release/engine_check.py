@@ -102,22 +102,6 @@ def offline_by_default() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def variant_engine_problems(args, at: str, names_only: bool = False) -> list[str]:
-    """vLLM's problems with one variant's ``args`` (a valid
-    :class:`~serve_app.common.config.VariantArgs`) whose model folder is here, each
-    ``<at>.engine_args.<key>: ...``: the names, then every check vLLM makes before it
-    starts an engine (:func:`serve_app.server.engine.engine_config`).
-
-    Args:
-        args: the variant's validated args; its model directory must exist (checked first by
-            :func:`serve_app.release.validate.validate_config`).
-        at: the path of the variant's ``args`` in the config, for messages.
-        names_only: check only that vLLM knows each engine arg's name.
-    """
-    mode = "names" if names_only else "engine"
-    return [f"{at}.engine_args{p}" for p in _checked(args, mode, None)]
-
-
 def _checked(args, mode: str, folder: Path | None) -> list[str]:
     """Problems as suffixes of ``<at>.engine_args``, once per (args, mode, folder)."""
     key = (args.model, args.revision, json.dumps(args.engine_args, sort_keys=True, default=str),
@@ -128,14 +112,14 @@ def _checked(args, mode: str, folder: Path | None) -> list[str]:
 
 
 def _check(args, mode: str, folder: Path | None) -> list[str]:
-    """``mode``: ``names``; ``values`` (no model); ``model`` (against the model's config
-    files in ``folder``, this platform's checks aside); ``engine`` (all of vLLM's, the
-    model's folder here)."""
+    """``mode``: ``values`` (the names, and the values that need no model); ``model`` (and
+    against the model's config files in ``folder``, this platform's checks aside);
+    ``engine`` (all of vLLM's, the model's folder here)."""
     from serve_app.release.engine_values import value_problems, vllm_refusals
 
     known = known_engine_args()
     unknown = sorted(k for k in args.engine_args if k not in known)
-    if unknown or mode == "names":
+    if unknown:
         return [f".{k}: vLLM has no engine argument {k!r}; {_suggest(k, known)}use the "
                 "names of vLLM's AsyncEngineArgs (`vllm serve --help` lists them as "
                 "--kebab-case options)" for k in unknown]
@@ -172,7 +156,8 @@ def engine_problems(config: dict[str, Any], offline: bool | None = None
     """vLLM's problems with the engine args of every variant of a Serve config that
     :func:`~serve_app.release.validate.validate_config` found valid, and warnings.
 
-    Per variant, as far as this host can go (see docs/gpu-fleet.md, "What validate checks"):
+    Per variant, as far as this host can go (docs/gpu-fleet.md, "What meshctl validate checks,
+    and what only a start shows"):
 
     1. the names (vLLM's OpenAI server parser) and the values that need no model (types,
        ranges, choices: :mod:`serve_app.release.engine_values`), always;

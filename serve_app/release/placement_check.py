@@ -150,15 +150,14 @@ def placement_problems(args, dep: dict[str, Any] | None, at: str) -> list[str]:
     resources = replica_resources(args, dep)
     actor = resources.get("ray_actor_options") or {}
     bundles = resources.get("placement_group_bundles") or []
-    given_actor = "ray_actor_options" in (dep or {})
     problems = []
     if args.gpus_per_replica > 1:
         problems += _spanning_problems(args, actor, bundles, at)
     elif not bundles:
-        problems += _one_gpu_problems(args, actor, given_actor, at)
+        problems += _one_gpu_problems(args, actor, at)
     if bundles:
         problems += _first_bundle_problems(args, actor, bundles, dep or {}, at)
-    problems += _accelerator_problems(args, actor, bundles, given_actor, at)
+    problems += _accelerator_problems(args, actor, bundles, at)
     return problems
 
 
@@ -188,7 +187,7 @@ def _spanning_problems(args, actor: dict, bundles: list[dict], at: str) -> list[
             "placement_group_bundles out of the deployment, or lower the parallel sizes"]
 
 
-def _one_gpu_problems(args, actor: dict, given: bool, at: str) -> list[str]:
+def _one_gpu_problems(args, actor: dict, at: str) -> list[str]:
     """An engine on one GPU takes a whole one at most, and a share only with its memory."""
     gpus = actor.get("num_gpus") or 0
     where = f"{at}.ray_actor_options.num_gpus"
@@ -258,8 +257,7 @@ def _amount(key: str, value: float) -> str:
     return f"{key} {value:g}"
 
 
-def _accelerator_problems(args, actor: dict, bundles: list[dict], given: bool,
-                          at: str) -> list[str]:
+def _accelerator_problems(args, actor: dict, bundles: list[dict], at: str) -> list[str]:
     """An accelerator type needs GPUs, and a variant's is asked for where Ray places it."""
     kind = args.accelerator_type
     gpus = sum(b.get("GPU", 0) for b in bundles) if bundles else (actor.get("num_gpus") or 0)
