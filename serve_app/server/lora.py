@@ -134,12 +134,16 @@ class AdapterSet:
             ``max_resident``.
         on_event: callback ``(adapter_key, event, seconds)`` for metrics and logs; ``event``
             is one of :data:`EVENTS`, ``seconds`` the load time for ``loaded``, else None.
+        clock: monotonic seconds, the clock of the event loop's timers (``loop.time``; tests
+            on a virtual-time loop pass theirs).
     """
 
     def __init__(self, models: Any, engine: Any, *, base_model: str, max_lora_rank: int,
                  max_cpu_loras: int = 4, base_revision: str | None = None,
-                 on_event: Callable[[str, str, float | None], None] = lambda *_: None) -> None:
+                 on_event: Callable[[str, str, float | None], None] = lambda *_: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.models = models
+        self.clock = clock
         self.engine = engine
         self.base_model = base_model
         self.base_revision = base_revision
@@ -227,7 +231,7 @@ class AdapterSet:
                 live = self.active.pop(key)
                 if any(adapter_name(k) == adapter_name(key) for k in self.active):
                     # another version of the name serves now: a promotion
-                    self._retired_at[key] = (live, time.monotonic())
+                    self._retired_at[key] = (live, self.clock())
                     asyncio.get_running_loop().call_later(RETIRED_GRACE_S + 0.1,
                                                           self._unload_if_retired, live)
                 self._unload_if_retired(live)
@@ -266,7 +270,7 @@ class AdapterSet:
     def _in_grace(self, key: str) -> bool:
         """``key`` was retired less than :data:`RETIRED_GRACE_S` ago."""
         live, at = self._retired_at.get(key, (None, float("-inf")))
-        if time.monotonic() - at < RETIRED_GRACE_S:
+        if self.clock() - at < RETIRED_GRACE_S:
             return True
         self._retired_at.pop(key, None)
         return False
@@ -295,26 +299,38 @@ class AdapterSet:
         if load is None:
             load = _Load(asyncio.ensure_future(self._make_resident(live)), live)
             self._loads[live.lora_name] = load
-            load.task.add_done_callback(
-                lambda _, key=live.lora_name, mine=load: self._loads.get(key) is mine
-                and self._loads.pop(key))
+            load.task.add_done_callback(lambda _, mine=load: self._load_ended(mine))
         load.waiters += waiter
         load.keep = load.keep or not waiter
         if waiter and wait_s is not None:
-            at = (time.monotonic() if asked_at is None else asked_at) + HANDOVER_SHARE * wait_s
+            at = (self.clock() if asked_at is None else asked_at) + HANDOVER_SHARE * wait_s
             if at < load.handover_at:
                 load.handover_at = at
                 self._room.set()  # its wait for room now has a deadline to wake at
         try:
-            # shield: a caller that leaves does not cancel the others' load
-            await asyncio.wait_for(asyncio.shield(load.task), wait_s)
+            # shield: a caller that leaves does not cancel the others' load; timeout, not
+            # wait_for: on Python 3.11 wait_for may swallow the cancellation of a caller
+            # that leaves as the load ends, and the request went on without its client
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(load.task)
         finally:
             load.waiters -= waiter
             if waiter and not (load.waiters or load.keep or load.loading or load.task.done()):
                 logger.info("adapter %s: every request waiting for it left; its load is "
                             "dropped before it evicts anything", live.lora_name)
                 load.task.cancel()
-                self._forget_handover(live.lora_name)  # now: a release may come first
+                if self._loads.get(live.lora_name) is load:  # the next request loads anew
+                    del self._loads[live.lora_name]
+                self._forget_handover(live.lora_name, "was dropped")  # before a release
+
+    def _load_ended(self, load: _Load) -> None:
+        """``load`` is over: it leaves ``_loads`` (unless a newer load of the version took
+        its place), and its failure, logged by :meth:`_load` and raised to its waiters, is
+        not logged again by asyncio when it had none left."""
+        if self._loads.get(load.live.lora_name) is load:
+            del self._loads[load.live.lora_name]
+        if not load.task.cancelled():
+            load.task.exception()
 
     def _has_room(self, key: str) -> bool:
         """A load of ``key`` fits now: resident adapters, loads and unloads under way, and
@@ -325,6 +341,7 @@ class AdapterSet:
 
     async def _make_resident(self, live: LiveAdapter) -> None:
         key = live.lora_name
+        due = False  # its wait for room ran to its hand-over time
         try:
             while not self._has_room(key):
                 victim = next((a for a in self.resident.values() if a.in_flight == 0), None)
@@ -339,20 +356,26 @@ class AdapterSet:
                 # enough.
                 load = self._loads.get(key)
                 handover_at = load.handover_at if load is not None else float("inf")
-                if time.monotonic() >= handover_at:
+                if due or self.clock() >= handover_at:
                     self._ask_handover(key)
                     handover_at = float("inf")
                 self._room.clear()
-                timeout = handover_at - time.monotonic()
+                timeout = handover_at - self.clock()
                 try:
-                    await asyncio.wait_for(self._room.wait(),
-                                           None if timeout == float("inf") else max(timeout, 0))
-                except asyncio.TimeoutError:
-                    pass
+                    # timeout, not wait_for: on Python 3.11 wait_for may swallow the
+                    # cancellation of a dropped load as room comes, and the load went on
+                    async with asyncio.timeout(None if timeout == float("inf")
+                                               else max(timeout, 0)):
+                        await self._room.wait()
+                    due = False
+                except TimeoutError:
+                    due = True  # (the loop fires a timer up to its clock resolution early)
         except BaseException:
-            self._forget_handover(key)
+            self._forget_handover(key, "was dropped")
             raise
-        self._reserved.discard(key)
+        # It found room (a slot handed over, or another way): no slot is kept for it any
+        # more, and an adapter still handing over to it keeps its slot.
+        self._forget_handover(key, "found room elsewhere")
         load = self._loads.get(key)
         if load is not None:
             load.loading = True  # from here on, vLLM loads it for whoever comes next
@@ -382,22 +405,24 @@ class AdapterSet:
         if victim.in_flight == 0:
             self._unload_soon(victim, "evicted")
 
-    def _forget_handover(self, key: str) -> None:
-        """The load of ``key`` is gone (dropped or failed): the slot kept for it is free
-        again, and an adapter still handing over to it keeps its slot."""
+    def _forget_handover(self, key: str, why: str) -> None:
+        """The load of ``key`` left its wait for room (it found room, was dropped, or
+        failed): the slot kept for it is free again, and an adapter still handing over to it
+        keeps its slot, is reported resident again, and its waiting requests go on (``why``
+        ends the log line)."""
         self._reserved.discard(key)
         for a in self.resident.values():
             if a.handover_to == key:
                 a.handover_to = ""
                 logger.info("adapter %s keeps its slot: the load it was handing over to "
-                            "(%s) was dropped", a.lora_name, key)
+                            "(%s) %s", a.lora_name, key, why)
         self._room.set()
 
     async def _load(self, live: LiveAdapter) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        t0 = time.monotonic()
+        t0 = self.clock()
         try:  # what vLLM reads is the private copy, hashed again right now (every load)
             path = await asyncio.to_thread(verified_copy, live.spec)
         except AdapterError as e:
@@ -417,8 +442,8 @@ class AdapterSet:
         self.load_errors.pop(live.lora_name, None)
         live.lora_int_id = self.models.lora_requests[live.lora_name].lora_int_id
         self.resident[live.lora_name] = live
-        live.resident_since = time.monotonic()
-        seconds = time.monotonic() - t0
+        live.resident_since = self.clock()
+        seconds = self.clock() - t0
         self.load_seconds[live.lora_name] = seconds
         self.on_event(live.lora_name, "loaded", seconds)
         logger.info("adapter %s resident (%.2f s; %d of %d resident)", live.lora_name,
@@ -444,7 +469,8 @@ class AdapterSet:
         del self.resident[live.lora_name]  # before any await: no second unload
         lora_int_id, live.lora_int_id = live.lora_int_id, 0
         if live.handover_to:  # the slot is kept for the load it was handed over to
-            if live.handover_to in self._loads:
+            load = self._loads.get(live.handover_to)
+            if load is not None and not (load.loading or load.task.done()):  # still waits
                 self._reserved.add(live.handover_to)
             live.handover_to = ""
         self._unloading += 1
@@ -485,8 +511,8 @@ class AdapterSet:
         """Wait until the engine holds no request on ``lora_name`` (at most
         :data:`ENGINE_DRAIN_S`): a request whose client left is released here before vLLM
         has aborted it, and its adapter must not be removed under it."""
-        deadline = time.monotonic() + ENGINE_DRAIN_S
-        while (n := self._engine_requests_on(lora_name)) and time.monotonic() < deadline:
+        deadline = self.clock() + ENGINE_DRAIN_S
+        while (n := self._engine_requests_on(lora_name)) and self.clock() < deadline:
             await asyncio.sleep(0.01)
         if n:
             logger.warning("adapter %s: the engine still holds %d request(s) on it after %.0f "
@@ -516,7 +542,7 @@ class AdapterSet:
         if live is None:
             raise MeshError(404, f"adapter {adapter!r} is not served by this variant",
                             param="model", code="adapter_not_found")
-        asked_at = time.monotonic()
+        asked_at = self.clock()
         counted = not live.handover_to  # waiting out a hand-over, it counts once the slot went
         if counted:
             live.in_flight += 1  # before any await: an adapter in use is never evicted
@@ -527,10 +553,11 @@ class AdapterSet:
         self.on_event(live.lora_name, "waited", None)
         try:
             if not counted:  # it is handing its slot over: wait, then load it again
-                await asyncio.wait_for(self._gone(live), wait_s)
+                async with asyncio.timeout(wait_s):  # (not wait_for: see _load_shared)
+                    await self._gone(live)
                 live.in_flight += 1
                 counted = True
-            remaining = None if wait_s is None else max(wait_s - (time.monotonic() - asked_at), 0)
+            remaining = None if wait_s is None else max(wait_s - (self.clock() - asked_at), 0)
             await self._load_shared(live, remaining, waiter=True, asked_at=asked_at)
         except asyncio.TimeoutError:
             if counted:
