@@ -28,9 +28,9 @@ from pathlib import Path
 
 from serve_app.common.adapters import (AdapterError, AdapterSpec, adapter_source,
                                        check_adapter_files, check_no_pickles, sha256_file)
-from serve_app.common.fetch import (FetchError, fetch, node_lock, remove_leftovers,
-                                    sweep_leftovers)
+from serve_app.common.fetch import FetchError, fetch
 from serve_app.common.logs import get_logger
+from serve_app.common.node_cache import node_lock, remove_leftovers, sweep_leftovers
 from serve_app.common.paths import cache_root
 from serve_app.common.redaction import redacting_logger
 

@@ -8,7 +8,7 @@ generation config when the model has them), never its weights.
   folder of the caller's (not the hub cache: a snapshot folder holding only these files
   would pass for the whole model); ``HF_TOKEN``, ``HF_ENDPOINT`` as for a fetch;
 - a bucket: ``<prefix>/config.json`` (and the others) through obstore, with the fetch's
-  store and retry settings (:mod:`serve_app.common.fetch`).
+  store and retry settings (:func:`~serve_app.common.bucket_fetch.bucket_store`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from serve_app.common.bucket_fetch import bucket_store
 from serve_app.common.fetch import FetchError, cached_model
 from serve_app.common.sources import BUCKET, HUB, parse_source
 
@@ -110,9 +111,7 @@ def _from_bucket(source, dest: Path) -> None:
     import obstore
     from obstore.exceptions import NotFoundError
 
-    from serve_app.common.fetch import _store  # the fetch's store and retry settings
-
-    store = _store(source)
+    store = bucket_store(source)  # the fetch's store and retry settings
     for name in (CONFIG_FILE, *OPTIONAL_FILES):
         try:
             data = bytes(obstore.get(store, name).bytes())

@@ -1,8 +1,8 @@
 """A local S3 endpoint for tests: moto's server mode (``moto[server]``) on 127.0.0.1, in a
 thread of the test process, that can lose its bucket in the middle of a download.
 
-The clients under test (obstore in :mod:`serve_app.common.fetch`, in this process or in a
-Ray replica) reach it through the standard variables :meth:`S3Server.env` returns
+The clients under test (obstore in :mod:`serve_app.common.bucket_fetch`, in this process or
+in a Ray replica) reach it through the standard variables :meth:`S3Server.env` returns
 (``AWS_ENDPOINT_URL``, keys, region, ``AWS_ALLOW_HTTP``); the test fills buckets with boto3
 (:meth:`S3Server.client`).
 

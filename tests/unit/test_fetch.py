@@ -22,8 +22,10 @@ from serve_app.common import adapter_cache
 from serve_app.common.adapters import (CONFIG_FILE, WEIGHTS_FILE, AdapterError, load_manifest,
                                        manifest_file, sha256_file)
 from serve_app.common.errors import MeshError
-from serve_app.common.fetch import (STALE_AFTER_S, FetchError, bucket_cache_dir, cached_model,
-                                    fetch, fetch_file, fetch_model, node_lock, sweep_leftovers)
+from serve_app.common.bucket_fetch import bucket_cache_dir
+from serve_app.common.fetch import FetchError, cached_model, fetch, fetch_file, fetch_model
+from serve_app.common.fetch_guards import short_error
+from serve_app.common.node_cache import STALE_AFTER_S, node_lock, sweep_leftovers
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, models_dir
 from serve_app.common.sources import (BUCKET, Source, SourceError, parse_file_source,
                                       parse_source)
@@ -397,19 +399,20 @@ def test_leftovers_of_killed_fetches_go_unless_a_fetch_holds_them(node, s3):
 
 # -- no credential in a message or a log line ------------------------------------------------
 
-def test_fetch_errors_and_log_lines_carry_no_credential(node, caplog):
+@pytest.mark.parametrize("module", ["fetch", "hub_fetch", "bucket_fetch", "node_cache"])
+def test_fetch_errors_and_log_lines_carry_no_credential(node, caplog, module):
+    import importlib
     import logging
 
-    from serve_app.common import fetch as fetch_module
-
+    logger = importlib.import_module(f"serve_app.common.{module}").logger
     secret = "wJalrSECRETKEY"
     err = FetchError(f"could not list s3://AKIAEXAMPLE:{secret}@b/x: GET "
                      "https://b.s3.amazonaws.com/x?X-Amz-Signature=SIGNED99 failed")
     assert secret not in str(err) and "SIGNED99" not in str(err) and "***" in str(err)
-    with caplog.at_level(logging.INFO, logger=fetch_module.logger.name):
-        fetch_module.logger.info("fetching %s", f"https://h/x?sig={secret}")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        logger.info("fetching %s", f"https://h/x?sig={secret}")
     assert caplog.records and secret not in caplog.text
-    assert fetch_module._short(RuntimeError(f"see s3://k:{secret}@b/x")).endswith("s3://***@b/x")
+    assert short_error(RuntimeError(f"see s3://k:{secret}@b/x")).endswith("s3://***@b/x")
 
 
 # -- one file: an adapter registry in a bucket or on the hub ---------------------------------
