@@ -220,9 +220,9 @@ def test_a_promoted_versions_old_one_serves_requests_naming_it_for_the_grace(mon
     altogether (nothing replaced it) is a 404 at once."""
     import time
 
-    import serve_app.server.lora as lora
+    import serve_app.server.lora_reconcile as lora_reconcile  # (where the grace is read)
 
-    monkeypatch.setattr(lora, "RETIRED_GRACE_S", 0.3)
+    monkeypatch.setattr(lora_reconcile, "RETIRED_GRACE_S", 0.3)
     engine = FakeEngine(lambda: EngineAnswer('{"id":"x"}'))
     v1, v2 = {"name": "acme-support", "version": 1}, {"name": "acme-support", "version": 2}
     globex = {"name": "globex-report", "version": 1}

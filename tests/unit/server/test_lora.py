@@ -1,7 +1,7 @@
 """Unit tests of adapter slots handed over between loads (:class:`AdapterSet` of
-:mod:`serve_app.server.lora`): the real adapter set and registry checks, a fake for vLLM's LoRA
-loader, on an event loop with a virtual clock (time jumps to the next timer), so every wait is
-exact and ten thousand random steps take seconds.
+:mod:`serve_app.server.lora`, its slot gate and residency): the real adapter set and registry
+checks, a fake for vLLM's LoRA loader, on an event loop with a virtual clock (time jumps to
+the next timer), so every wait is exact and ten thousand random steps take seconds.
 
 The scene of the two sequences: two adapter slots held by A and B, a request for C waits past
 :data:`HANDOVER_SHARE` of its ``queue_timeout_s`` so A (held longest) starts handing its slot
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import serve_app.server.lora as lora
+import serve_app.server.lora_reconcile as lora_reconcile
+import serve_app.server.lora_residency as lora_residency
 from bench.adapter_copies import register_copies
 from bench.fleet.virtual_time import VirtualTimeLoop
 from serve_app.common.errors import MeshError
@@ -214,8 +215,9 @@ def once_per_key(fn):
 
 @pytest.fixture
 def registry_once(monkeypatch):
-    for name in ("load_manifest", "verify_adapter", "verified_copy"):
-        monkeypatch.setattr(lora, name, once_per_key(getattr(lora, name)))
+    for module, name in ((lora_reconcile, "load_manifest"), (lora_reconcile, "verify_adapter"),
+                         (lora_residency, "verified_copy")):
+        monkeypatch.setattr(module, name, once_per_key(getattr(module, name)))
 
 
 class SlotCheck:
@@ -233,23 +235,23 @@ class SlotCheck:
         self.bound = adapters.max_resident
 
     def __call__(self, where: str) -> None:
-        s = self.adapters
-        taken = len(s.resident) + s._loading + s._unloading
-        promised = len(s.resident) + s._loading + len(s._reserved)
+        s, slots = self.adapters, self.adapters.slots
+        taken = len(s.resident) + slots.loading + s.residency.unloading
+        promised = len(s.resident) + slots.loading + len(slots.reserved)
         if s.max_resident >= self.bound or max(taken, promised) <= s.max_resident:
             self.bound = s.max_resident
         assert taken <= self.bound and promised <= self.bound, (
             f"{where}: {taken} slot(s) taken, {promised} promised, of {self.bound}")
         lives = [*s.resident.values(), *s.active.values(),
-                 *(load.live for load in s._loads.values())]
-        marks = set(s._reserved) | {a.handover_to for a in lives if a.handover_to}
+                 *(load.live for load in slots.loads.values())]
+        marks = set(slots.reserved) | {a.handover_to for a in lives if a.handover_to}
         for key in marks:
-            load = s._loads.get(key)
+            load = slots.loads.get(key)
             waits = load is not None and not (load.loading or load.task.done()
                                               or load.task.cancelling())
             wanted = load is not None and (load.waiters > 0 or load.keep)
             assert waits and wanted, (f"{where}: a slot is marked for {key}, whose load no "
-                                      f"longer waits (reserved: {sorted(s._reserved)})")
+                                      f"longer waits (reserved: {sorted(slots.reserved)})")
 
 
 async def drive(seed: int, manifest, names: list[str]) -> Counter:
@@ -339,7 +341,8 @@ async def drive(seed: int, manifest, names: list[str]) -> Counter:
     where = f"seed {seed}, at rest"
     check(where)
     assert not problems, f"{where}: {problems}"
-    assert (adapters._reserved, adapters._loads, adapters._loading, adapters._unloading) == (
+    slots = adapters.slots
+    assert (slots.reserved, slots.loads, slots.loading, adapters.residency.unloading) == (
         set(), {}, 0, 0), where
     assert not any(a.handover_to or a.in_flight for a in adapters.resident.values()), where
     assert len(adapters.resident) <= adapters.max_resident, where
