@@ -9,6 +9,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Ask:
+    """What one request asks of a variant's admission (:meth:`VariantAdmission.take`).
+
+    Attributes:
+        priority: the tenant's priority (lower is served first).
+        top: it has the best priority configured (it may use reserved slots).
+        tenant: the tenant id ("" in open mode).
+        prompt_tokens: its reservation's bound on its prompt, tokens.
+        completion_tokens: its reservation's bound on what it generates (``max_tokens``, or
+            the rest of the context), tokens.
+        stream: a streamed request (its completion counts as it is relayed).
+    """
+
+    priority: int = 0
+    top: bool = True
+    tenant: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stream: bool = False
+
+
+@dataclass(frozen=True)
 class Counted:
     """How a request's service counts for its tenant while it runs
     (:mod:`serve_app.admission.fair_share`), weighted tokens: ``prompt`` when it starts (its

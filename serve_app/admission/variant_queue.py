@@ -43,10 +43,10 @@ from collections.abc import Callable
 
 from serve_app.admission import refusals
 from serve_app.admission.fair_queue import FairQueue, Group
-from serve_app.admission.fair_share import FairShare
+from serve_app.admission.fair_share import FairShare, service_cost
 from serve_app.admission.refusals import Rejected
-from serve_app.admission.service_time import ServiceTime
-from serve_app.admission.slots import Counted, Slot, Waiter
+from serve_app.admission.service_time import ServiceTime, request_size
+from serve_app.admission.slots import Ask, Counted, Slot, Waiter
 
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
 #: requests wait inside vLLM, so the engine never idles between a request's end and the
@@ -204,6 +204,52 @@ class VariantAdmission:
         return max(1, math.ceil(self.service_time.work_within(self.queue_timeout_s, slots)))
 
     # -- requests -----------------------------------------------------------------------------
+
+    async def take(self, ask: Ask, *, hold_s: float | None = None,
+                   wake: Callable[[], None] | None = None) -> Slot:
+        """The slot ``ask``'s request runs in, whether the variant runs or sleeps.
+
+        Its size and how its service counts come from its reservation (:func:`request_size`
+        of its completion bound; :func:`service_cost` of its prompt, and of a non-stream's
+        completion by the time it runs). ``wake``: for a variant that may be asleep, called
+        first when it has no slot (no running replica): it starts the cold start (and may
+        refuse, raising); the request is then held up to ``hold_s`` s for the first replica
+        (:meth:`enter`).
+
+        Raises:
+            Rejected: ``unavailable`` (no running replica and nothing to wait for), or it
+                cannot start in time (``overloaded``, ``queue_timeout``, ``shed``,
+                ``cold_start_timeout``, what :meth:`fail_start` was given).
+        """
+        if wake is not None and self.capacity == 0:
+            wake()
+        counts = Counted(service_cost(ask.prompt_tokens, 0),
+                         0.0 if ask.stream else service_cost(0, ask.completion_tokens))
+        ticket = self.enter(ask.priority, ask.top, ask.tenant,
+                            request_size(ask.completion_tokens),
+                            hold_s=hold_s if wake is not None else None, counts=counts)
+        return ticket if isinstance(ticket, Slot) else await self.wait(ticket)
+
+    def settle(self, slot: Slot, used: tuple[int, int] | None) -> None:
+        """Give back the slot of a request that ended (once): ``used`` its (prompt,
+        completion) tokens, which replace the service counted while it ran and teach the
+        service time what it generated; None when what it used is not known (a non-stream
+        its client abandoned while it ran: its counted service stays)."""
+        if used is None:
+            self.release(slot)
+        else:
+            self.release(slot, cost=service_cost(*used),
+                         size=request_size(used[1]) if used[1] else None)
+
+    def give_back(self, slot: Slot) -> None:
+        """Give back the slot of a request that did not run here (it failed over, or was
+        refused before the call): nothing counted, nothing learnt."""
+        self.release(slot, cost=0.0)
+
+    def served_tokens(self, slot: Slot, completion_tokens: int) -> None:
+        """``slot``'s stream was relayed ``completion_tokens`` more (its tenant's service)."""
+        if completion_tokens > 0:
+            self.served(slot, service_cost(0, completion_tokens))
 
     async def acquire(self, priority: int, top: bool, tenant: str = "",
                       size: float = 1.0, counts: Counted = Counted()) -> Slot:

@@ -153,6 +153,14 @@ class PrimaryCapture:
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
                                  .create_future())
 
+    def answered(self, json_body: str) -> None:
+        """The primary's whole answer (a non-stream's body)."""
+        self.json_body = json_body
+
+    def relayed(self, chunk: str) -> None:
+        """One more chunk of the primary's stream, as the client got it."""
+        self.chunks.append(chunk)
+
     def finish(self, *, ttft_s: float | None, latency_s: float, error: str | None) -> None:
         if not self.done.done():
             self.done.set_result(answer_of(self.json_body, self.chunks, ttft_s=ttft_s,

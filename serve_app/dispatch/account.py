@@ -16,34 +16,23 @@ per request: ``request_id``, ``tenant``, ``route``, ``variant``, ``adapter``,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from serve_app.common.logs import get_logger
 from serve_app.common.config import Tenant
-from serve_app.common.wire import Usage
+from serve_app.common.errors import MeshError
+from serve_app.common.wire import REPLICA_HEADER, Head, Usage
 from serve_app.admission.variant_queue import VariantAdmission
-from serve_app.admission.fair_share import service_cost
-from serve_app.admission.service_time import request_size
-from serve_app.admission.slots import Counted, Slot
+from serve_app.admission.slots import Ask, Slot
 from serve_app.tenancy.limits import CountedRequest, TenantLimiter
 from serve_app.tenancy.token_budget import Reservation
 from serve_app.observability.metrics import MeshMetrics
 
 logger = get_logger(__name__)
-
-#: The request id header. Serve's proxy puts it on every request (the client's own, or a
-#: new one) and on every response, so the router only reads it.
-REQUEST_ID_HEADER = "x-request-id"
-
-
-def request_id_for(header: str | None) -> str:
-    """The request's id: Serve's ``x-request-id`` (a new UUID when called without the
-    proxy, e.g. through a handle)."""
-    return header or uuid.uuid4().hex
-
 
 #: Error kinds that say nothing of the arm that served (the request's own fault, our code's,
 #: the client leaving); only completed requests and variant failures are observations.
@@ -81,6 +70,7 @@ class RequestAccount:
         self.replica = ""  # the replica that answered (its x-mesh-replica), for the access log
         self.accepted = False  # a replica took this non-stream request (wire.Accepted)
         self._slot: tuple[VariantAdmission, Slot] | None = None
+        self._gave_up = False  # the variant of the slot held failed over (variant_slot)
         self.finished = False
 
     async def hold_tenant_slot(self, limiter: TenantLimiter, tenant: Tenant | None,
@@ -95,19 +85,11 @@ class RequestAccount:
             self.metrics.record_tokens_remaining(tenant.id, counted.quota.tokens)
         return counted.quota.headers() if counted is not None else {}
 
-    def counts(self, stream: bool) -> Counted:
-        """How this request's service counts for its tenant while it runs (the token-fair
-        order, :mod:`serve_app.admission.fair_share`): its prompt at its bound from the start,
-        a non-stream's completion by time up to its ``max_tokens``; never its whole
-        reservation."""
-        return Counted(service_cost(self.reservation.prompt, 0),
-                       0.0 if stream else service_cost(0, self.reservation.completion))
-
-    @property
-    def size(self) -> float:
-        """How long this request holds a slot, relative to a short one (the admission's
-        :func:`request_size` of its ``max_tokens`` reservation)."""
-        return request_size(self.reservation.completion)
+    def ask(self, priority: int, top: bool, stream: bool) -> Ask:
+        """What this request asks of a variant's admission: its tenant, priority, and the
+        bounds of its reservation (admission works out its size and service from them)."""
+        return Ask(priority, top, self.tags["tenant"], self.reservation.prompt,
+                   self.reservation.completion, stream)
 
     def relayed(self, chunks: int, so_far: Usage | None = None) -> None:
         """``chunks`` more SSE events of a stream went to the client, ``so_far`` the stream's
@@ -119,34 +101,67 @@ class RequestAccount:
         if so_far is not None:
             served = so_far.completion_tokens - self.streamed_usage.completion_tokens
             self.streamed_usage = so_far
-        if self._slot is not None and served > 0:
+        if self._slot is not None:
             admission, slot = self._slot
-            admission.served(slot, service_cost(0, served))
+            admission.served_tokens(slot, served)
 
-    def hold_variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
-                          waited_s: float) -> None:
-        """The variant's admission slot this request runs in, after ``waited_s`` s in its
-        queue; released by finish."""
+    @asynccontextmanager
+    async def variant_slot(self, admission: VariantAdmission, slot: Slot, variant: str,
+                           waited_s: float) -> AsyncIterator[None]:
+        """The request runs in ``slot`` of ``variant``'s ``admission`` (taken after
+        ``waited_s`` s in its queue) for this block: the account owns it. When the variant
+        fails before its first byte (:meth:`failed_over`, inside the block), the slot is given
+        back at once, counted as nothing run; however else the request ends, :meth:`finish`
+        releases it, once, with what the request used."""
         self._slot = (admission, slot)
         self.tags["variant"] = variant
         self.queue_s += waited_s
         self.metrics.queue_time.observe(waited_s, self.tags)
+        try:
+            yield
+        finally:
+            if self._slot is not None and self._slot[1] is slot and self._gave_up:
+                self._slot = None
+                self.tags["variant"] = ""
+                admission.give_back(slot)  # it did not run there
+            self._gave_up = False
 
-    def give_back_variant_slot(self) -> None:
-        """The variant failed before its first byte: free its slot for the next candidate."""
-        if self._slot is not None:
-            admission, slot = self._slot
-            admission.release(slot, cost=0.0)  # it did not run there
-            self._slot = None
-        self.tags["variant"] = ""
+    def refused_by(self, variant: str) -> None:
+        """``variant``'s admission refused the request (its 503 is labelled with it)."""
+        self.tags["variant"] = variant
+
+    def labelled(self, tags: dict[str, str], arms: tuple[tuple[str, str], ...] = ()) -> None:
+        """The request's metric labels (route, variant, tenant, adapter) as far as they are
+        known, and the rollout arms it counts for (``RequestPlan.tags``, ``.arms``)."""
+        self.tags, self.arms = dict(tags), tuple(arms)
+
+    def mirrored(self, capture) -> None:
+        """The request is mirrored to a shadow: ``capture`` (a
+        :class:`~serve_app.control.shadow_mirror.PrimaryCapture`, or None) keeps its answer."""
+        self.capture = capture
+
+    def answered_by(self, head: Head) -> None:
+        """A replica answered (its head): which one, for the access log; a mirrored
+        non-stream's answer, for its comparison."""
+        self.replica = head.headers.get(REPLICA_HEADER, "")
+        if self.capture is not None and not head.stream:
+            self.capture.answered(head.body)
+
+    def relayed_text(self, text: str) -> None:
+        """A piece of the stream went to the client: a mirrored request keeps it."""
+        if self.capture is not None:
+            self.capture.relayed(text)
 
     def failed_over(self, route: str, variant: str, why: str) -> None:
-        """A variant failed before its first byte: count it, tell the rollout."""
+        """A variant failed before its first byte: count it, tell the rollout, and (inside
+        :meth:`variant_slot`) give its slot back as the block ends. A replica's
+        ``Accepted`` is forgotten: the next candidate may take the request."""
         logger.warning("variant %s failed before the first byte (%s); failing over", variant,
                        why)
         self.metrics.failovers.inc(1, {"route": route, "variant": variant})
         self.observe(self._arms_of(variant), error=True, latency_s=time.monotonic() - self.t0)
-        self.give_back_variant_slot()
+        self.accepted = False
+        self._gave_up = True
 
     def _arms_of(self, variant: str) -> tuple[tuple[str, str], ...]:
         return tuple((key, arm or variant) for key, arm in self.arms)
@@ -155,6 +170,30 @@ class RequestAccount:
         """A replica took the request (:class:`~serve_app.common.wire.Accepted`): a
         non-stream abandoned from now on is charged its reservation (:meth:`finish`)."""
         self.accepted = not stream
+
+    def ended_by(self, e: BaseException, labels: dict[str, str] | None = None,
+                 quota_headers: dict[str, str] | None = None) -> None:
+        """The request ended in the router by ``e`` before an answer was sent: a refusal
+        (:class:`MeshError`: its status, counted by its code, with the tenant's
+        ``x-ratelimit-*`` headers added to it), the client leaving (``CancelledError``: 499),
+        or a bug (500). ``labels``: its metric labels, when it ended before its plan gave
+        them (what is known of its tenant and body)."""
+        if labels is not None:
+            self.labelled(labels)
+        if isinstance(e, MeshError):
+            # A limited tenant's refusal after its slot was taken (503 overloaded, ...)
+            # carries its x-ratelimit-* headers too, as every answer to it does.
+            e.headers = {**(quota_headers or {}), **e.headers}
+            # The router's own refusals (overloaded, queue_timeout, shed,
+            # no_healthy_variant, internal_error) are counted by their code; the rest by
+            # status.
+            if e.status != 500:
+                self.refused(e.status, e.code or f"http_{e.status}")
+            self.finish(e.status, error_kind=e.code if e.status >= 500 and e.code else None)
+        elif isinstance(e, asyncio.CancelledError):  # while queued, or waiting for a head
+            self.finish(499, error_kind="client_disconnected")
+        else:
+            self.finish(500, error_kind="internal_error")
 
     def refused(self, status: int, reason: str) -> None:
         """The mesh refused the request before running it (``reason``: the error code)."""
@@ -186,22 +225,20 @@ class RequestAccount:
             # got is not known here: it is charged its reservation, what its budget admitted
             # (the fair order keeps what its time counted: never a reservation).
             used = (self.reservation.prompt, self.reservation.completion)
+        counted = None
         if self._tenant is not None:
             limiter, counted = self._tenant
             limiter.release(counted, sum(used))
-            if counted is not None:
-                self.metrics.record_tokens(self.tags["tenant"], counted.reserved, sum(used))
         if self._slot is not None:
             admission, slot = self._slot
-            admission.release(slot, cost=None if abandoned else service_cost(*used),
-                              size=request_size(used[1]) if used[1] and not abandoned
-                              else None)
+            admission.settle(slot, None if abandoned else used)
         if self.capture is not None:
             self.capture.finish(ttft_s=ttft_s, latency_s=latency, error=error_kind or (
                 f"http_{status}" if status >= 400 else None))
-        self.metrics.record(self.tags, status, latency, ttft_s=ttft_s,
-                            prompt_tokens=usage.prompt_tokens,
-                            completion_tokens=usage.completion_tokens, error_kind=error_kind)
+        if self.tags["variant"] and status < 400 and error_kind not in NOT_THE_ARMS_FAULT:
+            truncated = error_kind == "stream_failed"
+            self.observe(self._arms_of(self.tags["variant"]), error=truncated,
+                         truncated=truncated, ttft_s=ttft_s, latency_s=latency)
         logger.info("access %s", json.dumps({
             "request_id": self.request_id, **{k: self.tags[k] for k in
                                               ("tenant", "route", "variant", "adapter")},
@@ -210,7 +247,9 @@ class RequestAccount:
             "latency_ms": round(latency * 1000, 1), "queue_ms": round(self.queue_s * 1000, 1),
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "error": error_kind if error_kind or status < 400 else f"http_{status}"}))
-        if self.tags["variant"] and status < 400 and error_kind not in NOT_THE_ARMS_FAULT:
-            truncated = error_kind == "stream_failed"
-            self.observe(self._arms_of(self.tags["variant"]), error=truncated,
-                         truncated=truncated, ttft_s=ttft_s, latency_s=latency)
+        # the metrics last, in one place
+        if counted is not None:
+            self.metrics.record_tokens(self.tags["tenant"], counted.reserved, sum(used))
+        self.metrics.record(self.tags, status, latency, ttft_s=ttft_s,
+                            prompt_tokens=usage.prompt_tokens,
+                            completion_tokens=usage.completion_tokens, error_kind=error_kind)

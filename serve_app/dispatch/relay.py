@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from serve_app.common.logs import get_logger
 from serve_app.common.errors import MeshError, error_body
 from serve_app.common.failures import Failure, replica_gone
-from serve_app.common.wire import Tail, sse_error, unbundled
+from serve_app.common.wire import Tail, sse_error
 
 logger = get_logger(__name__)
 
@@ -48,13 +48,14 @@ class RelayResponse(StreamingResponse):
         headers: response headers.
         on_replica_lost: called with ``variant`` when the stream ends because its replica is
             gone (see :meth:`VariantAvailability.replica_lost`).
+        first: text sent before ``stream``'s (a held stream's first SSE comment line).
     """
 
     def __init__(self, stream, variant: str, account, headers: dict[str, str],
-                 on_replica_lost=None) -> None:
+                 on_replica_lost=None, first: str = "") -> None:
         self._account = account
         self._on_replica_lost = on_replica_lost
-        super().__init__(self._relay(stream, variant), media_type="text/event-stream",
+        super().__init__(self._relay(stream, variant, first), media_type="text/event-stream",
                          headers=headers)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -63,7 +64,7 @@ class RelayResponse(StreamingResponse):
         finally:  # the body may never have started (client gone first)
             self._account.finish(200, error_kind="client_disconnected")
 
-    async def _relay(self, stream, variant: str) -> AsyncIterator[str]:
+    async def _relay(self, stream, variant: str, first: str = "") -> AsyncIterator[str]:
         """Pass the text through; a failure mid-stream ends it with an SSE error event and
         ``[DONE]`` (the status is already sent), as vLLM ends its own failed streams."""
         ttft = None
@@ -71,11 +72,14 @@ class RelayResponse(StreamingResponse):
         error_kind = None
         status = 200  # what the account records: a held stream's refusal records its own
         try:
-            async for item in unbundled(stream):
-                if isinstance(item, Tail):
-                    tail = item
-                    error_kind = STREAM_ERROR_KIND.get(tail.failure)
-                    continue
+            if first:
+                yield first
+            async for item in stream:
+                if isinstance(item, Tail):  # the end, with the last text when it came along
+                    tail, error_kind = item, STREAM_ERROR_KIND.get(item.failure)
+                    if not item.text:
+                        continue
+                    item = item.text
                 if item.startswith(":"):  # an SSE comment (a held cold start): no data
                     yield item
                     continue
@@ -84,8 +88,7 @@ class RelayResponse(StreamingResponse):
                 # The events, and the tokens so far (a StreamText's; vLLM merges several
                 # tokens into one event when its consumer lags).
                 self._account.relayed(item.count("data: {"), getattr(item, "usage", None))
-                if self._account.capture is not None:  # a mirrored request's answer
-                    self._account.capture.chunks.append(item)
+                self._account.relayed_text(item)  # a mirrored request keeps its answer
                 yield item
         except asyncio.CancelledError:
             error_kind = "client_disconnected"

@@ -40,20 +40,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from serve_app.common.errors import MeshError
 from serve_app.common.logs import get_logger
 from serve_app.common.shared_task import start_shared_task
-from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.admission.refusals import Rejected
-from serve_app.admission.slots import Slot
 from serve_app.variants.resident_budget import BUDGET_FULL, BUDGET_RETRY_AFTER_S, ResidentBudget
 
 logger = get_logger(__name__)
 
-#: Seconds between the SSE comment lines of a stream held for a cold start.
-COMMENT_EVERY_S = 5.0
 #: ``Retry-After`` of a ``cold_start_timeout``, s: the variant is still starting.
 COLD_START_RETRY_AFTER_S = 10
 #: First back-off after a failed cold start, s; it doubles per failure in a row.
@@ -201,88 +197,26 @@ class ColdStarts:
         if self.metrics is not None:
             self.metrics.cold_starts.inc(1, {"variant": application, "outcome": outcome})
 
-    def hold(self, application: str, admission: VariantAdmission, route: str,
-             enter: Callable[[], object]):
-        """Hold one request for ``application``'s cold start: ``enter()`` is its place in
-        ``admission`` (:meth:`VariantAdmission.enter` with ``hold_s``), decided now.
-
-        Returns:
-            A :class:`Held` to wait on.
+    def wake_for_request(self, application: str) -> None:
+        """A request for ``application``, which has no running replica, is about to wait in
+        its admission queue (:meth:`VariantAdmission.take` calls this): the cold start under
+        way, started if there is none.
 
         Raises:
-            MeshError: 503 with ``Retry-After``, before any byte: ``cold_start_failed`` (its
-                back-off lasts), ``overloaded`` (the cold start holds as many as it can
-                serve already).
+            MeshError: 503 ``cold_start_failed`` with the reason and ``Retry-After`` while
+                its back-off after a failed start lasts.
         """
         self.refuse_if_failed(application)
         self.wake(application)
-        try:
-            ticket = enter()
-        except Rejected as r:
-            self._held_metric(route, application, r.reason, 0.0)
-            raise MeshError(503, r.message, code=r.reason,
-                            headers={"Retry-After": str(r.retry_after_s)}) from None
-        return Held(self, application, admission, route, ticket)
 
-    def _held_metric(self, route: str, application: str, outcome: str, waited_s: float) -> None:
+    def held(self, route: str, application: str, outcome: str, waited_s: float) -> None:
+        """A request held for ``application``'s cold start ended its wait: ``outcome``
+        ``served``, ``client_left``, or the code of its refusal (``cold_start_timeout``,
+        ``cold_start_failed``, ``resident_budget_full``, ``overloaded``, ...) after
+        ``waited_s`` s (``cold_start_held``, ``cold_start_wait_seconds``)."""
+        outcome = {"cold_start_timeout": "timed_out", "cold_start_failed": "failed",
+                   BUDGET_FULL: "budget_full"}.get(outcome, outcome)
         if self.metrics is not None:
             tags = {"route": route, "variant": application}
             self.metrics.cold_start_held.inc(1, {**tags, "outcome": outcome})
             self.metrics.cold_start_wait_seconds.observe(waited_s, tags)
-
-
-class Held:
-    """A request held for a cold start (:meth:`ColdStarts.hold`)."""
-
-    def __init__(self, cold_starts: ColdStarts, application: str,
-                 admission: VariantAdmission, route: str, ticket) -> None:
-        self.cold_starts = cold_starts
-        self.application = application
-        self.admission = admission
-        self.route = route
-        self.ticket = ticket
-        self.t0 = time.monotonic()
-
-    async def slot(self) -> Slot:
-        """Its admission slot once the variant is warm.
-
-        Raises:
-            MeshError: 503 ``cold_start_timeout``, ``cold_start_failed``,
-                ``resident_budget_full``, ``queue_timeout`` or ``shed``, with
-                ``Retry-After``.
-        """
-        outcome = "served"
-        try:
-            if isinstance(self.ticket, Slot):
-                return self.ticket
-            return await self.admission.wait(self.ticket)
-        except Rejected as r:
-            outcome = {"cold_start_timeout": "timed_out", "cold_start_failed": "failed",
-                       BUDGET_FULL: "budget_full"}.get(r.reason, r.reason)
-            raise MeshError(503, r.message, code=r.reason,
-                            headers={"Retry-After": str(r.retry_after_s)}) from None
-        except asyncio.CancelledError:
-            outcome = "client_left"
-            raise
-        finally:
-            self.cold_starts._held_metric(self.route, self.application, outcome,
-                                          time.monotonic() - self.t0)
-
-    async def comments(self, result: list) -> AsyncIterator[str]:
-        """SSE comment lines while :meth:`slot` waits (one at once, then one every
-        :data:`COMMENT_EVERY_S`); the slot is appended to ``result`` at the end.
-
-        Raises:
-            MeshError: as :meth:`slot`.
-        """
-        waiting = asyncio.ensure_future(self.slot())
-        try:
-            yield f": waiting for {self.application} to start\n\n"
-            while not (await asyncio.wait({waiting}, timeout=COMMENT_EVERY_S))[0]:
-                yield (f": waiting for {self.application} to start "
-                       f"({time.monotonic() - self.t0:.0f} s)\n\n")
-            result.append(waiting.result())
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                await asyncio.gather(waiting, return_exceptions=True)

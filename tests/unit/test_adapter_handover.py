@@ -201,7 +201,7 @@ def test_a_stream_that_waits_for_a_slot_is_503_adapter_capacity_without_failover
                                                             "messages": [], "stream": stream},
                                                    queue_timeout_s=WAIT_S))
             account = metrics.account(lambda arms, **kw: observed.append(arms))
-            account.arms = plan.arms
+            account.labelled(account.tags, plan.arms)
             results.append(await dispatcher.dispatch(plan, account))
         adapters.release(held)
         return results, metrics, observed

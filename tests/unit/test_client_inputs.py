@@ -17,6 +17,7 @@ from serve_app.common.errors import MeshError
 from serve_app.request.planner import RequestPlanner
 from serve_app.request.body import MAX_REQUEST_BYTES, read_json_body
 from serve_app.request.split import splits_of
+from serve_app.admission.variant_queue import VariantAdmission
 from serve_app.dispatch.account import RequestAccount
 from serve_app.tenancy.keys import authenticate, hash_api_key
 from serve_app.tenancy.limits import TenantLimiter
@@ -58,14 +59,15 @@ async def front(req: Request, endpoint: str = "chat") -> None:
                              "id-1")
     tenant = authenticate(tenants, req.headers.get("authorization"))
     body = await read_json_body(req)
-    account.tags = planner.labels(tenant, body)
+    account.labelled(planner.labels(tenant, body))
     plan = await planner.plan(endpoint, body, tenant, request_id="id-1",
                               session_id=req.headers.get("x-session-id"),
                               pinned=req.headers.get("x-mesh-variant"))
-    account.tags = plan.tags
+    account.labelled(plan.tags, plan.arms)
     await account.hold_tenant_slot(TenantLimiter(shared=None), tenant,
                                    Reservation.of(endpoint, body, 0))
-    account.size, account.counts(plan.stream)  # what admission reads of it
+    await VariantAdmission("v1").take(account.ask(plan.priority, plan.top_priority,
+                                                  plan.stream))  # what admission reads of it
     account.finish(200)
 
 

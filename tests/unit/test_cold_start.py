@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 import serve_app.variants.availability as availability
+import serve_app.dispatch.dispatcher as dispatcher_module
 import serve_app.variants.cold_start as cold_start
 from serve_app.common.errors import MeshError
 from serve_app.common.wire import Accepted, GenerateRequest, Head, Tail, Usage
@@ -70,7 +71,7 @@ def mesh(monkeypatch):
     monkeypatch.setattr(availability.serve, "status", lambda: status_of(apps, messages))
     monkeypatch.setattr(cold_start, "START_ERROR_CHECK_S", 0.02)
     monkeypatch.setattr(availability, "serve_details", lambda: details_of({"v2"}))
-    monkeypatch.setattr(cold_start, "COMMENT_EVERY_S", 0.05)
+    monkeypatch.setattr(dispatcher_module, "COMMENT_EVERY_S", 0.05)
     replicas = Replicas(apps)
     admissions = {v: VariantAdmission(v) for v in apps}
     view = VariantAvailability(replicas, on_refresh=lambda: [

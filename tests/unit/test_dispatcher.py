@@ -40,7 +40,7 @@ def run(answers: dict, *, candidates=("v1", "v2"), capacity: dict | None = None,
     dispatcher = Dispatcher(registry_of(handles, availability, admissions))
     plan = plan_of(candidates, queue_timeout_s, top_priority)
     account = metrics.account(lambda arms, **kw: observed.append((arms, kw)), tenant)
-    account.arms = plan.arms  # as the router does
+    account.labelled(account.tags, plan.arms)  # as the router does
 
     async def main():
         try:
