@@ -107,7 +107,7 @@ def _run(ingress: str, proxy_ms: float, router_ms: float) -> dict:
     mesh = {"requests_per_s": 50.0, "errors": 0, "cpu_ms": cpu}
     direct = {"requests_per_s": 100.0, "errors": 0, "cpu_ms": {"direct": 3.0}}
     return run_figures(ingress, mesh, direct, {"ttft_p50_ms": 18.0, "errors": 0},
-                       {"ttft_p50_ms": 7.0, "errors": 0}, {"router": 1}, None)
+                       {"ttft_p50_ms": 7.0, "errors": 0}, {"router": 1}, {})
 
 
 def test_run_figures_sum_the_mesh_roles_and_make_the_ratios():
@@ -116,6 +116,9 @@ def test_run_figures_sum_the_mesh_roles_and_make_the_ratios():
     assert r["mesh_over_replica"] == pytest.approx(13.0 / 6.0)
     assert r["mesh_over_direct"] == 0.5 and r["ttft_overhead_ms"] == 11.0
     assert r["direct_cpu_ms"] == 3.0
+    # the ratios the goals are about: each process's CPU against vLLM's own server's
+    assert r["mesh_cpu_over_direct"] == pytest.approx(13.0 / 3.0)
+    assert r["replica_over_direct"] == pytest.approx(6.0 / 3.0)
 
 
 def test_table_puts_the_ingresses_side_by_side():
@@ -131,10 +134,12 @@ def test_table_puts_the_ingresses_side_by_side():
 
 
 def test_goal_lines_say_met_or_not():
-    lines = goal_lines(_run("haproxy", 0.0, 1.0))  # 2.0 ms of mesh CPU, 0.33 of the replica
-    assert lines[0].strip().startswith("met") and "2.0 ms" in lines[0]
-    assert lines[1].strip().startswith("NOT met")
-    assert len(lines) == 5
+    lines = goal_lines(_run("haproxy", 0.0, 1.0))  # 2.0 ms of mesh CPU against 3.0 direct
+    assert lines[0].strip().startswith("met") and "0.67 (2.0 / 3.0 ms)" in lines[0]
+    assert lines[1].strip().startswith("NOT met") and "2.00 (6.0 / 3.0 ms)" in lines[1]
+    assert lines[2].strip().startswith("NOT met")  # 0.5 of vLLM's requests/s
+    assert lines[3].strip().startswith("NOT met")  # +11 ms of TTFT
+    assert len(lines) == 4
 
 
 def test_ingresses_to_measure(monkeypatch):
