@@ -88,15 +88,17 @@ class Mesh:
 
         Args:
             in_place: the change is one the mesh applies in place (docs/in-place-changes.md):
-                fail (AssertionError) when any replica that ran before it was replaced, its
-                actor (and with it its engine) started anew."""
+                fail (AssertionError) when a deployment's replica that ran before it was
+                replaced (gone, and a new one started: an actor, and with it an engine,
+                started anew); scaling its replicas up or down is no replacement."""
         before = self.all_replica_ids()
         path = self.write(cfg)
         deploy(path, self.dashboard, **kw)
         after = self.all_replica_ids()
-        replaced = {name: sorted(ids - after.get(name, set()))
-                    for name, ids in before.items()
-                    if name in after and ids - after.get(name, set())}
+        # replaced: a replica of it is gone and another came (a scale-down only removes one,
+        # a scale-up only adds)
+        replaced = {name: sorted(ids - after[name]) for name, ids in before.items()
+                    if name in after and ids - after[name] and after[name] - ids}
         for name, ids in after.items():
             if name.endswith("/VariantIngress"):  # no engine: not the suite's cost
                 continue
