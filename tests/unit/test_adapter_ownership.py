@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import serve_app.variants.availability as availability
+import serve_app.variants.serve_view as serve_view
 from serve_app.common.config import RouterConfig
 from serve_app.common.errors import MeshError
 from serve_app.variants.availability import VariantAvailability
@@ -43,8 +43,8 @@ def details(declared: dict[str, list[dict]]) -> dict:
 def asleep(monkeypatch) -> VariantAvailability:
     """v1 and v2 at zero since the router started (never polled): v1 declares acme@v1 and
     globex@v2, v2 declares nothing."""
-    monkeypatch.setattr(availability.serve, "status", lambda: status_of({"v1": {}, "v2": {}}))
-    monkeypatch.setattr(availability, "serve_details", lambda: details({
+    monkeypatch.setattr(serve_view.serve, "status", lambda: status_of({"v1": {}, "v2": {}}))
+    monkeypatch.setattr(serve_view, "serve_details", lambda: details({
         "v1": [{"name": "acme", "version": 1}, {"name": "globex", "version": 2}], "v2": []}))
     view = VariantAvailability(lambda app: None)
     asyncio.run(view.refresh())

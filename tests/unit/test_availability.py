@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import serve_app.variants.availability as availability
+import serve_app.variants.serve_view as serve_view
 from serve_app.variants.availability import VariantAvailability
 from serve_app.common.wire import ReplicaInfo
 
@@ -17,7 +18,7 @@ from serve_app.common.wire import ReplicaInfo
 @pytest.fixture(autouse=True)
 def no_controller(monkeypatch):
     """Deployment details as a controller with no scale-to-zero variant gives them."""
-    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {}})
+    monkeypatch.setattr(serve_view, "serve_details", lambda: {"applications": {}})
 
 
 def app(status: str, running: int | None):
@@ -38,7 +39,7 @@ class FakeServingInfoHandle:
 
 
 def view(monkeypatch, apps: dict, infos: dict[str, ReplicaInfo]) -> VariantAvailability:
-    monkeypatch.setattr(availability.serve, "status",
+    monkeypatch.setattr(serve_view.serve, "status",
                         lambda: SimpleNamespace(applications=apps))
     calls = []
     v = VariantAvailability(lambda name: FakeServingInfoHandle(infos[name]),
@@ -125,14 +126,14 @@ def test_admission_sees_a_new_replica_before_it_answers_the_poll(monkeypatch):
     def slow_details():
         details_read.wait(10)
         return {"applications": {}}
-    monkeypatch.setattr(availability, "serve_details", slow_details)
+    monkeypatch.setattr(serve_view, "serve_details", slow_details)
 
     class Slow(FakeServingInfoHandle):
         async def _remote(self):
             await answer.wait()
             return self.info
     seen = []
-    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(applications=apps))
+    monkeypatch.setattr(serve_view.serve, "status", lambda: SimpleNamespace(applications=apps))
     v = VariantAvailability(lambda name: Slow(ReplicaInfo((), 8)),
                             on_refresh=lambda: seen.append(v.slots("v1")))
 
@@ -168,7 +169,7 @@ def test_concurrent_refreshes_share_one_status_call(monkeypatch):
     def status():
         calls.append(1)
         return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
-    monkeypatch.setattr(availability.serve, "status", status)
+    monkeypatch.setattr(serve_view.serve, "status", status)
     v = VariantAvailability(lambda name: FakeServingInfoHandle(ReplicaInfo((), 8)))
 
     async def main():
@@ -185,7 +186,7 @@ def test_a_herd_of_refreshes_behind_a_poll_shares_one_status_call(monkeypatch):
     def status():
         calls.append(1)
         return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
-    monkeypatch.setattr(availability.serve, "status", status)
+    monkeypatch.setattr(serve_view.serve, "status", status)
     v = VariantAvailability(lambda name: FakeServingInfoHandle(ReplicaInfo((), 8)))
 
     async def main():
@@ -203,7 +204,7 @@ def test_a_caller_waiting_behind_many_polls_does_not_recurse(monkeypatch):
     def status():
         calls.append(1)
         return SimpleNamespace(applications={"v1": app("RUNNING", 1)})
-    monkeypatch.setattr(availability.serve, "status", status)
+    monkeypatch.setattr(serve_view.serve, "status", status)
     v = VariantAvailability(lambda name: FakeServingInfoHandle(ReplicaInfo((), 8)))
 
     async def main():
@@ -268,7 +269,7 @@ def test_a_running_variant_that_stops_answering_the_poll_is_lost(monkeypatch):
     v = VariantAvailability(
         lambda name: Silent() if name == "v2" else FakeServingInfoHandle(infos[name]),
         period_s=0.01)
-    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+    monkeypatch.setattr(serve_view.serve, "status", lambda: SimpleNamespace(
         applications={"v1": app("RUNNING", 1), "v2": app("RUNNING", 1)}))
     for _ in range(availability.MISSED_POLLS_LOST - 1):
         asyncio.run(v.refresh())
@@ -287,7 +288,7 @@ def test_a_poll_refused_because_the_queue_is_full_is_not_a_miss(monkeypatch):
     class Full:
         async def _remote(self):
             raise BackPressureError(65, 64)
-    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+    monkeypatch.setattr(serve_view.serve, "status", lambda: SimpleNamespace(
         applications={"v1": app("RUNNING", 1)}))
     v = VariantAvailability(lambda name: SimpleNamespace(serving_info=SimpleNamespace(
         remote=Full()._remote)))
@@ -303,7 +304,7 @@ def test_a_running_variants_slots_come_from_its_config_until_its_replica_answers
     to Serve's handle, which refused 65 and more (BackPressureError). The deployed
     engine_args' max_num_seqs gives the slots meanwhile."""
     engine_args = {"max_num_seqs": 8}
-    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {"v1": {
+    monkeypatch.setattr(serve_view, "serve_details", lambda: {"applications": {"v1": {
         "deployed_app_config": {"args": {"engine_args": engine_args}}}}})
     never = asyncio.Event()
 
@@ -311,7 +312,7 @@ def test_a_running_variants_slots_come_from_its_config_until_its_replica_answers
         async def _remote(self):
             await never.wait()
     apps = {"v1": app("RUNNING", 2)}
-    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(
+    monkeypatch.setattr(serve_view.serve, "status", lambda: SimpleNamespace(
         applications=apps))
     v = VariantAvailability(lambda name: Slow(ReplicaInfo((), 8)), period_s=0.01)
     asyncio.run(v.refresh())  # the poll times out: no answer yet
@@ -357,7 +358,7 @@ def test_a_deleted_variants_missed_polls_do_not_count_against_its_next_deploy(mo
                 raise asyncio.TimeoutError  # as a call that did not answer in time
             return ReplicaInfo((), 8)
 
-    monkeypatch.setattr(availability.serve, "status", lambda: SimpleNamespace(applications=apps))
+    monkeypatch.setattr(serve_view.serve, "status", lambda: SimpleNamespace(applications=apps))
     v = VariantAvailability(lambda name: Handle())
 
     async def main():
@@ -418,7 +419,7 @@ def test_a_deploy_applied_between_two_polls_is_still_read(monkeypatch):
     deploy time makes the view read the deployment details again; else the router would go
     on polling the variant as always on, and each poll would wake it (full20's herd test)."""
     details = {"applications": {}}
-    monkeypatch.setattr(availability, "serve_details", lambda: details)
+    monkeypatch.setattr(serve_view, "serve_details", lambda: details)
     apps = {"v1": SimpleNamespace(status="RUNNING", last_deployed_time_s=100.0,
                                   deployments={})}
     v = view(monkeypatch, apps, {})

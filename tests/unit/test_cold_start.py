@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 import serve_app.variants.availability as availability
+import serve_app.variants.serve_view as serve_view
 import serve_app.dispatch.dispatcher as dispatcher_module
 import serve_app.variants.cold_start as cold_start
 from serve_app.common.errors import MeshError
@@ -68,9 +69,9 @@ def mesh(monkeypatch):
     """(availability, replicas, dispatcher, admissions) for v1 (always on, down here) and
     v2 (scales to zero, at zero)."""
     apps, messages = {"v1": {}, "v2": {}}, {}
-    monkeypatch.setattr(availability.serve, "status", lambda: status_of(apps, messages))
+    monkeypatch.setattr(serve_view.serve, "status", lambda: status_of(apps, messages))
     monkeypatch.setattr(cold_start, "START_ERROR_CHECK_S", 0.02)
-    monkeypatch.setattr(availability, "serve_details", lambda: details_of({"v2"}))
+    monkeypatch.setattr(serve_view, "serve_details", lambda: details_of({"v2"}))
     monkeypatch.setattr(dispatcher_module, "COMMENT_EVERY_S", 0.05)
     replicas = Replicas(apps)
     admissions = {v: VariantAdmission(v) for v in apps}
@@ -131,7 +132,7 @@ def test_a_variant_that_may_go_to_zero_sooner_than_the_idle_poll_is_polled_less(
     ``downscale_delay_s``, Serve's default 600 s; under the resident budget's policy,
     ``downscale_delay_s``: the policy first waits that long idle)."""
     scaling = {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5.0}
-    monkeypatch.setattr(availability, "serve_details", lambda: {"applications": {
+    monkeypatch.setattr(serve_view, "serve_details", lambda: {"applications": {
         "v2": {"deployments": {"LLMReplica": {"deployment_config": {
             "autoscaling_config": scaling}}}}}})
     assert availability.idle_poll_s({"min_replicas": 0}) == availability.IDLE_POLL_S

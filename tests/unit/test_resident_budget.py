@@ -14,7 +14,7 @@ import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-import serve_app.variants.availability as availability
+import serve_app.variants.serve_view as serve_view
 import serve_app.variants.resident_budget as resident_budget
 from serve_app.common.errors import MeshError
 from serve_app.control.resident_policy import (EVICTED, IDLE_S, IN_FLIGHT, POLICY_FUNCTION,
@@ -116,8 +116,8 @@ def budget(monkeypatch):
     """a, b, c scale to zero with the resident policy; d scales to zero without it. Budget
     of one; a runs."""
     apps = {"a": {"RUNNING": 1}, "b": {}, "c": {}, "d": {}}
-    monkeypatch.setattr(availability.serve, "status", lambda: status_of(apps))
-    monkeypatch.setattr(availability, "serve_details",
+    monkeypatch.setattr(serve_view.serve, "status", lambda: status_of(apps))
+    monkeypatch.setattr(serve_view, "serve_details",
                         lambda: details_of({"a", "b", "c"}, {"a", "b", "c", "d"}))
     monkeypatch.setattr(resident_budget, "EVICT_CHECK_S", 0.01)
     replicas = Replicas(apps)
