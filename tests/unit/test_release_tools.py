@@ -381,14 +381,14 @@ def test_the_swap_hint_carries_a_new_model_and_engine_args():
     variant(new)["args"]["model"] = "smollm2-135m-acme"
     variant(new)["args"]["engine_args"]["structured_outputs_config"] = {"backend": "xgrammar"}
     del variant(new)["args"]["engine_args"]["enforce_eager"]
-    from serve_app.cli import _blue_green_hint
+    from serve_app.commands.check import blue_green_hint
 
-    hint = _blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
+    hint = blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
     assert ("meshctl swap CURRENT_CONFIG --route smollm --new-app smollm-v1-next --model "
             "smollm2-135m-acme --engine-arg enforce_eager=null --engine-arg "
             "'structured_outputs_config={backend: xgrammar}'") in hint
     variant(new)["runtime_env"] = {}
-    hint = _blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
+    hint = blue_green_hint("live", new, restarts(diff_configs(LOCAL, new)))
     assert "meshctl swap" not in hint and "copy the variant application" in hint
 
 

@@ -67,8 +67,9 @@ def test_without_matplotlib_the_report_says_how_to_install_it(without_matplotlib
 def test_meshctl_rollout_report_without_matplotlib_is_one_line(without_matplotlib, tmp_path,
                                                                 monkeypatch, capsys):
     from serve_app import cli
+    from serve_app.commands import observe
 
-    monkeypatch.setattr(cli, "fetch_rollouts", lambda url, key: {"smollm": ROLLOUT})
+    monkeypatch.setattr(observe, "fetch_rollouts", lambda url, key: {"smollm": ROLLOUT})
     code = cli.main(["rollout-report", "--out", str(tmp_path), "--prometheus", ""])
     assert code == cli.USAGE_EXIT
     assert capsys.readouterr().err.splitlines() == [
