@@ -13,7 +13,7 @@ is sent. Rules, per variant (``routes.<route>.admission`` in the router config):
   with a ``Retry-After``. ``max_queued_per_slot`` sets a fixed bound on the count instead.
 - **A deadline.** A queued request not started after ``queue_timeout_s`` is refused
   (``queue_timeout``) before any byte; when service gets slower, queued requests that can
-  no longer start in time are refused at once (``shed``).
+  no longer start in time are refused at once (``shed``: :mod:`serve_app.admission.shedding`).
 - **Priority.** A better-priority request goes ahead of every worse one; the worse ones it
   pushes past their deadline are shed. ``reserved_slots`` are kept for the best priority.
 - **Tenants' shares** (``fairness``, ``newcomer_slots``, ``anticipation_s``): token-fair
@@ -35,17 +35,17 @@ tenants queued, not of requests (:mod:`serve_app.admission.fair_queue`).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 import time
 from collections.abc import Callable
 
 from serve_app.admission import refusals
-from serve_app.admission.fair_queue import FairQueue, Group
+from serve_app.admission.fair_queue import FairQueue
 from serve_app.admission.fair_share import FairShare, service_cost
 from serve_app.admission.refusals import Rejected
 from serve_app.admission.service_time import ServiceTime, request_size
+from serve_app.admission.shedding import pushes_back, queued_ahead, shed_late, work_ahead
 from serve_app.admission.slots import Ask, Counted, Slot, Waiter
 
 #: Extra slots the best priority gets beyond the engines' capacity, as a share of it: those
@@ -292,15 +292,11 @@ class VariantAdmission:
                                                 self.held_limit(size), wait_s)
             deadline = now + hold_s
         else:
-            counter = self._counters()
-            rank = (priority, counter(tenant))  # it goes last of its rank
-            ahead = [g for g in self._queue.groups if (g.priority, counter(g.tenant)) <= rank]
-            held_ahead = [w for w in self._queue.held
-                          if (w.priority, counter(w.tenant)) <= rank]
+            ahead, held_ahead = queued_ahead(self._queue, priority, tenant, self._counters())
             if not ahead and not held_ahead and self.may_start(top, tenant):
                 return self._start(tenant, now, size, priority, top, counts)
-            wait_s = self.service_time.wait_s(self._work_ahead(ahead, held_ahead) + size,
-                                              self.tenant_slots(top, tenant))
+            work = work_ahead(ahead, held_ahead, self.shares.free_newcomer_slots, self._fits)
+            wait_s = self.service_time.wait_s(work + size, self.tenant_slots(top, tenant))
             fixed_bound = self.max_queued_per_slot is not None  # else the estimate bounds it
             if wait_s > ADMIT_MARGIN * self.queue_timeout_s or (
                     fixed_bound and self.queued >= self.max_queued):
@@ -389,24 +385,10 @@ class VariantAdmission:
             return counters[tenant]
         return counter
 
-    def _work_ahead(self, groups: list[Group], held: list[Waiter]) -> float:
-        """The work (sizes) queued in ``groups`` and ``held`` that a request behind them waits
-        for: all of it but what :meth:`_newcomer_slot_takers` take."""
-        takers = self._newcomer_slot_takers(groups, held, self.shares.free_newcomer_slots)
-        return (sum(g.size for g in groups) + sum(w.size for w in held)
-                - sum(w.size for w in takers))
-
-    def _newcomer_slot_takers(self, groups: list[Group], held: list[Waiter],
-                              free: int) -> list[Waiter]:
-        """Of the requests queued in ``groups`` and ``held``, those that would start in the
-        ``free`` newcomer slots (:meth:`FairShare.fits_newcomer_slot`; the first in arrival
-        order, one a slot): they add nothing to the wait of a busy tenant's request behind
-        them, which may not use those slots anyway."""
-        if not free:
-            return []
-        fits = [g for g in groups if self.shares.fits_newcomer_slot(g.tenant, self.capacity)]
-        fits.append([w for w in held if self.shares.fits_newcomer_slot(w.tenant, self.capacity)])
-        return list(itertools.islice(heapq.merge(*fits, key=lambda w: w.seq), free))
+    def _fits(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may start in a free newcomer slot
+        (:meth:`FairShare.fits_newcomer_slot`)."""
+        return self.shares.fits_newcomer_slot(tenant, self.capacity)
 
     def _start(self, tenant: str, now: float, size: float = 1.0, priority: int = 0,
                top: bool = True, counts: Counted = Counted()) -> Slot:
@@ -446,61 +428,19 @@ class VariantAdmission:
 
     def _shed_behind(self, newcomer: Waiter, now: float) -> None:
         """Reject queued requests of worse priority that ``newcomer`` pushes past their
-        deadline."""
-        counter = self._counters()
-        rank = (newcomer.priority, counter(newcomer.tenant))
-        if any((g.priority, counter(g.tenant)) > rank for g in self._queue.groups):
+        deadline (:func:`~serve_app.admission.shedding.pushes_back`)."""
+        if pushes_back(self._queue, newcomer, self._counters()):
             self._shed_late(now)
 
     def _shed_late(self, now: float | None = None) -> None:
-        """Reject the queued requests whose estimated start is past their deadline, worst
-        priority first to go.
-
-        The order is walked by ranks (priority, counter): the groups of one rank (tenants
-        whose counters are equal: their requests interleave by arrival) are passed whole when
-        even their last request would start, at the rate of its tenant's slots, by their
-        earliest deadline; else request by request, and, while deadlines follow arrival
-        (:attr:`FairQueue.deadlines_in_order`), only until the rest of the rank would start
-        by the next one's deadline."""
+        """Reject (``shed``) the queued requests whose estimated start is past their
+        deadline, worst priority first to go (:func:`~serve_app.admission.shedding.shed_late`)."""
         now = self._clock() if now is None else now
-        counter = self._counters()
-        in_order = self._queue.deadlines_in_order
-        free = self.shares.free_newcomer_slots
-        ahead = 0.0
-        groups = sorted(self._queue.groups, key=lambda g: (g.priority, counter(g.tenant)))
-        for _, rank in itertools.groupby(groups, key=lambda g: (g.priority, counter(g.tenant))):
-            rank = list(rank)
-            slots = {id(g): self.tenant_slots(g.top, g.tenant) for g in rank}
-            fits = {id(g): self.shares.fits_newcomer_slot(g.tenant, self.capacity)
-                    for g in rank}
-            rest = sum(g.size for g in rank)
-            if all(now + self.service_time.wait_s(ahead + rest, slots[id(g)]) <= g.min_deadline
-                   for g in rank):  # none of them is late
-                takers = self._newcomer_slot_takers(rank, [], free)
-                ahead += rest - sum(w.size for w in takers)
-                free -= len(takers)
-                continue
-            least, any_fits = min(slots.values()), any(fits.values())
-            # one rank's requests interleave by arrival
-            members = heapq.merge(*(zip(g, itertools.repeat(g)) for g in rank),
-                                  key=lambda m: m[0].seq)
-            for w, g in members:
-                if in_order and not (free and any_fits) and now + self.service_time.wait_s(
-                        ahead + rest, least) <= w.deadline:
-                    ahead += rest  # it and all behind it start by its deadline, or theirs
-                    break
-                rest -= w.size
-                work = w.size
-                if free and fits[id(g)]:
-                    free, work = free - 1, 0.0
-                if now + self.service_time.wait_s(ahead + w.size, slots[id(g)]) <= w.deadline:
-                    ahead += work  # it stays: those behind it wait for it
-                else:
-                    self._queue.leave(w)
-                    w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
-                                                         self.service_time.s))
-            for g in rank:
-                g.refresh_min_deadline(in_order)
+        late = shed_late(self._queue, now, self._counters(), self.service_time,
+                         self.tenant_slots, self._fits, self.shares.free_newcomer_slots)
+        for w in late:
+            w.future.set_exception(refusals.shed(self.variant, self.queue_timeout_s,
+                                                 self.service_time.s))
 
 
 def _granted(future: asyncio.Future) -> bool:
