@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 CPU_LOCK = ROOT / "requirements-cpu.txt"
 GPU_LOCK = ROOT / "requirements-gpu.txt"
 
