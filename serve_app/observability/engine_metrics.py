@@ -30,6 +30,7 @@ mesh-wide ceiling, :data:`MESH_MAX_MODEL_LEN`, whatever the engine args
 from __future__ import annotations
 
 import copy
+import functools
 
 from vllm.v1.metrics.buckets import BUCKET_FAMILY_KEYS, histogram_buckets
 from vllm.v1.metrics.ray_wrappers import (RayCounterWrapper, RayGaugeWrapper,
@@ -45,13 +46,23 @@ logger = get_logger(__name__)
 MESH_MAX_MODEL_LEN = 131_072
 
 
+@functools.cache
 def _variant() -> str:
+    """This process's variant (its Serve application; "" outside a replica). Read once: a
+    replica's process serves one variant for its life, and the stat logger tags every value
+    of every engine step with it."""
     from ray import serve
 
     try:
         return serve.get_replica_context().app_name
     except Exception:  # noqa: BLE001 -- outside a Serve replica (tests, scripts)
         return ""
+
+
+@functools.cache
+def _replica_id() -> str:
+    """This process's Serve replica id ("" outside a replica), read once (see :func:`_variant`)."""
+    return _get_replica_id() or ""
 
 
 class _VariantTagged:
@@ -73,7 +84,7 @@ class _VariantTagged:
                                  f"Expected {len(keys)}, got {len(labels)}")
             labelskwargs.update(zip(keys, labels))
         tags = {k: v if isinstance(v, str) else str(v) for k, v in labelskwargs.items()}
-        return {**tags, "variant": _variant(), "ReplicaId": _get_replica_id() or ""}
+        return {**tags, "variant": _variant(), "ReplicaId": _replica_id()}
 
 
 class _Gauge(_VariantTagged, RayGaugeWrapper):

@@ -2,8 +2,9 @@
 
 Every item a replica yields crosses two Ray hops (replica -> router -> Serve proxy), each with
 a fixed cost per message. So, as Ray Serve LLM does with ``stream_batching_interval_ms``, a
-stream sends its first two messages at once (vLLM's first chunk carries only the role; the
-first token follows) and then at most one message per interval: everything that arrived in
+stream sends its first message at once (the first token; a chat's role-only chunk, which
+vLLM yields just before it, travels with it: :meth:`~serve_app.server.serving.ReplicaServer._stream`)
+and then at most one message per interval: everything that arrived in
 the meantime, joined. A chunk waits at most one interval; no text is changed,
 only how it is cut into messages. A batch of :class:`~serve_app.common.wire.StreamText`
 carries the usage of its last piece that has one. Time is the event loop's
@@ -22,8 +23,8 @@ from serve_app.common.wire import StreamText
 T = TypeVar("T")
 
 _END = object()
-#: Messages sent before batching starts: the role chunk and the first token.
-UNBATCHED = 2
+#: Messages sent before batching starts: the first token's (with a chat's role chunk).
+UNBATCHED = 1
 
 
 async def coalesce(items: AsyncIterator[str | T], interval_s: float,

@@ -330,8 +330,15 @@ class ReplicaServer:
         in-band error event the engine ended the stream with."""
         tail = Tail()
         progress = StreamUsage(body, keep=bool(client_wants_usage & UsageWanted.CONTINUOUS))
+        # vLLM's role-only first chunk(s) (a chat's), yielded with the first token's: held
+        # and sent with it, one message fewer for every stream
+        role, first = "", True
         try:
             async for line in _closing(lines):
+                if first and _role_only(line):
+                    role += progress.take(line)
+                    continue
+                first = False
                 if (error := in_band_error(line)) is not None:
                     verdict = self._classify(body, None, code=int(error.get("code") or 500),
                                              message=str(error.get("message")))
@@ -340,18 +347,32 @@ class ReplicaServer:
                     tail = replace(tail, usage=Usage(u["prompt_tokens"],
                                                      u.get("completion_tokens") or 0))
                     if not client_wants_usage:
-                        continue
+                        line = ""
                 else:
                     line = progress.take(line)
-                yield progress.text(line)
+                line, role = role + line, ""
+                if line:
+                    yield progress.text(line)
         except Exception as e:  # noqa: BLE001 -- vLLM's generator normally catches these
             verdict = self._classify(body, e)
             tail = replace(tail, failure=verdict.failure, message=verdict.message)
-            yield sse_error(verdict.body())
+            role += sse_error(verdict.body())
+        if role:  # a stream that ended before its first token
+            yield progress.text(role)
         if tail.failure is not None and tail.failure is not Failure.REQUEST:
             logger.warning("variant %s: stream ended with an in-band error (%s): %s",
                            self.variant, tail.failure.value, tail.message[:500])
         yield tail
+
+
+#: How a chat's role-only first chunk looks in vLLM's SSE (``DeltaMessage(role=..,
+#: content="")``, dumped with ``exclude_unset``).
+_ROLE_DELTA, _EMPTY_CONTENT = '"delta":{"role":"', '","content":""}'
+
+
+def _role_only(line: str) -> bool:
+    """``line`` is a chat's role-only chunk: a role and empty content, nothing else."""
+    return _ROLE_DELTA in line and _EMPTY_CONTENT in line and '"finish_reason":null' in line
 
 
 def _with_text(text: str, tail: Tail) -> Tail:

@@ -262,3 +262,35 @@ def test_an_adapter_stream_names_the_model_the_client_asked_in_every_chunk():
         i.text for i in items if isinstance(i, Tail))
     assert text.count('"model":"smollm:acme-support"') == 3, items
     assert "acme-support@v1" not in text
+
+
+def test_a_chats_role_chunk_travels_with_its_first_token():
+    """vLLM yields a chat's role-only chunk just before its first token's: the replica sends
+    both in one message (one Ray message fewer per stream), and nothing else is joined."""
+    role = sse({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    tokens = [sse({"choices": [{"index": 0, "delta": {"content": word}}]})
+              for word in ("Hi", " there")]
+
+    async def stream():
+        for line in [role, *tokens, "data: [DONE]\n\n"]:
+            yield line
+
+    s = replica_server(FakeEngine(stream), {"stream_batching_interval_ms": 0})
+    items = collect(s, chat(stream=True))
+    assert items[1:-1] == [role + tokens[0], tokens[1], "data: [DONE]\n\n"]
+
+
+def test_a_stream_that_ends_before_its_first_token_still_sends_its_role_chunk():
+    role = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None}]})
+
+    async def stream():
+        yield role
+        raise RuntimeError("engine died")
+
+    items = collect(replica_server(FakeEngine(stream), {"stream_batching_interval_ms": 0}),
+                    chat(stream=True))
+    assert items[1].startswith(role) and '"error"' in items[1]
+    assert items[-1].failure is Failure.INTERNAL
