@@ -194,7 +194,7 @@ def test_in_place_args_change_replaces_the_replica_by_surge_under_load(released)
 
 
 @pytest.mark.slow  # the same zero-drop ramp and retirement: test_canary; the swap's configs:
-# test_release_tools (meshctl swap --emit)
+# unit/release/test_swap.py (meshctl swap --emit)
 def test_base_swap_with_meshctl_drops_nothing(released):
     """4 concurrent streams run while `meshctl swap` adds smollm-acme (weight 0), moves
     50/50, then 0/100, then retires smollm-v1. Every stream completes in full. Starts from
