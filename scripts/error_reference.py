@@ -7,7 +7,7 @@ reads every ``error.code`` the package can send out of its source (Python's ``as
 import): ``code="..."`` arguments (a string, or a module constant), the status phrase of a
 ``MeshError`` / ``Verdict`` / ``error_body`` with a constant status and no code, the code of
 a tenant limit's ``Refusal`` and the reason of an admission ``Rejected``.
-``tests/unit/test_docs.py`` requires each of them in the catalog, and the committed page to be
+``tests/unit/docs/test_docs.py`` requires each of them in the catalog, and the committed page to be
 what :func:`render` writes.
 
     python scripts/error_reference.py           write docs/errors.md

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages of the real servers the mesh's scripts and tests run, when
 # their binaries are missing: prometheus (scripts/observability.sh, tests/integration/test_observability.py)
-# and redis-server (the redis tenant ledger: scripts/redis_ledger.sh, tests/unit/test_ledger.py).
+# and redis-server (the redis tenant ledger: scripts/redis_ledger.sh,
+# tests/unit/tenancy/test_ledger.py).
 # Their own system services are not used (stopped and disabled).
 #   ./scripts/install_services.sh     (apt-get, through sudo when not root; no options)
 set -euo pipefail

@@ -7,7 +7,7 @@ Body format (OpenAI API reference, "Error codes"):
 An error without a code of its own gets its status phrase (``bad_request``, ...).
 
 ``docs/errors.md`` is generated from :data:`ERROR_CODES` (``python
-scripts/error_reference.py``); ``tests/unit/test_docs.py`` fails when a code the code can
+scripts/error_reference.py``); ``tests/unit/docs/test_docs.py`` fails when a code the code can
 send is missing from the catalog, or when the committed page is stale.
 """
 

@@ -4,7 +4,7 @@ It turns (tenant, body, headers, router config, variant availability, weights in
 into a frozen :class:`RequestPlan`: the route, the adapter and its version, the variants to
 try in order, the rollout arms the request goes through, the tenant's priority and the
 metric labels. It knows nothing of Serve or HTTP (the router passes headers as strings), so
-it is unit-tested without Ray (``tests/test_planner.py``).
+it is unit-tested without Ray (``tests/unit/request/test_planner.py``).
 
 Rules, in order:
 

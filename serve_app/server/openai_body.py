@@ -2,7 +2,7 @@
 
 The replica changes a client's body in one place, :func:`engine_body`, and vLLM's SSE lines
 and JSON in one place, :func:`for_client`. Pure functions of dicts and strings: unit-tested
-without an engine (``tests/unit/test_replica_server.py``).
+without an engine (``tests/unit/server/test_serving.py``).
 """
 
 from __future__ import annotations

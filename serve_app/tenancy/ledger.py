@@ -18,9 +18,9 @@ and to settle it when it ends. Two backends, chosen by the router's ``user_confi
   cluster, and in-flight counts are leases that expire should a router die holding one.
 
 Both run the same counting (:class:`~serve_app.tenancy.counts.TenantCounts`) and pass the
-same contract tests (``tests/unit/test_ledger.py``), budget leases included: a router replica
-renews its leases on busy tenants' budgets in one :meth:`Ledger.renew_many` call about once a
-second (:mod:`serve_app.tenancy.lease_terms`) and spends them with no call per request. A
+same contract tests (``tests/unit/tenancy/test_ledger.py``), budget leases included: a router
+replica renews its leases on busy tenants' budgets in one :meth:`Ledger.renew_many` call about
+once a second (:mod:`serve_app.tenancy.lease_terms`) and spends them with no call per request. A
 lease is kept with its tenant's buckets (saved, read back after a restart) and expires
 :data:`~serve_app.tenancy.lease_terms.BUDGET_LEASE_TTL_S` after its last renewal.
 """

@@ -16,7 +16,7 @@ A request **reserves** before it runs, when its real size is not known yet:
   :data:`CHAT_TEMPLATE_TOKENS` (what the template adds once: SmolLM2's default system prompt
   and the generation prompt, 25 tokens), and :data:`PROMPT_SPECIAL_TOKENS` per completion
   prompt; capped at ``max_model_len`` when the route's variants reported it (a longer prompt
-  is vLLM's 400, which costs nothing). ``tests/test_token_budget.py`` checks the bound
+  is vLLM's 400, which costs nothing). ``tests/unit/tenancy/test_token_budget.py`` checks the bound
   against SmolLM2's own tokenizer and chat template over ASCII, CJK, emoji and long
   conversations. A model whose template adds more must raise these allowances.
 - completion tokens: the most vLLM may generate for that body, read as vLLM reads it

@@ -303,7 +303,7 @@ def _four_leave_while_a_fifth_waits(many) -> None:
                                         for s in states.values()), states
 
 
-@pytest.mark.slow  # packing a cold adapter onto one replica: test_replica_affinity
+@pytest.mark.slow  # packing a cold adapter onto one replica: unit/replica_routing/test_affinity.py
 def test_a_burst_for_a_cold_adapter_loads_it_once(many):
     events = settled_events(many)
     cold = next(f"{n}@v1" for n in many.adapter_names[4:-12]

@@ -2,8 +2,8 @@
 
 Each case starts from a shipped config (``serve_configs/<base>``), changes one thing, and
 names the problem line it must get, exactly (``{models}``, ``{tmp}`` and ``{repo}`` stand for
-this host's paths). ``tests/unit/test_config_catalog.py`` checks every case; add one with every new
-refusal. ``engine=True`` cases are vLLM's own verdicts (they import vLLM once:
+this host's paths). ``tests/unit/release/test_validate_catalog.py`` checks every case; add one
+with every new refusal. ``engine=True`` cases are vLLM's own verdicts (they import vLLM once:
 :data:`serve_app.release.engine_check.VLLM_IMPORT_TIME`).
 """
 

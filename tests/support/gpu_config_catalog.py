@@ -56,7 +56,8 @@ def local_gpu(**engine_args) -> Callable[[dict, Path], None]:
 
 
 GiB = 2**30
-#: llama-v2's bundles as the mesh builds them (tests/unit/test_placement.py holds the shape).
+#: llama-v2's bundles as the mesh builds them (tests/unit/common/test_deployment_options.py
+#: holds the shape).
 B = [{"GPU": 1, "CPU": 3, "memory": 17 * GiB, "accelerator_type:H100": 0.001},
      {"GPU": 1, "CPU": 1, "memory": 13 * GiB, "accelerator_type:H100": 0.001}]
 

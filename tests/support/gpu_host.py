@@ -2,7 +2,7 @@
 prints a chosen driver version, a PATH that holds only the tools a script needs (so this
 host's own ``nvidia-smi`` or ``python3.11`` cannot leak in), and a copy of the repository whose
 ``scripts/setup.sh`` only records that it ran (scripts/check_driver.sh, scripts/setup.sh and
-scripts/gpu_smoke.sh are tested this way: tests/unit/test_gpu_smoke.py, test_lock.py)."""
+scripts/gpu_smoke.sh are tested this way: tests/unit/scripts/test_gpu_smoke.py, test_lock.py)."""
 
 from __future__ import annotations
 

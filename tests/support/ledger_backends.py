@@ -1,5 +1,5 @@
-"""Both ledger backends, as the contract tests run them (``tests/unit/test_ledger.py``,
-``tests/unit/test_budget_leases.py``): the same routers against either.
+"""Both ledger backends, as the contract tests run them (``tests/unit/tenancy/test_ledger.py``,
+``tests/unit/tenancy/test_lease_keeper.py``): the same routers against either.
 
 ``actor``: the :class:`KeptCounts` the Ray actor runs, called in-process over a key-value
 store (the Ray actor itself, killed and restarted by Ray, is in

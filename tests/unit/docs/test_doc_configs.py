@@ -10,9 +10,9 @@ Which ```yaml blocks of README.md and docs/*.md are checked (the rule):
   ``name`` whose ``name`` is ``x``): a list gets the fragment's items appended, a mapping its
   keys set. ``<the hash>`` stands for an API key's SHA-256. ``meshctl validate`` must accept
   the result (vLLM's checks skipped: the shipped base passes them in
-  ``test_config_catalog.py``). When the recipe's next ```bash block runs ``meshctl diff``,
-  ``meshctl diff BASE RESULT`` must exit 0, and a comment ``# one line: X`` there must match
-  exactly one change line, which contains ``X``;
+  ``tests/unit/release/test_validate_catalog.py``). When the recipe's next ```bash block runs
+  ``meshctl diff``, ``meshctl diff BASE RESULT`` must exit 0, and a comment ``# one line: X``
+  there must match exactly one change line, which contains ``X``;
 - every other block is a fragment (a field, a tenant, a manifest entry) and is skipped.
 """
 

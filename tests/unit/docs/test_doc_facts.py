@@ -79,7 +79,7 @@ def test_the_adapter_events_are_listed_once_and_whole():
 
 def test_another_tenant_s_adapter_is_a_404_wherever_a_doc_says_what_it_gets():
     """The planner answers a tenant that names another tenant's adapter as for one that does
-    not exist, 404 ``model_not_found`` (tests/unit/test_planner.py), so a caller cannot
+    not exist, 404 ``model_not_found`` (tests/unit/request/test_planner.py), so a caller cannot
     learn which adapters exist: no page may promise it a 403."""
     said = []
     for page in [REPO_ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:

@@ -416,10 +416,10 @@ def test_a_newcomer_slots_request_goes_to_a_free_seat_routed_to_least_recently()
 
 def test_the_serve_router_passes_a_newcomer_slots_mark_to_the_rule():
     """AffinityRouter (Serve's request-router API) reads the request's ``newcomer`` mark
-    (set by the dispatcher: test_dispatcher.py), the replicas' reported ``max_num_seqs`` and
-    Serve's cached queue lengths (unknown: no seat), ranks by rule 6, and counts a replica as
-    sent to when it chooses it (the next newcomer of a burst goes elsewhere) and again when
-    Serve routes there; without the mark, by rule 5."""
+    (set by the dispatcher: tests/unit/dispatch/test_dispatcher.py), the replicas' reported
+    ``max_num_seqs`` and Serve's cached queue lengths (unknown: no seat), ranks by rule 6, and
+    counts a replica as sent to when it chooses it (the next newcomer of a burst goes elsewhere)
+    and again when Serve routes there; without the mark, by rule 5."""
     import asyncio
     from types import SimpleNamespace
     from serve_app.replica_routing.router import AffinityRouter

@@ -303,7 +303,7 @@ def test_engine_answers_deterministically_with_exact_usage(engine):
 
 def test_engine_errors_are_vllms(engine):
     """vLLM's front end checks the request before the simulated core sees it (the replica
-    classifies these as the request's 400: test_replica_server)."""
+    classifies these as the request's 400: tests/unit/server/test_serving.py)."""
     from vllm.exceptions import VLLMValidationError
 
     run = engine.loop.run_until_complete

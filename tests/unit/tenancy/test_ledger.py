@@ -1,6 +1,6 @@
 """The ledger contract (:mod:`serve_app.tenancy.ledger`): both backends, the same tests
 (the backends: ``tests/support/ledger_backends.py``; their budget leases:
-``tests/unit/test_budget_leases.py``). Each test runs two routers (two
+``tests/unit/tenancy/test_lease_keeper.py``). Each test runs two routers (two
 :class:`TenantLimiter`, each with its own client of the backend) against one ledger, with
 budget leases on, as routers run by default.
 """
