@@ -45,8 +45,10 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [i for i in items if not i.get_closest_marker("slow")]
 
     def rank(item) -> int:
-        name = item.module.__name__.rpartition(".")[2]
-        return MODULE_ORDER.index(name) + 1 if name in MODULE_ORDER else 0  # unit tests first
+        package, _, name = item.module.__name__.rpartition(".")
+        if package != "tests.integration" or name not in MODULE_ORDER:
+            return 0  # unit tests first, whatever their name (tests/unit/bench/test_chaos.py)
+        return MODULE_ORDER.index(name) + 1
     items.sort(key=rank)  # stable: the order within a module is kept
 
 
