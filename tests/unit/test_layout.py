@@ -61,3 +61,13 @@ def test_the_product_imports_nothing_outside_the_package():
     outside = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
                      if b.split(".")[0] in OUTSIDE)
     assert not outside, f"the wheel holds serve_app/ only; these need the repository: {outside}"
+
+
+#: The most lines a module of the product may have: one concept a module, readable at once.
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_of_the_product_is_over_450_lines():
+    long = {str(p.relative_to(REPO_ROOT)): n for p in (REPO_ROOT / "serve_app").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these by concept: {long}"
