@@ -33,7 +33,7 @@ def with_weights(cfg, v1: int, v2: int):
 #: On the simulated engine, smollm-v2's replica takes this long to start, as a real engine's
 #: does (~30-60 s here): a request that waited behind a killed replica's restart would be
 #: served by smollm-v2, so the failover test can tell (s).
-RESTART_S = 20
+RESTART_S = 12
 
 
 @pytest.fixture(scope="module")

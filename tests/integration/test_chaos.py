@@ -3,8 +3,8 @@ replicas and acme's and globex's adapters on both variants, four client loops, a
 change and kill the drill knows in turn. A change loses nothing; a kill loses only what was
 in flight on the killed process, and service is back within 10 s.
 
-On the simulated engine (the default tier) one event every 12 s, about two and a half
-minutes; on real engines (``./scripts/test.sh --all``) one every 75 s, so a killed replica's
+On the simulated engine (the default tier) one event every 6 s, about a minute and a
+half; on real engines (``./scripts/test.sh --all``) one every 75 s, so a killed replica's
 engine is back before the next kill of its kind."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def test_changes_lose_nothing_and_kills_only_what_was_in_flight(mesh):
     cfg = chaos_config(mesh.config("tenants.yaml"))
     mesh.deploy(cfg)
-    period_s = 12.0 if mesh.engine == "sim" else 75.0
+    period_s = 6.0 if mesh.engine == "sim" else 75.0
     windows = asyncio.run(chaos_drill(mesh.base_url, cfg, mesh.deploy,
                                       period_s=period_s, events=len(EVENTS)))
     print("\n" + "\n".join(summary(windows)))
