@@ -207,8 +207,14 @@ class Dispatcher:
                 else:
                     yield Answer(variant, head)
                 if head.stream:
-                    async for item in stream:
-                        yield item
+                    ended = False
+                    try:
+                        async for item in stream:
+                            yield item
+                        ended = True
+                    finally:  # the client left: stop the replica's request now (it aborts
+                        if not ended:  # vLLM's), not when the generator is collected
+                            stream.cancel()
                 return
         raise self._none_left(plan)
 

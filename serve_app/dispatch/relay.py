@@ -55,13 +55,21 @@ class RelayResponse(StreamingResponse):
                  on_replica_lost=None, first: str = "") -> None:
         self._account = account
         self._on_replica_lost = on_replica_lost
+        self._stream = stream
         super().__init__(self._relay(stream, variant, first), media_type="text/event-stream",
                          headers=headers)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:  # the body may never have started (client gone first)
+        finally:
+            # Starlette may stop between two items (a disconnect cancels its send): close
+            # both generators now, so the variant's slot and its replica's request end
+            # here, not when garbage collection finds them.
+            await self.body_iterator.aclose()
+            if hasattr(self._stream, "aclose"):
+                await self._stream.aclose()
+            # the body may never have started (client gone first)
             self._account.finish(200, error_kind="client_disconnected")
 
     async def _relay(self, stream, variant: str, first: str = "") -> AsyncIterator[str]:

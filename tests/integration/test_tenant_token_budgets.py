@@ -156,11 +156,29 @@ def test_a_budget_holds_across_two_routers_under_concurrent_streams(budgets):
     assert len(routers) == 2, routers
 
 
+def engine_unfinished() -> int:
+    """Requests smollm-v1's engine runs now (its only replica's)."""
+    from ray import serve
+
+    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
+    return replica.stats.remote().result()["engine_unfinished"]
+
+
+def engine_stopped_s(left_at: float, bound_s: float = 5.0) -> float:
+    """Seconds from ``left_at`` (a client leaving) until smollm-v1's engine runs nothing; fails
+    past ``bound_s`` (the abandoned request would run on for its 1,500 tokens)."""
+    while engine_unfinished() > 0:
+        assert time.monotonic() - left_at < bound_s, "the engine still runs an abandoned request"
+        time.sleep(0.2)
+    return time.monotonic() - left_at
+
+
 def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
     """A 1,500-token stream (reserving 1,500 + its prompt bound; long enough not to end by
-    itself within the test's 3 s) that the client leaves after 10 chunks is charged the
-    tokens generated up to the router's last relayed chunk (vLLM's prompt and completion
-    counts so far), not its reservation nor one token per event."""
+    itself within the test's 3 s) that the client leaves after 10 chunks stops its engine
+    request within 5 s and is charged the tokens generated up to the router's last relayed
+    chunk (vLLM's prompt and completion counts so far), not its reservation nor one token
+    per event."""
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}), in_place=True)
     long = {**STREAM, "max_tokens": 1500, "stream_options": CONTINUOUS}
     reservation = Reservation.of("chat", long)
@@ -168,13 +186,15 @@ def test_an_abandoned_stream_settles_to_what_it_streamed(budgets):
         left_before, probe_cost = small(http, "acme")
         r = stream(http, "acme", long, f"abandon-{uuid.uuid4().hex[:8]}", read_chunks=10)
         assert r["status"] == 200
-        time.sleep(3)  # the router sees the disconnect and settles
+        stopped_s = engine_stopped_s(time.monotonic())
+        time.sleep(max(0.0, 3 - stopped_s))  # the router sees the disconnect and settles
         left_after, _ = small(http, "acme")
     probe_reservation = Reservation.of("chat", SMALL).total
     abandoned = charged_between(left_before, probe_reservation, probe_cost, left_after,
                                 probe_reservation)
     seen = r["tokens"]  # prompt + completion tokens of the last chunk the client read
-    print(f"\nabandoned after 10 chunks: charged {abandoned} tokens, {seen} seen by the "
+    print(f"\nabandoned after 10 chunks: engine request stopped {stopped_s:.1f} s after the "
+          f"client left; charged {abandoned} tokens, {seen} seen by the "
           f"client (prompt bound {reservation.prompt}, reservation {reservation.total})")
     assert seen > 0
     assert seen <= abandoned + 1  # +1: whole-token rounding of the header
@@ -186,29 +206,23 @@ def test_an_abandoned_non_stream_is_charged_and_its_engine_request_stops(budgets
     cancel path settled with no usage). Now its engine request is aborted (the replica's
     engine holds nothing a moment later, long before 1,500 tokens would be generated) and
     it is charged its reservation (vLLM gives a non-stream's usage only with its answer)."""
-    from ray import serve
-
     budgets.deploy(budgeted(budgets.tenants_cfg, acme={"tokens_per_day": 5000}), in_place=True)
     body = {**SMALL, "max_tokens": 1500, "ignore_eos": True}
     reservation = Reservation.of("chat", body).total
-    replica = serve.get_deployment_handle("LLMReplica", app_name="smollm-v1")
     with budgets.http() as http:
+        assert engine_unfinished() == 0  # nothing left over from before
         left_before, probe_cost = small(http, "acme")
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/chat/completions", json=body, timeout=2.0,
                       headers={"authorization": f"Bearer {KEYS['acme']}"})
-        left_at = time.monotonic()
-        while (unfinished := replica.stats.remote().result()["engine_unfinished"]) > 0:
-            assert time.monotonic() - left_at < 5, "the engine still runs the abandoned request"
-            time.sleep(0.2)
-        stopped_s = time.monotonic() - left_at
+        stopped_s = engine_stopped_s(time.monotonic())
         time.sleep(0.5)  # the router's give-back is sent without waiting
         left_after, _ = small(http, "acme")
     probe_reservation = Reservation.of("chat", SMALL).total
     charged = charged_between(left_before, probe_reservation, probe_cost, left_after,
                               probe_reservation)
     print(f"\nabandoned non-stream: engine request stopped {stopped_s:.1f} s after the client "
-          f"left ({unfinished} left in the engine); charged {charged} tokens (reservation "
+          f"left; charged {charged} tokens (reservation "
           f"{reservation})")
     assert abs(charged - reservation) <= 1  # 1: whole-token rounding of the header
 

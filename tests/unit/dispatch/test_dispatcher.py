@@ -215,3 +215,38 @@ def test_a_non_stream_failed_over_after_accepted_and_then_abandoned_is_not_taken
 
     asyncio.run(main())
     assert not account.accepted
+
+
+def test_a_stream_whose_client_leaves_between_chunks_stops_its_replica_request_at_once():
+    """Starlette cancels its send when the client leaves, between two chunks: the relay's
+    generators were left to garbage collection, so the replica's request (and vLLM's engine
+    request) ran on, and the variant's slot stayed taken. Now both end before the response
+    returns."""
+    stream = FakeStream([Head(200, stream=True)] + ["data: {}\n\n"] * 50 + [Tail()])
+    handles, availability, metrics = FakeHandles({"v1": stream}), FakeAvailability(), \
+        FakeRouterMetrics()
+    admissions = {"v1": VariantAdmission("v1")}
+    admissions["v1"].set_capacity(1)
+    dispatcher = Dispatcher(registry_of(handles, availability, admissions))
+    account = metrics.account(lambda arms, **kw: None)
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    disconnect = asyncio.Event()
+
+    async def receive():
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):  # the client reads two chunks, then leaves
+        if message.get("body") and len(stream.items) < 49:
+            disconnect.set()
+            await asyncio.sleep(3600)
+
+    async def main():
+        response = await dispatcher.dispatch(plan_of(("v1",)), account)
+        await response(scope, receive, send)
+        # in the same loop: asyncio.run's shutdown would close the generators anyway
+        return stream.cancelled, admissions["v1"].in_flight
+
+    assert asyncio.run(main()) == (True, 0)
+    assert account.finished
