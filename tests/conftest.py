@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from tests.support.mesh import RESTARTS, TEST_ENGINE
+from tests.support.mesh import DEPLOY_SECONDS, RESTARTS, TEST_ENGINE
 
 
 #: Integration modules in the order that restarts the fewest engines: each deploys its own
@@ -63,7 +63,11 @@ TEST_GOAL_S = 1500
 #: above the slowest host measured (2,382 s in CI), so a slow day is not a failure.
 TEST_BUDGET_S = float(os.environ.get("MESH_TEST_BUDGET_S", "3600"))
 _module_seconds: dict[str, float] = {}
-_session_start = time.monotonic()
+#: When the tier started: ``MESH_TEST_STARTED_AT`` (epoch s, set by scripts/test.sh before
+#: its set-up and its two pytest runs), else this run's start.
+_session_start = time.monotonic() - (
+    time.time() - float(os.environ["MESH_TEST_STARTED_AT"])
+    if os.environ.get("MESH_TEST_STARTED_AT") else 0.0)
 
 
 def pytest_runtest_logreport(report):
@@ -84,6 +88,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                    f"{len(_left_to_all)}")
         for nodeid in _left_to_all:
             tr.write_line(nodeid)
+    if DEPLOY_SECONDS:
+        tr.write_line(f"{sum(DEPLOY_SECONDS):8.1f}  of it in {len(DEPLOY_SECONDS)} deploys "
+                      f"(serve deploy until RUNNING; median "
+                      f"{sorted(DEPLOY_SECONDS)[len(DEPLOY_SECONDS) // 2]:.1f} s)")
     if RESTARTS:
         tr.section(f"deploys that replaced replicas: {len(RESTARTS)}")
         for line in RESTARTS:

@@ -93,7 +93,9 @@ class Mesh:
                 started anew); scaling its replicas up or down is no replacement."""
         before = self.all_replica_ids()
         path = self.write(cfg)
+        t0 = time.monotonic()
         deploy(path, self.dashboard, **kw)
+        DEPLOY_SECONDS.append(time.monotonic() - t0)
         after = self.all_replica_ids()
         # replaced: a replica of it is gone and another came (a scale-down only removes one,
         # a scale-up only adds)
@@ -146,10 +148,13 @@ class Mesh:
 
     def all_replica_ids(self) -> dict[str, set[str]]:
         """Replica ids of every application's deployments (restart checks)."""
-        status = serve_status(self.dashboard)["applications"]
-        return {f"{app}/{dep}": replica_ids(self.dashboard, app, dep)
-                for app, a in status.items() for dep in a.get("deployments", {})}
+        status = serve_status(self.dashboard)["applications"]  # one document: one call
+        return {f"{app}/{name}": {r["replica_id"] for r in dep.get("replicas", [])
+                                  if r.get("state") == "RUNNING"}
+                for app, a in status.items() for name, dep in a.get("deployments", {}).items()}
 
 
 #: Deployments whose replicas a test's deploy replaced (an engine start each).
 RESTARTS: list[str] = []
+#: Seconds each :meth:`Mesh.deploy` took, ``serve deploy`` until RUNNING (the run's summary).
+DEPLOY_SECONDS: list[float] = []
