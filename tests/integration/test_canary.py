@@ -13,6 +13,7 @@ import pytest
 
 from bench.loadgen import LoadSpec, background_load, wait_for_results
 from serve_app.request.split import pick_variant
+from tests.support.bodies import post_chat
 
 pytestmark = pytest.mark.integration
 
@@ -47,14 +48,9 @@ def canary(mesh):
     return mesh
 
 
-def chat(http: httpx.Client, *, user=None, key=OPS_KEY, pin=None, max_tokens=12):
-    headers = {"authorization": f"Bearer {key}"}
-    if pin:
-        headers["x-mesh-variant"] = pin
-    body = {"model": "smollm", "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens}
-    if user:
-        body["user"] = user
-    return http.post("/v1/chat/completions", json=body, headers=headers)
+def chat(http: httpx.Client, *, key=OPS_KEY, max_tokens=12, **kw):
+    """:func:`post_chat` as the ops tenant (or ``key``'s), 12 tokens by default."""
+    return post_chat(http, key=key, max_tokens=max_tokens, **kw)
 
 
 def test_pinned_variants_answer_differently(canary):

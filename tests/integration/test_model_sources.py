@@ -16,18 +16,13 @@ import yaml
 
 from serve_app.common.adapters import load_manifest
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, models_dir
+from tests.support.bodies import post_chat
 from tests.support.s3_server import S3Server
+from tests.support.waits import wait_until
 
 FROM_BUCKET = "smollm-s3"  # route = variant application, model and adapter from the bucket
 COLD = "smollm-s3-cold"  # at zero replicas; its bucket goes away while it starts
 MODEL = models_dir() / DEFAULT_MODEL_NAME
-
-
-def wait_until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +69,7 @@ def bucket_mesh(mesh, tmp_path_factory):
 
 
 def chat(http, model: str):
-    return http.post("/v1/chat/completions", json={
-        "model": model, "max_tokens": 8,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return post_chat(http, model=model, content="What is the capital of France?")
 
 
 def test_a_variant_and_an_adapter_from_the_bucket_answer(bucket_mesh):
