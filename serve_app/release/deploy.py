@@ -48,8 +48,12 @@ def running_replicas(dashboard: str, app: str, deployment: str) -> list[dict[str
     """The RUNNING replicas of ``app``/``deployment``, as Serve details them (``replica_id``,
     ``node_id``, ``pid``, ...)."""
     apps = serve_status(dashboard).get("applications", {})
-    dep = apps.get(app, {}).get("deployments", {}).get(deployment, {})
-    return [r for r in dep.get("replicas", []) if r.get("state") == "RUNNING"]
+    return running_in(apps.get(app, {}).get("deployments", {}).get(deployment, {}))
+
+
+def running_in(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RUNNING replicas of one deployment of a Serve status document."""
+    return [r for r in deployment.get("replicas", []) if r.get("state") == "RUNNING"]
 
 
 def replica_ids(dashboard: str, app: str, deployment: str) -> set[str]:

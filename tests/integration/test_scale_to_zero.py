@@ -30,7 +30,7 @@ from bench.drills import herd_table
 from bench.loadgen import flood
 from bench.servers import free_port
 
-from tests.support.bodies import post_chat
+from tests.support.bodies import chat_body, post_chat
 from tests.support.budgets import charged_between, day_refill
 from tests.support.dashboard import dashboard
 from tests.support.metrics import metric_total
@@ -50,8 +50,7 @@ SHORT = {"metrics_interval_s": 1, "look_back_period_s": 3, "downscale_delay_s": 
 
 
 #: The body :func:`chat` sends by default (what a request of it reserves).
-CHAT_BODY = {"model": "smollm", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
-             "temperature": 0, "max_tokens": 8}
+CHAT_BODY = chat_body("What is 2 + 2?", temperature=0, max_tokens=8)
 
 
 def chat(http: httpx.Client, **kw) -> httpx.Response:

@@ -17,7 +17,7 @@ import yaml
 
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml, on_sim_engine
-from serve_app.release.deploy import deploy, replica_ids, serve_status
+from serve_app.release.deploy import deploy, replica_ids, running_in, serve_status
 
 CONFIGS = REPO_ROOT / "serve_configs"
 
@@ -149,8 +149,7 @@ class Mesh:
     def all_replica_ids(self) -> dict[str, set[str]]:
         """Replica ids of every application's deployments (restart checks)."""
         status = serve_status(self.dashboard)["applications"]  # one document: one call
-        return {f"{app}/{name}": {r["replica_id"] for r in dep.get("replicas", [])
-                                  if r.get("state") == "RUNNING"}
+        return {f"{app}/{name}": {r["replica_id"] for r in running_in(dep)}
                 for app, a in status.items() for name, dep in a.get("deployments", {}).items()}
 
 
