@@ -4,6 +4,7 @@ answering."""
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
@@ -42,8 +43,24 @@ def wait_until_ready(proc: subprocess.Popen, url: str, *, what: str, log_path: s
         time.sleep(every_s)
 
 
+#: Where :func:`free_port` looks: below Linux's ephemeral range (32768-60999), which Ray's own
+#: processes draw from with every bind to port 0, so a port picked here and bound a moment
+#: later is not already taken by one of them (seen: the fallback proxy's port, taken, kept
+#: HAProxy with no backup server for a whole test session); above Ray's worker ports
+#: (10002-19999) and below Serve's direct-ingress ports (30000 and up).
+PORT_RANGE = range(20000, 30000)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that is free now: a random one of :data:`PORT_RANGE`, else one
+    the OS picks."""
+    for port in random.sample(PORT_RANGE, 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

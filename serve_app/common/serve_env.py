@@ -19,7 +19,9 @@ chosen by ``$MESH_INGRESS`` (default :data:`DEFAULT_INGRESS`):
   (docs/operating.md, "Ports"). A router replica that dies with a request in flight gives
   that client HAProxy's 502, which it may retry. Every feature runs under it: a variant's
   ``LLMReplica`` (with its custom replica router) is not its application's ingress
-  (:mod:`serve_app.variant_ingress`).
+  (:mod:`serve_app.variant_ingress`). Ray starts HAProxy through the package's
+  ``mesh-haproxy`` launcher (``RAY_SERVE_HAPROXY_BINARY_PATH``), which drops one option of
+  Ray's config that lets HAProxy miss a client's abort (:mod:`serve_app.common.haproxy_launch`).
 - ``proxy``: Serve's HTTP proxy actor on ``http_options.port``, which relays each request to
   a router replica as ASGI messages over Ray. The bundle's direct-ingress part (each ingress
   replica on its own port, no proxy) stays off: clients keep one address per node. A router
@@ -37,6 +39,8 @@ of ``meshctl kuberay``).
 from __future__ import annotations
 
 import os
+
+from serve_app.common.haproxy_launch import local_launcher
 
 #: Ray Serve's settings whatever the ingress.
 BASE_ENV = {
@@ -71,14 +75,23 @@ def chosen_ingress(ingress: str | None = None) -> str:
     return ingress
 
 
-def serve_env(ingress: str | None = None) -> dict[str, str]:
+#: The variable that tells Ray which HAProxy binary to run.
+HAPROXY_BINARY_VAR = "RAY_SERVE_HAPROXY_BINARY_PATH"
+
+
+def serve_env(ingress: str | None = None, haproxy_launcher: str | None = None
+              ) -> dict[str, str]:
     """The environment of ``ray start`` for ``ingress`` (:func:`chosen_ingress`): variable ->
-    value.
+    value. With the ``haproxy`` ingress, Ray runs ``haproxy_launcher`` (an absolute path on
+    the nodes; default: this installation's ``mesh-haproxy``) as its HAProxy.
 
     Raises:
         ValueError: an unknown ingress.
     """
-    return {**BASE_ENV, **INGRESSES[chosen_ingress(ingress)]}
+    env = {**BASE_ENV, **INGRESSES[chosen_ingress(ingress)]}
+    if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        env[HAPROXY_BINARY_VAR] = haproxy_launcher or local_launcher()
+    return env
 
 
 #: The settings for the ingress ``$MESH_INGRESS`` picks when this module is imported.

@@ -19,7 +19,8 @@ Every pod's container gets the mesh's Serve settings as its environment, which `
 reads (:func:`serve_app.common.serve_env.serve_env` for the chosen ingress). With the
 ``haproxy`` ingress, HAProxy takes the serve port on each pod with a proxy (KubeRay's Service
 and its ``/-/healthz`` checks reach it there, as they reach Serve's proxy), and forwards to the
-router replicas' own ports, which ``0.0.0.0`` opens to the other pods.
+router replicas' own ports, which ``0.0.0.0`` opens to the other pods; Ray starts it through
+the image's ``mesh-haproxy`` launcher (:data:`IMAGE_HAPROXY_LAUNCHER`).
 
 The cluster is derived from the variant applications (``import_path:
 serve_app.replica:build_app``): each ``LLMReplica`` replica gets a Ray worker pod sized from
@@ -54,6 +55,10 @@ DEFAULT_HEAD_MEMORY = "8Gi"
 #: none, or a GPU replica whose model's size is not known here (no weights fetched, no
 #: parameter count in its name).
 DEFAULT_WORKER_MEMORY = "8Gi"
+#: The ``mesh-haproxy`` launcher (:mod:`serve_app.common.haproxy_launch`) in the image:
+#: deploy/kuberay/Dockerfile installs the package into the Ray image's Python, whose console
+#: scripts are in /home/ray/anaconda3/bin (the Dockerfile checks it is there).
+IMAGE_HAPROXY_LAUNCHER = "/home/ray/anaconda3/bin/mesh-haproxy"
 #: Where Serve's proxy listens on a pod: every address of the pod.
 POD_HOST = "0.0.0.0"
 METRICS_PORT = 8080  # KubeRay's default metrics-export-port for every Ray pod
@@ -164,7 +169,8 @@ def rayservice_manifest(config: dict[str, Any], *, name: str = DEFAULT_NAME,
     except ValueError as e:
         problems += str(e).splitlines()
     try:
-        env = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
+        env = [{"name": k, "value": v}
+               for k, v in serve_env(ingress, IMAGE_HAPROXY_LAUNCHER).items()]
     except ValueError as e:
         problems.append(f"ingress: {e}")
     quantities = {}

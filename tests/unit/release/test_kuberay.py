@@ -324,13 +324,19 @@ def test_every_pod_gets_the_meshs_serve_settings_for_the_ingress(ingress, monkey
 
     monkeypatch.delenv(INGRESS_VAR, raising=False)
     manifest, _ = generate(load_yaml(REPO_ROOT / "serve_configs/canary.yaml"), ingress=ingress)
-    expected = [{"name": k, "value": v} for k, v in serve_env(ingress).items()]
+    from serve_app.release.kuberay import IMAGE_HAPROXY_LAUNCHER
+
+    expected = [{"name": k, "value": v}
+                for k, v in serve_env(ingress, IMAGE_HAPROXY_LAUNCHER).items()]
     pods = [cluster(manifest)["headGroupSpec"], *cluster(manifest)["workerGroupSpecs"]]
     # the engine pods also point the node cache at their cache volume
     assert [container(p)["env"][:len(expected)] for p in pods] == [expected] * len(pods)
     assert container(pods[0])["env"] == expected
     env = {e["name"]: e["value"] for e in expected}
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0")
+    # Ray runs HAProxy through the image's launcher, not a path of the host that generated it
+    assert env.get("RAY_SERVE_HAPROXY_BINARY_PATH") == (
+        "/home/ray/anaconda3/bin/mesh-haproxy" if ingress == "haproxy" else None)
     # HAProxy takes the same serve port KubeRay's Service and health checks use
     ports = {p["name"]: p["containerPort"] for p in container(pods[0])["ports"]}
     assert ports["serve"] == 8000
