@@ -3,7 +3,7 @@ on 127.0.0.1, started here): its replica fetches the model into the node's cache
 reads its config and tokenizer from there, the adapter loads from its private copy, and both
 answer; a variant whose bucket goes away in the middle of its cold start fails that start
 cleanly (503 ``cold_start_failed`` with the reason) while the running variant keeps serving.
-On the simulated engine (the router path); the engine reads the downloaded folder either way.
+On either engine: both read the downloaded folder, and the adapter's answer shows it loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import yaml
 from serve_app.common.adapters import load_manifest
 from serve_app.common.paths import DEFAULT_MODEL_NAME, REPO_ROOT, models_dir
 from tests.support.bodies import post_chat
+from tests.support.engines import signature
 from tests.support.s3_server import S3Server
 from tests.support.waits import wait_until
 
@@ -79,10 +80,11 @@ def test_a_variant_and_an_adapter_from_the_bucket_answer(bucket_mesh):
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert base.model == FROM_BUCKET and base.choices[0].message.content
     lora = client.chat.completions.create(
-        model=f"{FROM_BUCKET}:acme-support", max_tokens=8,
+        model=f"{FROM_BUCKET}:acme-support", max_tokens=12, temperature=0,
         messages=[{"role": "user", "content": "Where is my order?"}])
-    # the simulated engine answers as the adapter version it was given (serve_app/sim/answers)
-    assert lora.choices[0].message.content.lstrip("<").startswith("acme-support@v1"), lora
+    # the adapter's own opening: its trained phrase on vLLM, its label on the simulated engine
+    assert lora.choices[0].message.content.startswith(
+        signature(bucket_mesh.engine, "acme-support@v1")), lora
     got = {g.rpartition("/")[2] for g in bucket_mesh.s3.object_gets}
     assert {"config.json", "tokenizer.json", "model.safetensors",
             "adapter_model.safetensors"} <= got  # the replica fetched model and adapter
