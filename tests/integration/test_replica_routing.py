@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.engines import signature
 from tests.support.metrics import metric_total
-from tests.support.waits import settled, wait_for_metric
+from tests.support.waits import settled, wait_until
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.common.wire import REPLICA_HEADER
@@ -349,22 +349,49 @@ def test_a_light_tenants_request_in_a_newcomer_slot_takes_the_newcomer_rule(rout
 
 
 def light_takes_the_newcomer_rule(routed) -> None:
-    before = metric_total(routed, DECISIONS, **NEWCOMER)
+    """Light requests, a second apart, while the heavy tenant fills its busy share, until the
+    decision counter shows one placed by rule 6 (each must be 200). Not three back to back,
+    as before: a light request sent as the last one ends takes the slot admission keeps for
+    its tenant (``anticipation_s``), a plain slot, while the heavy share is one short; and
+    one that comes as a wave of heavy requests ends (same length, started together) finds
+    the share not full. Both start at once, as they should, but not by rule 6. The failure
+    message gives every decision the light requests got and the replicas before and after."""
+    decisions = lambda: {d: metric_total(routed, DECISIONS, variant="smollm-v1", decision=d)
+                         for d in ("session", "hit", "adapter", "spill", "new", "newcomer",
+                                   "single")}
+    before, replicas = decisions(), routed.replica_ids("smollm-v1", "LLMReplica")
     heavy = LoadSpec(base_url=f"{routed.base_url}/v1", model="smollm",
                      api_key="sk-globex-demo", concurrency=16, requests=10**6,
                      duration_s=600, max_tokens=64, timeout_s=300)
+    light: list[int] = []
     with background_load(heavy) as heavy_results:
         wait_for_results(heavy_results, 16)  # the engines full: the busy share held
         with httpx.Client(base_url=routed.base_url, timeout=120,
                           headers={"authorization": "Bearer sk-acme-demo"}) as http:
-            for i in range(3):
+
+            def newcomer_counted() -> bool:
+                """One light request; whether a rule-6 decision is counted by now (the
+                cluster exports metrics every second: the last request's shows next time)."""
                 r = http.post("/v1/chat/completions", json={
                     "model": "smollm", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": f"Light caller {i}."}]})
+                    "messages": [{"role": "user", "content": f"Light caller {len(light)}."}]})
                 assert r.status_code == 200, r.text
-        seen = wait_for_metric(routed, DECISIONS, before + 1, **NEWCOMER) - before
+                light.append(r.status_code)
+                return metric_total(routed, DECISIONS, **NEWCOMER) > before["newcomer"]
+
+            try:
+                wait_until(newcomer_counted, timeout_s=60, every_s=1.0,
+                           what="a light request placed by rule 6 (newcomer)")
+            except AssertionError as e:
+                after = decisions()
+                raise AssertionError(
+                    f"{e}: smollm-v1's decisions during {len(light)} light requests "
+                    f"{ {d: after[d] - before[d] for d in after} }; replicas before "
+                    f"{sorted(replicas)}, now "
+                    f"{sorted(routed.replica_ids('smollm-v1', 'LLMReplica'))}") from None
     assert all(r.ok for r in heavy_results), [r.error for r in heavy_results if not r.ok][:3]
-    print(f"\nnewcomer decisions: {seen:g} of 3 light requests")
+    seen = metric_total(routed, DECISIONS, **NEWCOMER) - before["newcomer"]
+    print(f"\nnewcomer decisions: {seen:g} after {len(light)} light requests")
 
 
 def test_scale_down_under_load_fails_nothing_and_sessions_move_to_the_survivor(routed):
