@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import get_args
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from tests.support.waits import settled, wait_until
 from serve_app.common.paths import REPO_ROOT
 from serve_app.common.serve_configs import load_yaml
 from serve_app.common.wire import REPLICA_HEADER
+from serve_app.replica_routing.affinity import Decision
 from bench.adapter_copies import register_copies
 from bench.loadgen import LoadSpec, background_load, wait_for_results
 
@@ -356,9 +358,10 @@ def light_takes_the_newcomer_rule(routed) -> None:
     one that comes as a wave of heavy requests ends (same length, started together) finds
     the share not full. Both start at once, as they should, but not by rule 6. The failure
     message gives every decision the light requests got and the replicas before and after."""
-    decisions = lambda: {d: metric_total(routed, DECISIONS, variant="smollm-v1", decision=d)
-                         for d in ("session", "hit", "adapter", "spill", "new", "newcomer",
-                                   "single")}
+    def decisions() -> dict[str, float]:  # each kind's count ("single": one candidate)
+        return {d: metric_total(routed, DECISIONS, variant="smollm-v1", decision=d)
+                for d in (*get_args(Decision), "single")}
+
     before, replicas = decisions(), routed.replica_ids("smollm-v1", "LLMReplica")
     heavy = LoadSpec(base_url=f"{routed.base_url}/v1", model="smollm",
                      api_key="sk-globex-demo", concurrency=16, requests=10**6,
